@@ -1,0 +1,42 @@
+"""`dspark` command line: argument parsing only; each command calls into the packages.
+
+Every DSparkError becomes one line on stderr and exit code 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dspark.errors import DSparkError
+
+# command name -> module exposing add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "inspect": ("dspark.formats.commands", "inspect", "describe a draft checkpoint"),
+    "convert": ("dspark.formats.commands", "convert", "rewrite a draft for another family"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, attr, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        getattr(mod, f"add_{attr}_arguments")(p)
+        p.set_defaults(_run=getattr(mod, f"run_{attr}"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except DSparkError as exc:
+        print(f"dspark {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpoint formats: every DSpark draft family read into one DraftSpec."""
