@@ -1,0 +1,1 @@
+"""Decoding: proposal, verification, commit, metrics. Nothing about HTTP."""

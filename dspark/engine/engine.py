@@ -1,0 +1,250 @@
+"""Requests in, tokens out: admission (prefill), the loop that calls decode_step, stops.
+
+Requests join between steps (their own prefill, then merged into the batch) and leave as
+soon as they finish. Each request samples from its own seeded generator, so its tokens do
+not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dspark.engine.metrics import SpecMetrics
+from dspark.engine.sampling import SamplingParams, probs, sample
+from dspark.engine.step import Batch, decode_step
+from dspark.errors import RequestError
+from dspark.model.draft import ContextCache, DSparkDraft
+from dspark.target.hf import HFTarget
+
+log = logging.getLogger("dspark")
+
+# A run "looks silently degraded" (spec sheet, section 9) when, after this many verify
+# steps with a draft of gamma >= 4, fewer than this many tokens are committed per step.
+DEGRADED_AFTER_STEPS = 8
+DEGRADED_ACCEPT_LENGTH = 1.3
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_tokens: Callable[["Request", list[int]], None] | None = None
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    metrics: SpecMetrics | None = None
+    text: str | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_finish: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(
+        self,
+        target: HFTarget,
+        draft: DSparkDraft | None = None,
+        tokenizer=None,
+        eos_token_ids: tuple[int, ...] = (),
+        scheduler=None,
+        max_batch: int = 16,
+    ):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.scheduler = scheduler
+        self.max_batch = max_batch
+        self.gamma = draft.spec.gamma if draft is not None else 0
+        if draft is not None:
+            target.set_taps(draft.spec.hidden_state_indices)
+        self.metrics = SpecMetrics(self.gamma)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.batch: Batch | None = None
+        self._warned = False
+
+    # ---- admission -----------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None) -> Request:
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        need = len(prompt_ids) + params.max_new_tokens + self.gamma + 1
+        if need > self.target.max_length:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"target's context of {self.target.max_length} tokens"
+            )
+        if max(prompt_ids) >= self.target.vocab_size or min(prompt_ids) < 0:
+            raise RequestError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        req = Request(list(prompt_ids), params, on_tokens)
+        if request_id is not None:
+            req.id = request_id
+        req.metrics = SpecMetrics(self.gamma)
+        self.waiting.append(req)
+        return req
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        return gen
+
+    @torch.inference_mode()
+    def _prefill(self, req: Request) -> Batch:
+        dev = self.target.device
+        state = self.target.new_state(1)
+        prompt = torch.tensor([req.prompt_ids], device=dev)
+        logits, taps = self.target.forward(state, prompt)
+        self.target.commit(state, torch.tensor([prompt.shape[1]], device=dev))
+        ctx = None
+        if self.draft is not None:
+            ctx = self.draft.new_context_cache(1, dev, self.draft.fc.weight.dtype)
+            self.draft.extend_context(ctx, taps, torch.tensor([prompt.shape[1]], device=dev))
+        gen = self._generator(req.params)
+        last = logits[0, -1]
+        first = int(last.argmax()) if req.params.greedy else sample(probs(last, req.params), gen)
+        batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen])
+        req.t_first_token = time.perf_counter()
+        self._emit(req, [first])
+        return batch
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting.pop(0)
+            one = self._prefill(req)
+            if req.finished:
+                continue
+            self.running.append(req)
+            self.batch = one if self.batch is None else self._merge(self.batch, one)
+
+    def _merge(self, a: Batch, b: Batch) -> Batch:
+        return Batch(
+            self.target.merge([a.target, b.target]),
+            ContextCache.merge([a.ctx, b.ctx]) if a.ctx is not None else None,
+            torch.cat([a.anchors, b.anchors]),
+            a.params + b.params,
+            a.generators + b.generators,
+        )
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        if len(keep) == len(self.running):
+            return
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.batch = None
+            return
+        rows = torch.tensor(keep, device=self.target.device)
+        b = self.batch
+        self.batch = Batch(
+            self.target.select(b.target, rows),
+            b.ctx.select(rows) if b.ctx is not None else None,
+            b.anchors[rows],
+            [b.params[i] for i in keep],
+            [b.generators[i] for i in keep],
+        )
+
+    # ---- output --------------------------------------------------------------------------
+    def _emit(self, req: Request, tokens: list[int]) -> None:
+        """Append committed tokens up to the first stop; nothing past a stop is ever emitted."""
+        p, new = req.params, []
+        for tok in tokens:
+            new.append(tok)
+            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+                req.finish_reason = "stop"
+                break
+            if len(req.output_ids) + len(new) >= p.max_new_tokens:
+                req.finish_reason = "length"
+                break
+        req.output_ids.extend(new)
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                req.text = text[: min(hits)]
+                req.finish_reason = "stop"
+        if req.on_tokens is not None and new:
+            req.on_tokens(req, new)
+        if req.finished:
+            req.t_finish = time.perf_counter()
+            if req.text is None and self.tokenizer is not None:
+                req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+
+    def abort(self, req: Request) -> None:
+        """Free a request's slot at once (a client went away)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason = req.finish_reason or "abort"
+        self._drop_finished()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit waiting requests, run one decode step for the batch; return requests that finished."""
+        self._admit()
+        if self.batch is None:
+            return []
+        res = decode_step(self.target, self.draft, self.batch, self.scheduler)
+        finished = []
+        for b, req in enumerate(self.running):
+            if self.draft is not None:
+                req.metrics.record(int(res.drafted[b]), int(res.verified[b]), int(res.accepted[b]))
+                self.metrics.record(int(res.drafted[b]), int(res.verified[b]), int(res.accepted[b]))
+            self._emit(req, res.committed[b])
+            if req.finished:
+                finished.append(req)
+        share = 1.0 / len(self.running)
+        for m in [self.metrics] + [r.metrics for r in self.running]:
+            w = 1.0 if m is self.metrics else share
+            m.t_draft += res.t_draft * w
+            m.t_verify += res.t_verify * w
+            m.t_other += res.t_other * w
+        self._check_degraded()
+        self._drop_finished()
+        return finished
+
+    def _check_degraded(self) -> None:
+        m = self.metrics
+        if self._warned or self.draft is None or m.steps < DEGRADED_AFTER_STEPS:
+            return
+        if m.drafted == 0:
+            msg = "the draft proposed no tokens: speculation is silently disabled"
+        elif self.gamma >= 4 and m.mean_accept_length < DEGRADED_ACCEPT_LENGTH:
+            msg = (
+                f"mean acceptance length {m.mean_accept_length:.2f} over {m.steps} steps with gamma {self.gamma}: "
+                "the draft looks silently degraded (layout, layer ids, mask token?); run `dspark doctor`"
+            )
+        else:
+            return
+        self._warned = True
+        log.warning("WARNING: %s", msg)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None) -> Request:
+        req = self.add_request(prompt_ids, params, on_tokens)
+        while not req.finished:
+            self.step()
+        return req
+
+    def generate_many(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Request]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run_until_done()
+        return reqs
+

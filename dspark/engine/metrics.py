@@ -1,0 +1,89 @@
+"""Speculative-decoding counters (spec sheet, section 8).
+
+Drafted, verified and accepted tokens are kept apart so that verifying fewer drafts
+(threshold / adaptive schedulers) never inflates an acceptance rate.
+- conditional[i] = P(slot i accepted | slots < i accepted and slot i verified)
+- marginal[i]    = P(slots 0..i all accepted), per verify step
+- mean acceptance length = tokens committed per verify step, bonus included = 1 + sum(marginal)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    gamma: int
+    steps: int = 0
+    drafted: int = 0  # tokens the draft proposed
+    verified: int = 0  # drafted tokens sent to the target
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)  # [a] = steps that accepted a drafts
+    reached: list[int] = field(default_factory=list)  # [i] = steps where slot i was verified with 0..i-1 accepted
+    accepted_at: list[int] = field(default_factory=list)  # [i] = steps where slot i was accepted
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_other: float = 0.0
+
+    def __post_init__(self):
+        g = self.gamma + 1
+        self.histogram = self.histogram or [0] * g
+        self.reached = self.reached or [0] * self.gamma
+        self.accepted_at = self.accepted_at or [0] * self.gamma
+
+    def record(self, drafted: int, verified: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.verified += verified
+        self.accepted += accepted
+        self.histogram[accepted] += 1
+        for i in range(min(verified, accepted + 1)):
+            self.reached[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    def merge(self, other: "SpecMetrics") -> None:
+        if other.gamma != self.gamma:
+            raise ValueError("cannot merge metrics of different gamma")
+        for name in ("steps", "drafted", "verified", "accepted", "t_draft", "t_verify", "t_other"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("histogram", "reached", "accepted_at"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+
+    @property
+    def mean_accept_length(self) -> float:
+        return (self.steps + self.accepted) / self.steps if self.steps else 0.0
+
+    @property
+    def conditional(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    @property
+    def marginal(self) -> list[float]:
+        return [a / self.steps if self.steps else 0.0 for a in self.accepted_at]
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted / self.verified if self.verified else 0.0
+
+    def to_dict(self) -> dict:
+        total = self.t_draft + self.t_verify + self.t_other
+        return {
+            "verify_steps": self.steps,
+            "gamma": self.gamma,
+            "drafted_tokens": self.drafted,
+            "verified_tokens": self.verified,
+            "accepted_tokens": self.accepted,
+            "mean_accept_length": round(self.mean_accept_length, 4),
+            "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),
+            "conditional_accept_rates": [round(x, 4) for x in self.conditional],
+            "marginal_accept_rates": [round(x, 4) for x in self.marginal],
+            "acceptance_length_histogram": list(self.histogram),  # [a] = steps committing a+1 tokens
+            "time_s": {
+                "draft": round(self.t_draft, 4),
+                "verify": round(self.t_verify, 4),
+                "other": round(self.t_other, 4),
+                "total": round(total, 4),
+            },
+        }

@@ -1,0 +1,95 @@
+"""Logits -> probabilities, and the two acceptance rules (spec sheet, section 2).
+
+p (target) and q (draft) always go through the same `probs` with the same parameters:
+rejection sampling is exact only when q is the distribution the draft token was drawn from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
+    stop: tuple[str, ...] = ()  # stop strings (text is cut before them)
+    ignore_eos: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] after temperature, top-k, top-p (fp32)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_p = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor):
+    """target_logits [B, S, V] on [anchor, d_1..d_{S-1}], drafts [B, S-1], n [B] drafts verified.
+
+    Returns (accepted [B], next_token [B]): the target's argmax after the last accepted draft.
+    """
+    best = target_logits.argmax(-1)  # [B, S]
+    g = drafts.shape[1]
+    verified = torch.arange(g, device=drafts.device)[None, :] < n[:, None]
+    match = (best[:, :g] == drafts) & verified
+    accepted = match.long().cumprod(-1).sum(-1)
+    return accepted, best.gather(1, accepted[:, None]).squeeze(1)
+
+
+def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen: torch.Generator | None):
+    """One request. p [n+1, V] target probs, q [n, V] draft probs, drafts [n].
+
+    Accept d_i with prob min(1, p/q); at the first rejection draw from norm(max(p - q, 0));
+    when all are accepted draw the bonus from p[n]. Returns (accepted, next_token).
+    """
+    n = drafts.shape[0]
+    if n:
+        idx = torch.arange(n, device=drafts.device)
+        ratio = p[idx, drafts] / q[idx, drafts].clamp_min(1e-30)
+        u = torch.rand(n, generator=gen, device="cpu").to(p.device)
+        rejected = (u >= ratio).nonzero()
+        if rejected.numel():
+            i = int(rejected[0])
+            residual = (p[i] - q[i]).clamp_min(0)
+            mass = residual.sum()
+            dist = residual / mass if mass > 0 else p[i]
+            return i, int(torch.multinomial(dist.cpu(), 1, generator=gen))
+    return n, int(torch.multinomial(p[n].cpu(), 1, generator=gen))
+
+
+def sample(prob: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(prob.float().cpu(), 1, generator=gen))

@@ -1,0 +1,149 @@
+"""ONE speculative decode step for a batch of requests, top to bottom.
+
+    anchors [B] + draft context cache
+      -> draft forward on [anchor, MASK, ...]            (spec.query_slots rows)
+      -> rows chosen by the layout -> Markov walk        -> drafts [B, g], q, confidences
+      -> verify lengths n [B]                            (scheduler; full = g)
+      -> target forward on [anchor, drafts[:n]]          -> logits, tapped hidden states
+      -> accept (greedy or rejection sampling)           -> accepted a [B], next token [B]
+      -> commit: target keeps anchor + a drafts; the draft context receives the taps of
+         exactly those positions (never a rejected one); next token = new anchor
+With no draft (g = 0) the same path is plain target decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dspark.engine.sampling import SamplingParams, greedy_accept, probs, rejection_accept, sample
+from dspark.model.draft import ContextCache, DSparkDraft
+from dspark.target.hf import HFTarget, TargetState
+
+
+@dataclass
+class Batch:
+    """Decoding state of the requests in flight, one row each."""
+
+    target: TargetState
+    ctx: ContextCache | None  # draft context (None without a draft)
+    anchors: torch.Tensor  # [B] last committed token, not yet run through the target
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, g] target-vocabulary ids
+    q: list[torch.Tensor | None]  # per request [g, V]: the exact distributions sampled from (None: greedy)
+    conf_logits: torch.Tensor | None  # [B, g]
+
+
+@dataclass
+class StepResult:
+    drafted: torch.Tensor  # [B] drafts proposed
+    verified: torch.Tensor  # [B] drafts sent to the target
+    accepted: torch.Tensor  # [B]
+    committed: list[list[int]]  # per request: accepted drafts + the target's next token
+    t_draft: float
+    t_verify: float
+    t_other: float
+
+
+@torch.inference_mode()
+def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
+    spec, anchors = draft.spec, batch.anchors
+    B = anchors.shape[0]
+    block = anchors.new_full((B, spec.query_slots), spec.mask_token_id)
+    block[:, 0] = anchors
+    h = draft(block, batch.ctx.layers, batch.ctx.lengths)  # [B, S, H]
+    rows = spec.sampled_rows
+    base = draft.lm_head(h[:, rows.start : rows.stop])  # [B, g, Vd]
+    mh = draft.markov_head
+    state = mh.init_state(B, h) if mh is not None else None
+    if mh is not None and mh.head_type == "rnn" and rows.start == 1:
+        # bonus-anchor row 0 is never sampled, but training ran the recurrence through it
+        _, _, state = mh.step(anchors, h[:, 0], state)
+    sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
+    prev, tokens, confs = anchors, [], []
+    qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    for k, row in enumerate(rows):
+        logits, emb = base[:, k], None
+        if mh is not None:
+            bias, emb, state = mh.step(prev, h[:, row], state)
+            logits = logits + bias
+        confs.append(draft.confidence_logits(h[:, row], emb))
+        logits = draft.to_target_vocab(logits).float()  # [B, V]
+        tok = logits.argmax(-1)
+        for b in sampled:
+            dist = probs(logits[b], batch.params[b])
+            tok[b] = sample(dist, batch.generators[b])
+            qs[b].append(dist)
+        tokens.append(tok)
+        prev = tok
+    return Proposal(
+        tokens=torch.stack(tokens, 1),
+        q=[torch.stack(q) if q else None for q in qs],
+        conf_logits=torch.stack(confs, 1) if draft.confidence_head is not None else None,
+    )
+
+
+def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, batch: Batch, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, 1+m, V] of the target on [anchor, drafts[:m]] -> (accepted [B], next [B])."""
+    accepted, nxt = greedy_accept(logits, prop_tokens[:, : logits.shape[1] - 1], n)
+    for b, p in enumerate(batch.params):
+        if p.greedy:
+            continue
+        nb = int(n[b])
+        pb = probs(logits[b, : nb + 1], p)
+        qb = q[b][:nb] if nb else pb[:0]
+        a, t = rejection_accept(pb, qb, prop_tokens[b, :nb], batch.generators[b])
+        accepted[b], nxt[b] = a, t
+    return accepted, nxt
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def decode_step(
+    target: HFTarget,
+    draft: DSparkDraft | None,
+    batch: Batch,
+    schedule: Callable[[Proposal, Batch], torch.Tensor] | None = None,
+) -> StepResult:
+    dev = batch.anchors.device
+    B = batch.anchors.shape[0]
+    t0 = _now(dev)
+    if draft is not None:
+        prop = propose(draft, batch)
+    else:
+        prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
+    g = prop.tokens.shape[1]
+    t1 = _now(dev)
+    n = schedule(prop, batch) if (schedule is not None and g) else torch.full((B,), g, dtype=torch.long, device=dev)
+    m = int(n.max()) if B else 0
+    tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
+    t2 = _now(dev)
+    logits, taps = target.forward(batch.target, tokens, 1 + n)
+    t3 = _now(dev)
+    accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
+    keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
+    target.commit(batch.target, keep)
+    t4 = _now(dev)
+    if draft is not None:
+        draft.extend_context(batch.ctx, taps, keep)
+    t5 = _now(dev)
+    batch.anchors = nxt
+    acc, drafts = accepted.tolist(), prop.tokens.tolist()
+    committed = [drafts[b][: acc[b]] + [int(nxt[b])] for b in range(B)]
+    return StepResult(
+        drafted=torch.full((B,), g), verified=n.cpu(), accepted=accepted.cpu(), committed=committed,
+        t_draft=(t1 - t0) + (t5 - t4), t_verify=t3 - t2, t_other=(t2 - t1) + (t4 - t3),
+    )

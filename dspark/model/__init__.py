@@ -1,0 +1,1 @@
+"""The draft network: nothing about decoding lives here."""

@@ -1,0 +1,179 @@
+"""DSparkDraft: the draft network of any DraftSpec (spec sheet, sections 1 and 4).
+
+Shapes: B requests, S = spec.query_slots block rows, T context positions, H draft hidden,
+V target vocabulary, Vd draft vocabulary. Context entry j of a row sits at absolute position
+j, so a row's anchor position equals its context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from dspark.errors import FormatError
+from dspark.formats.spec import DraftSpec
+from dspark.model.heads import ConfidenceHead, MarkovHead
+from dspark.model.layers import DraftLayer, LayerKV, Rope
+from dspark.ragged import append_index, gather_time, merge_rows
+
+BORROWABLE = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class ContextCache:
+    """Per-layer context keys/values of committed positions; rows left-aligned, right-padded."""
+
+    layers: list[LayerKV]
+    lengths: torch.Tensor  # [B] valid context positions per row (= anchor position)
+
+    def append(self, new: list[LayerKV], counts: torch.Tensor) -> None:
+        # new[l].k [B, kv, n, D], counts [B] <= n: only the first counts[b] entries are committed
+        idx, self.lengths = append_index(self.lengths, self.layers[0].k.shape[2], counts)
+        self.layers = [
+            LayerKV(gather_time(torch.cat([o.k, n.k], 2), idx), gather_time(torch.cat([o.v, n.v], 2), idx))
+            for o, n in zip(self.layers, new)
+        ]
+
+    def select(self, rows: torch.Tensor) -> "ContextCache":
+        return ContextCache([LayerKV(l.k[rows], l.v[rows]) for l in self.layers], self.lengths[rows])
+
+    @staticmethod
+    def merge(caches: list["ContextCache"]) -> "ContextCache":
+        layers = [
+            LayerKV(merge_rows([c.layers[i].k for c in caches]), merge_rows([c.layers[i].v for c in caches]))
+            for i in range(len(caches[0].layers))
+        ]
+        return ContextCache(layers, torch.cat([c.lengths for c in caches]))
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        b = spec.backbone
+        if b is None:
+            raise FormatError("draft spec has no backbone description (hidden size, heads, ...)")
+        if b.family not in ("qwen3", "llama"):
+            raise FormatError(f"draft layers of family {b.family!r} are not supported (qwen3, llama are)")
+        self.spec = spec
+        H, V, Vd = b.hidden_size, spec.vocab_size, spec.draft_vocab_size
+        n_taps = len(spec.hidden_state_indices)
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(DraftLayer(b) for _ in range(b.num_layers))
+        self.norm = Qwen3RMSNorm(H, eps=b.rms_norm_eps)
+        self.fc = nn.Linear(n_taps * (spec.target_hidden_size or H), H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=b.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.markov_head = (
+            MarkovHead(V, Vd, spec.markov_rank, H, spec.markov_head_type) if spec.markov_rank > 0 else None
+        )
+        self.confidence_head = None
+        if spec.confidence_head:
+            self.confidence_head = ConfidenceHead(H + (spec.markov_rank if spec.confidence_head_with_markov else 0))
+        if spec.has_d2t:
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        else:
+            self.d2t = None
+        self.rope = Rope(b)
+        self.borrowed: set[str] = set()  # weights taken from the target: never saved with the draft
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_tensors(self, tensors: dict[str, torch.Tensor], target_embed=None, target_lm_head=None) -> None:
+        """Load normalized tensors; borrow embed_tokens / lm_head from the target when absent."""
+        tensors = dict(tensors)
+        if "embed_tokens.weight" not in tensors:
+            if target_embed is None:
+                raise FormatError("draft has no embed_tokens.weight and no target embedding was given to borrow")
+            tensors["embed_tokens.weight"] = target_embed
+            self.borrowed.add("embed_tokens.weight")
+        if "lm_head.weight" not in tensors:
+            if target_lm_head is None or target_lm_head.shape[0] != self.spec.draft_vocab_size:
+                raise FormatError(
+                    "draft has no lm_head.weight and the target's LM head cannot be borrowed "
+                    f"(draft vocab {self.spec.draft_vocab_size})"
+                )
+            tensors["lm_head.weight"] = target_lm_head
+            self.borrowed.add("lm_head.weight")
+        tensors.pop("t2d", None)  # derivable from d2t; the engine never needs it
+        own = self.state_dict()
+        missing = sorted(set(own) - set(tensors) - {"rope.rotary.inv_freq", "rope.rotary.original_inv_freq"})
+        unexpected = sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise FormatError(f"draft weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise FormatError(f"tensor {name}: shape {tuple(t.shape)} but the config implies {tuple(own[name].shape)}")
+        self.load_state_dict(tensors, strict=False)
+
+    def own_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint of this draft holds (borrowed target weights and RoPE buffers excluded)."""
+        return {k: v for k, v in self.state_dict().items() if k not in self.borrowed and not k.startswith("rope.")}
+
+    # ---- forward pieces ------------------------------------------------------------------
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[LayerKV]:
+        """taps [N, T, n_taps*Ht] (tapped target states of committed positions) -> per-layer K/V."""
+        ctx = self.hidden_norm(self.fc(taps))  # [N, T, H]
+        cos, sin = self.rope(positions, ctx.dtype)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def _masks(self, ctx_len: torch.Tensor, T: int, S: int) -> list[torch.Tensor]:
+        """One [N, 1, S, T+S] bool mask per layer from spec.layer_attention."""
+        j = torch.arange(T, device=ctx_len.device)
+        cache: dict[tuple, torch.Tensor] = {}
+        out = []
+        for att in self.spec.layer_attention:
+            key = (att.sliding_window, att.causal)
+            if key not in cache:
+                ctx_ok = j[None, :] < ctx_len[:, None]  # [N, T]
+                if att.sliding_window is not None:
+                    ctx_ok = ctx_ok & (j[None, :] >= ctx_len[:, None] - att.sliding_window)
+                blk = torch.ones(S, S, dtype=torch.bool, device=ctx_len.device)
+                if att.causal:
+                    blk = torch.tril(blk)
+                ctx_part = ctx_ok[:, None, None, :].expand(-1, 1, S, T)
+                blk_part = blk[None, None].expand(ctx_len.shape[0], 1, S, S)
+                cache[key] = torch.cat([ctx_part, blk_part], dim=-1)
+            out.append(cache[key])
+        return out
+
+    def forward(self, block_ids: torch.Tensor, ctx: list[LayerKV], ctx_len: torch.Tensor) -> torch.Tensor:
+        """block_ids [N, S] (row 0 = anchor, then MASK), ctx K/V [N or 1, kv, T, D], ctx_len [N].
+
+        Returns the post-norm block states h [N, S, H]: what lm_head, the Markov head and the
+        confidence head read.
+        """
+        N, S = block_ids.shape
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        positions = ctx_len[:, None] + torch.arange(S, device=block_ids.device)[None, :]
+        cos, sin = self.rope(positions, x.dtype)
+        masks = self._masks(ctx_len, ctx[0].k.shape[2], S)
+        for layer, kv, mask in zip(self.layers, ctx, masks):
+            x = layer(x, kv, mask, cos, sin)
+        return self.norm(x)
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf outside the draft vocab)."""
+        if self.d2t is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
+        target_ids = torch.arange(logits.shape[-1], device=logits.device) + self.d2t
+        return out.index_copy(-1, target_ids, logits)
+
+    def confidence_logits(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        if self.spec.confidence_head_with_markov:
+            h = torch.cat([h, prev_emb.to(h.dtype)], dim=-1)
+        return self.confidence_head(h)
+
+    def new_context_cache(self, batch: int, device, dtype) -> ContextCache:
+        b = self.spec.backbone
+        empty = torch.zeros(batch, b.num_key_value_heads, 0, b.head_dim, device=device, dtype=dtype)
+        return ContextCache([LayerKV(empty, empty) for _ in self.layers], torch.zeros(batch, dtype=torch.long, device=device))
+
+    def extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
+        """Commit the first counts[b] rows of taps [B, n, n_taps*Ht] to each request's context."""
+        positions = cache.lengths[:, None] + torch.arange(taps.shape[1], device=taps.device)[None, :]
+        cache.append(self.context_kv(taps.to(self.fc.weight.dtype), positions), counts)

@@ -1,0 +1,58 @@
+"""Build a DSparkDraft from a checkpoint (or a DraftSpec) for a given target."""
+
+from __future__ import annotations
+
+import logging
+
+from dspark.errors import FormatError
+from dspark.formats.spec import DraftSpec
+from dspark.model.draft import DSparkDraft
+
+log = logging.getLogger("dspark")
+
+
+def check_compatible(spec: DraftSpec, target_model) -> None:
+    """The draft must fit the target it will run against: vocab, taps, hidden width."""
+    cfg = target_model.config
+    vocab = target_model.get_output_embeddings().weight.shape[0]
+    if spec.vocab_size != vocab:
+        raise FormatError(f"draft vocab_size {spec.vocab_size} != target vocabulary {vocab}")
+    if not 0 <= spec.mask_token_id < vocab:
+        raise FormatError(f"mask_token_id {spec.mask_token_id} is outside the target vocabulary [0, {vocab})")
+    n_layers = cfg.num_hidden_layers
+    bad = [i for i in spec.hidden_state_indices if not 0 <= i <= n_layers]
+    if bad:
+        raise FormatError(f"hidden_state_indices {bad} outside 0..{n_layers} for this {n_layers}-layer target")
+    hidden = target_model.get_input_embeddings().weight.shape[1]
+    if spec.target_hidden_size and spec.target_hidden_size != hidden:
+        raise FormatError(f"draft target_hidden_size {spec.target_hidden_size} != target hidden size {hidden}")
+
+
+def build_draft(spec: DraftSpec, target_model, tensors: dict | None = None, dtype=None) -> DSparkDraft:
+    """A draft on the target's device; `tensors` None means random init (training, tests)."""
+    check_compatible(spec, target_model)
+    dtype = dtype or next(target_model.parameters()).dtype
+    draft = DSparkDraft(spec)
+    embed = target_model.get_input_embeddings().weight
+    head = target_model.get_output_embeddings().weight
+    if tensors is None:
+        own = {k: v for k, v in draft.state_dict().items() if not k.startswith("rope.")}
+        tensors = {k: v for k, v in own.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+        if spec.draft_vocab_size != spec.vocab_size:
+            tensors["lm_head.weight"] = own["lm_head.weight"]
+    draft.load_tensors(tensors, target_embed=embed, target_lm_head=head)
+    draft = draft.to(device=embed.device, dtype=dtype)
+    for name, p in draft.named_parameters():
+        if name in draft.borrowed:
+            p.requires_grad_(False)  # the target's own weights stay frozen
+    return draft.eval()
+
+
+def load_draft(path: str, target_model, layout: str | None = None, dtype=None) -> DSparkDraft:
+    from dspark.formats.load import load_spec, load_weights
+
+    spec = load_spec(path, layout=layout)
+    for w in spec.warnings:
+        log.warning("WARNING: draft %s: %s", path, w)
+    return build_draft(spec, target_model, load_weights(spec), dtype)
+

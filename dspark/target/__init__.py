@@ -1,0 +1,1 @@
+"""Targets: thin adapters over Hugging Face causal LMs."""

@@ -1,0 +1,145 @@
+"""A Hugging Face causal LM as a DSpark target.
+
+One `forward` serves prefill and block verification: it appends tokens to each request's
+KV cache, returns logits and the hidden states tapped at the draft's `hidden_state_indices`,
+and leaves the new entries *pending*; `commit` keeps only the accepted ones (cropping what
+was rejected) and packs rows left so a batch of ragged requests stays one tensor per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from dspark.errors import RequestError
+from dspark.ragged import append_index, gather_time, merge_rows
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for attr in ("layers", "h", "blocks"):
+        layers = getattr(base, attr, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise RequestError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+@dataclass
+class TargetState:
+    """KV cache of B requests. lengths[b] committed tokens; `pending` entries await commit."""
+
+    cache: DynamicCache
+    lengths: torch.Tensor  # [B] long
+    pending: int = 0
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+class HFTarget:
+    def __init__(self, model, tap_indices: tuple[int, ...] = ()):
+        self.model = model.eval()
+        self.config = model.config
+        self.layers = decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.hidden_size = model.get_input_embeddings().weight.shape[1]
+        self.max_length = int(getattr(self.config, "max_position_embeddings", 0) or getattr(self.config, "n_positions", 0) or 1 << 30)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.set_taps(tap_indices)
+
+    # ---- hidden-state taps -------------------------------------------------------------
+    def set_taps(self, tap_indices: tuple[int, ...]) -> None:
+        """Tap index i = input of decoder layer i = HF hidden_states[i] (0 = embeddings).
+
+        Hooks read layer outputs directly: HF's hidden_states[-1] comes after the final
+        norm, so tapping the last layer through it would silently feed the wrong features.
+        """
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.tap_indices = [], tuple(tap_indices)
+        for i in self.tap_indices:
+            if not 0 <= i <= self.num_layers:
+                raise RequestError(f"hidden_state_index {i} is outside 0..{self.num_layers} for this target")
+            module = self.model.get_input_embeddings() if i == 0 else self.layers[i - 1]
+            self._hooks.append(module.register_forward_hook(self._capture(i)))
+
+    def _capture(self, i: int):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ---- cache ---------------------------------------------------------------------------
+    def new_state(self, batch: int = 1) -> TargetState:
+        return TargetState(DynamicCache(config=self.config), torch.zeros(batch, dtype=torch.long, device=self.device))
+
+    def _cache_len(self, state: TargetState) -> int:
+        return state.cache.get_seq_length() if state.cache.is_initialized else 0
+
+    @torch.inference_mode()
+    def forward(self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None):
+        """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*Hidden].
+
+        Positions continue each row's committed length; padding rows/keys are masked out.
+        """
+        if state.pending:
+            raise RuntimeError("commit() the previous forward before running another")
+        B, S = tokens.shape
+        counts = torch.full((B,), S, dtype=torch.long, device=self.device) if counts is None else counts
+        if int((state.lengths + counts).max()) > self.max_length:
+            raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
+        T = self._cache_len(state)
+        positions = state.lengths[:, None] + torch.arange(S, device=self.device)[None, :]
+        j = torch.arange(T, device=self.device)
+        past = (j[None, :] < state.lengths[:, None])[:, None, None, :].expand(B, 1, S, T)
+        i = torch.arange(S, device=self.device)
+        new = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < counts[:, None, None])
+        mask = torch.cat([past, new[:, None]], dim=-1)  # [B, 1, S, T+S]
+        self._captured.clear()
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        state.pending = S
+        taps = torch.cat([self._captured[k] for k in self.tap_indices], dim=-1) if self.tap_indices else None
+        return out.logits.float(), taps
+
+    def commit(self, state: TargetState, keep: torch.Tensor) -> None:
+        """Keep the first keep[b] pending entries of each row; drop the rest (rejected drafts, padding)."""
+        old = self._cache_len(state) - state.pending
+        idx, state.lengths = append_index(state.lengths, old, keep.to(state.lengths.device))
+        for layer in state.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise RequestError(f"target cache layer {type(layer).__name__} is not supported (full-attention layers only)")
+            layer.keys, layer.values = gather_time(layer.keys, idx), gather_time(layer.values, idx)
+        state.pending = 0
+
+    def select(self, state: TargetState, rows: torch.Tensor) -> TargetState:
+        """The sub-batch of `rows` (requests leaving drop out of the batch)."""
+        cache = DynamicCache(config=self.config)
+        out = TargetState(cache, state.lengths[rows])
+        if state.cache.is_initialized:
+            T = int(out.lengths.max()) if len(rows) else 0
+            for li, layer in enumerate(state.cache.layers):
+                cache.update(layer.keys[rows][:, :, :T], layer.values[rows][:, :, :T], li)
+        return out
+
+    def merge(self, states: list[TargetState]) -> TargetState:
+        """One batch from several states (a request joins the batch after its own prefill)."""
+        cache = DynamicCache(config=self.config)
+        for li in range(len(states[0].cache.layers)):
+            keys = merge_rows([s.cache.layers[li].keys for s in states])
+            values = merge_rows([s.cache.layers[li].values for s in states])
+            cache.update(keys, values, li)
+        return TargetState(cache, torch.cat([s.lengths for s in states]))

