@@ -15,13 +15,18 @@ from dspark.errors import DSparkError
 COMMANDS = {
     "inspect": ("dspark.formats.commands", "inspect", "describe a draft checkpoint"),
     "convert": ("dspark.formats.commands", "convert", "rewrite a draft for another family"),
+    "generate": ("dspark.generate", "generate", "generate text with speculative decoding"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """All commands for --help; only the chosen one otherwise (its module alone is imported)."""
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, attr, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=help_text)
         getattr(mod, f"add_{attr}_arguments")(p)
@@ -30,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except DSparkError as exc:

@@ -173,6 +173,7 @@ class DSparkDraft(nn.Module):
         empty = torch.zeros(batch, b.num_key_value_heads, 0, b.head_dim, device=device, dtype=dtype)
         return ContextCache([LayerKV(empty, empty) for _ in self.layers], torch.zeros(batch, dtype=torch.long, device=device))
 
+    @torch.inference_mode()
     def extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] rows of taps [B, n, n_taps*Ht] to each request's context."""
         positions = cache.lengths[:, None] + torch.arange(taps.shape[1], device=taps.device)[None, :]

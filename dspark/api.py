@@ -1,0 +1,86 @@
+"""The Python API: load a target and a draft into an Engine in one call.
+
+    from dspark.api import load_engine
+    from dspark.engine.sampling import SamplingParams
+    eng = load_engine("smollm2")                       # bundled draft, bf16
+    req = eng.generate(eng.encode("Hi!", chat=True), SamplingParams(max_new_tokens=64))
+    print(req.text, req.metrics.to_dict())
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dspark.engine.engine import Engine
+from dspark.errors import DSparkError
+from dspark.target.hf import HFTarget
+from dspark.target.load import SMOLLM2, default_device, load_target, parse_dtype
+
+log = logging.getLogger("dspark")
+BUNDLED_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"
+
+
+def default_draft(target: str) -> Path | None:
+    """The project's own draft is used whenever the target is smollm2 and no draft is given."""
+    if target == SMOLLM2 and (BUNDLED_DRAFT / "config.json").exists():
+        return BUNDLED_DRAFT
+    return None
+
+
+class DSparkEngine(Engine):
+    """Engine plus tokenizer conveniences (chat template, decode)."""
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise DSparkError("this target has no tokenizer: pass token ids")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise DSparkError("the target's tokenizer has no chat template")
+            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return self.tokenizer.encode(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is None:
+            continue
+        ids.update(e if isinstance(e, (list, tuple)) else [e])
+    return tuple(sorted(ids))
+
+
+def load_engine(
+    target: str = SMOLLM2,
+    draft: str | None = None,
+    *,
+    no_spec: bool = False,
+    dtype: str = "bf16",
+    device: str | None = None,
+    layout: str | None = None,
+    scheduler=None,
+    max_batch: int = 16,
+    threads: int | None = None,
+) -> DSparkEngine:
+    from dspark.model.load import load_draft
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = device or default_device()
+    parse_dtype(dtype, device)
+    model, tokenizer = load_target(target, dtype, device)
+    d = None
+    if not no_spec:
+        path = draft or default_draft(target)
+        if path is None:
+            raise DSparkError(f"no draft given for target {target!r} (pass --draft PATH, or --no-spec)")
+        d = load_draft(str(path), model, layout=layout)
+    return DSparkEngine(HFTarget(model), d, tokenizer, eos_ids(model, tokenizer), scheduler=scheduler, max_batch=max_batch)

