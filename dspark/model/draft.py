@@ -17,7 +17,7 @@ from dspark.errors import FormatError
 from dspark.formats.spec import DraftSpec
 from dspark.model.heads import ConfidenceHead, MarkovHead
 from dspark.model.layers import DraftLayer, LayerKV, Rope
-from dspark.ragged import append_index, gather_time, merge_rows
+from dspark.ragged import merge_rows, pack
 
 BORROWABLE = ("embed_tokens.weight", "lm_head.weight")
 
@@ -31,11 +31,13 @@ class ContextCache:
 
     def append(self, new: list[LayerKV], counts: torch.Tensor) -> None:
         # new[l].k [B, kv, n, D], counts [B] <= n: only the first counts[b] entries are committed
-        idx, self.lengths = append_index(self.lengths, self.layers[0].k.shape[2], counts)
+        old_len = self.layers[0].k.shape[2]
         self.layers = [
-            LayerKV(gather_time(torch.cat([o.k, n.k], 2), idx), gather_time(torch.cat([o.v, n.v], 2), idx))
+            LayerKV(pack(torch.cat([o.k, n.k], 2), self.lengths, old_len, counts),
+                    pack(torch.cat([o.v, n.v], 2), self.lengths, old_len, counts))
             for o, n in zip(self.layers, new)
         ]
+        self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> "ContextCache":
         return ContextCache([LayerKV(l.k[rows], l.v[rows]) for l in self.layers], self.lengths[rows])

@@ -51,7 +51,7 @@ def build_draft(spec: DraftSpec, target_model, tensors: dict | None = None, dtyp
 def load_draft(path: str, target_model, layout: str | None = None, dtype=None) -> DSparkDraft:
     from dspark.formats.load import load_spec, load_weights
 
-    spec = load_spec(path, layout=layout)
+    spec = load_spec(path, layout=layout, check_values=False)  # load_weights checks values once
     for w in spec.warnings:
         log.warning("WARNING: draft %s: %s", path, w)
     return build_draft(spec, target_model, load_weights(spec), dtype)

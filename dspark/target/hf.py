@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from dspark.errors import RequestError
-from dspark.ragged import append_index, gather_time, merge_rows
+from dspark.ragged import merge_rows, pack
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -118,11 +118,13 @@ class HFTarget:
     def commit(self, state: TargetState, keep: torch.Tensor) -> None:
         """Keep the first keep[b] pending entries of each row; drop the rest (rejected drafts, padding)."""
         old = self._cache_len(state) - state.pending
-        idx, state.lengths = append_index(state.lengths, old, keep.to(state.lengths.device))
+        keep = keep.to(state.lengths.device)
         for layer in state.cache.layers:
             if type(layer) is not DynamicLayer:
                 raise RequestError(f"target cache layer {type(layer).__name__} is not supported (full-attention layers only)")
-            layer.keys, layer.values = gather_time(layer.keys, idx), gather_time(layer.values, idx)
+            layer.keys = pack(layer.keys, state.lengths, old, keep)
+            layer.values = pack(layer.values, state.lengths, old, keep)
+        state.lengths = state.lengths + keep
         state.pending = 0
 
     def select(self, state: TargetState, rows: torch.Tensor) -> TargetState:
