@@ -15,7 +15,13 @@ from dspark.errors import DSparkError
 COMMANDS = {
     "inspect": ("dspark.formats.commands", "inspect", "describe a draft checkpoint"),
     "convert": ("dspark.formats.commands", "convert", "rewrite a draft for another family"),
+    "train": ("dspark.train.commands", "train", "train a DSpark draft for a target (data, fit, export)"),
+    "calibrate": ("dspark.engine.commands", "calibrate", "fit per-position confidence temperatures (STS)"),
+    "bench-batch": ("dspark.engine.commands", "bench_batch", "batched decoding: plain vs full/threshold/adaptive"),
     "generate": ("dspark.generate", "generate", "generate text with speculative decoding"),
+    "bench": ("dspark.bench.command", "bench", "measure transformers and dspark arms side by side"),
+    "doctor": ("dspark.bench.doctor", "doctor", "check empirically that a draft predicts its target as its file says"),
+    "serve": ("dspark.serve.commands", "serve", "OpenAI-compatible HTTP server with speculative-decoding metrics"),
 }
 
 

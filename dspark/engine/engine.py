@@ -73,6 +73,10 @@ class Engine:
         self.running: list[Request] = []
         self.batch: Batch | None = None
         self._warned = False
+        # Observers called after every decode step as hook(StepResult, running requests in row
+        # order): calibration records (conf_logits, accepted) through them. A scheduler with an
+        # `observe(StepResult)` method is called too (the adaptive one learns step overheads).
+        self.step_hooks: list[Callable] = []
 
     # ---- admission -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None) -> Request:
@@ -195,6 +199,10 @@ class Engine:
         if self.batch is None:
             return []
         res = decode_step(self.target, self.draft, self.batch, self.scheduler)
+        for hook in self.step_hooks:
+            hook(res, self.running)
+        if hasattr(self.scheduler, "observe"):
+            self.scheduler.observe(res)
         finished = []
         for b, req in enumerate(self.running):
             if self.draft is not None:

@@ -51,6 +51,9 @@ class StepResult:
     t_draft: float
     t_verify: float
     t_other: float
+    # [B, g] raw confidence logits of the drafted slots (None without a confidence head), kept
+    # so step observers (calibration, `dspark calibrate`) can pair them with `accepted`
+    conf_logits: torch.Tensor | None = None
 
 
 @torch.inference_mode()
@@ -146,4 +149,5 @@ def decode_step(
     return StepResult(
         drafted=torch.full((B,), g), verified=n.cpu(), accepted=accepted.cpu(), committed=committed,
         t_draft=(t1 - t0) + (t5 - t4), t_verify=t3 - t2, t_other=(t2 - t1) + (t4 - t3),
+        conf_logits=prop.conf_logits,
     )

@@ -1,0 +1,133 @@
+"""Batched decoding side by side: plain, and speculative with full / threshold / adaptive verification.
+
+For each concurrency level c, every arm decodes the same c * requests_per_level requests with
+at most c in flight (continuous batching: a finished request's slot goes to the next one),
+EOS ignored so every arm produces the same number of tokens. Reported per (c, arm): output
+tokens per second (prefill included, identical work in every arm), mean acceptance length,
+drafts verified per step, and the ratio to plain decoding at that concurrency.
+"""
+
+from __future__ import annotations
+
+import time
+
+ARMS = ("plain", "full", "threshold", "adaptive")
+# Short, varied chat prompts (used when no prompt file is given).
+DEFAULT_PROMPTS = (
+    "Explain why the sky is blue in two sentences.",
+    "Write a Python function that reverses a linked list.",
+    "What is 17 times 23? Show your steps.",
+    "Give three tips for writing clear emails.",
+    "Summarise the plot of Romeo and Juliet briefly.",
+    "List the planets of the solar system in order.",
+    "How do I make a cup of green tea?",
+    "Translate 'good morning, how are you?' into French.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn rain.",
+    "Why do we have seasons on Earth?",
+    "Describe how a bicycle works.",
+    "What are prime numbers? Give five examples.",
+    "Write a short story opening about a lighthouse keeper.",
+    "How does a binary search work?",
+    "Name three uses of the Fourier transform.",
+)
+
+
+def bench_batching(
+    model,
+    draft,
+    prompts: list[list[int]],
+    *,
+    tokenizer=None,
+    eos_token_ids: tuple[int, ...] = (),
+    concurrency=(1, 4, 8, 16),
+    arms=ARMS,
+    max_new_tokens: int = 64,
+    requests_per_level: int = 2,
+    temperature: float = 0.0,
+    seed: int = 0,
+    threshold: float | None = None,
+    calibration=None,
+    curve=None,
+    on_row=None,
+) -> list[dict]:
+    """model: the HF target model; draft: its DSparkDraft; prompts: token ids. -> one dict per (c, arm)."""
+    import torch
+
+    from dspark.engine.engine import Engine
+    from dspark.engine.sampling import SamplingParams
+    from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
+    from dspark.errors import DSparkError
+    from dspark.target.hf import HFTarget
+
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise DSparkError(f"unknown arm(s) {unknown or arms} (choose from {', '.join(ARMS)})")
+    if not prompts:
+        raise DSparkError("bench-batch needs at least one prompt")
+    if any(not isinstance(c, int) or c < 1 for c in concurrency) or not concurrency:
+        raise DSparkError(f"concurrency levels must be positive integers, got {list(concurrency)}")
+    if requests_per_level < 1:
+        raise DSparkError(f"requests_per_level must be >= 1, got {requests_per_level}")
+    if draft is None and any(a != "plain" for a in arms):
+        raise DSparkError("speculative arms need a draft")
+    plain_target = HFTarget(model)
+    spec_target = HFTarget(model, draft.spec.hidden_state_indices) if draft is not None else None
+    threshold = DEFAULT_THRESHOLD if threshold is None else threshold
+    if "adaptive" in arms:  # profile (or load) the cost curve once, before anything is timed
+        curve = make_scheduler("adaptive", spec_target, draft, curve=curve, max_batch=max(concurrency)).curve
+
+    def engine(arm: str, c: int) -> Engine:
+        if arm == "plain":
+            return Engine(plain_target, None, tokenizer, eos_token_ids, max_batch=c)
+        # a fresh policy per engine: the adaptive one's running timings belong to one load level
+        sched = make_scheduler(arm, spec_target, draft, threshold=threshold, calibration=calibration, curve=curve)
+        return Engine(spec_target, draft, tokenizer, eos_token_ids, scheduler=sched, max_batch=c)
+
+    def params(i: int, n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed + i, ignore_eos=True)
+
+    for arm in arms:  # warm-up: first forwards pay one-time allocation costs
+        engine(arm, 1).generate(prompts[0], params(0, 4))
+
+    rows = []
+    for c in concurrency:
+        work = [prompts[i % len(prompts)] for i in range(c * requests_per_level)]
+        plain_tps = None
+        for arm in arms:
+            eng = engine(arm, c)
+            reqs = [eng.add_request(p, params(i, max_new_tokens)) for i, p in enumerate(work)]
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                eng.run_until_done()
+                dt = time.perf_counter() - t0
+            out = sum(len(r.output_ids) for r in reqs)
+            m = eng.metrics
+            row = {
+                "concurrency": c, "arm": arm, "requests": len(reqs), "output_tokens": out, "seconds": round(dt, 4),
+                "tokens_per_s": round(out / dt, 2),
+                "mean_accept_length": round(m.mean_accept_length, 3) if draft is not None and arm != "plain" else 1.0,
+                "verified_per_step": round(m.verified / m.steps, 3) if m.steps else 0.0,
+                "drafted_per_step": round(m.drafted / m.steps, 3) if m.steps else 0.0,
+            }
+            if arm == "plain":
+                plain_tps = row["tokens_per_s"]
+            row["vs_plain"] = round(row["tokens_per_s"] / plain_tps, 3) if plain_tps else None
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="batched decoding (acc len = mean acceptance length, bonus included)")
+    for col in ("conc", "arm", "tok/s", "x plain", "acc len", "verif/step", "tokens", "s"):
+        table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(str(r["concurrency"]), r["arm"], f"{r['tokens_per_s']:.1f}",
+                      "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}", f"{r['mean_accept_length']:.2f}",
+                      f"{r['verified_per_step']:.2f}", str(r["output_tokens"]), f"{r['seconds']:.2f}")
+    Console().print(table)

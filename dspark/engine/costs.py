@@ -1,0 +1,238 @@
+"""The cost curve: how long one verify step takes for B batch tokens on THIS target.
+
+The adaptive scheduler weighs expected accepted tokens against steps per second,
+SPS(B) = 1 / step_time(B). A missing or flat curve makes every extra token look free, so the
+scheduler silently verifies everything (spec sheet, section 6): the engine therefore profiles
+its own target at start-up (a few timed forwards over a grid of token counts), caches the
+result on disk, and warns loudly when the curve comes out flat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark.errors import DSparkError
+
+log = logging.getLogger("dspark")
+
+CURVE_FORMAT = "dspark-cost-curve"
+# Verifying the largest grid point costing less than this factor over a single token counts
+# as flat: the scheduler would then see almost no price for verification.
+FLAT_RATIO = 1.10
+PROFILE_CONTEXT = 32  # committed tokens the scratch state holds (attention has something to read)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Step time (seconds) at a grid of batch-token counts; linear in between, linear extrapolation past the ends."""
+
+    tokens: tuple[int, ...]  # strictly increasing, >= 1
+    seconds: tuple[float, ...]  # non-decreasing, > 0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.seconds) or not self.tokens:
+            raise DSparkError("cost curve: tokens and seconds must be non-empty lists of the same length")
+        if any(not isinstance(t, int) or t < 1 for t in self.tokens) or list(self.tokens) != sorted(set(self.tokens)):
+            raise DSparkError(f"cost curve: tokens must be strictly increasing positive integers, got {list(self.tokens)}")
+        if any(not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0) for s in self.seconds):
+            raise DSparkError(f"cost curve: seconds must be positive finite numbers, got {list(self.seconds)}")
+
+    @classmethod
+    def from_points(cls, tokens, seconds, meta: dict | None = None) -> "CostCurve":
+        """Sort by tokens and force step time non-decreasing (running max): more tokens never
+        cost less, and a noisy dip would otherwise make some batch sizes look like bargains."""
+        pts = sorted(zip((int(t) for t in tokens), (float(s) for s in seconds)))
+        mono, top = [], 0.0
+        for _, s in pts:
+            top = max(top, s)
+            mono.append(top)
+        return cls(tuple(t for t, _ in pts), tuple(mono), dict(meta or {}))
+
+    def step_time(self, tokens: int) -> float:
+        ts, ss = self.tokens, self.seconds
+        if len(ts) == 1:
+            return ss[0]
+        if tokens <= ts[0]:
+            i = 0
+        elif tokens >= ts[-1]:
+            i = len(ts) - 2
+        else:
+            i = next(k for k in range(len(ts) - 1) if ts[k] <= tokens <= ts[k + 1])
+        slope = (ss[i + 1] - ss[i]) / (ts[i + 1] - ts[i])
+        # never below the cheapest measured step: extrapolating down to 0 tokens is not physical
+        return max(ss[0], ss[i] + slope * (tokens - ts[i]))
+
+    def sps(self, tokens: int) -> float:
+        return 1.0 / self.step_time(tokens)
+
+    @property
+    def ratio(self) -> float:
+        """step time at the largest grid point / at the smallest."""
+        return self.seconds[-1] / self.seconds[0]
+
+    def is_flat(self) -> bool:
+        return len(self.tokens) > 1 and self.ratio < FLAT_RATIO
+
+    def to_json(self) -> dict:
+        return {"format": CURVE_FORMAT, "tokens": list(self.tokens), "seconds": list(self.seconds), "meta": self.meta}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostCurve":
+        if not isinstance(data, dict) or data.get("format") != CURVE_FORMAT:
+            raise DSparkError(f"not a cost curve file (expected \"format\": \"{CURVE_FORMAT}\")")
+        return cls.from_points(data.get("tokens") or [], data.get("seconds") or [], data.get("meta") or {})
+
+    def save(self, path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(tmp, path)  # atomic: a concurrent start-up never reads half a file
+
+    @classmethod
+    def load(cls, path) -> "CostCurve":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise DSparkError(f"cost curve file {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise DSparkError(f"cost curve file {path} is not JSON: {exc}") from None
+        return cls.from_json(data)
+
+
+def default_grid(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... up to and including max_tokens."""
+    if max_tokens < 1:
+        raise DSparkError(f"cost curve: max_tokens must be >= 1, got {max_tokens}")
+    grid, t = [], 1
+    while t < max_tokens:
+        grid.append(t)
+        t *= 2
+    return grid + [max_tokens]
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0) -> CostCurve:
+    """Time target.forward of [1, T] random tokens on a scratch state (then discarded) for T in grid.
+
+    One warm-up pass (first calls per shape pay one-time kernel set-up), then up to `repeats`
+    timed passes while the budget lasts (a pass is skipped when it would end past the
+    budget); the minimum per point, because load from other processes only ever adds time,
+    and the adaptive scheduler rescales the whole curve to observed steps anyway. When the
+    warm-up alone overruns the budget (a loaded machine) its own timings are used, with a
+    warning, rather than making start-up slower still. A [1, T] forward costs what a padded
+    [R, T/R] verify costs (the projections see R*T/R rows either way; the attention share is
+    small at these lengths).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dev = target.device
+    state = target.new_state(1)
+    ctx = torch.randint(4, target.vocab_size, (1, PROFILE_CONTEXT), generator=gen).to(dev)
+    target.forward(state, ctx)
+    target.commit(state, torch.tensor([PROFILE_CONTEXT], device=dev))
+    batches = {t: torch.randint(4, target.vocab_size, (1, t), generator=gen).to(dev) for t in grid}
+    times: dict[int, list[float]] = {t: [] for t in grid}
+    keep_none = torch.zeros(1, dtype=torch.long, device=dev)
+    start = time.perf_counter()
+    for rep in range(repeats + 1):
+        pass_start = time.perf_counter()
+        for t in grid:
+            t0 = _sync(dev)
+            target.forward(state, batches[t])
+            t1 = _sync(dev)
+            target.commit(state, keep_none)  # drop the pending entries: the scratch context stays as it was
+            times[t].append(t1 - t0)
+        now = time.perf_counter()
+        if rep == 0 and now - start > budget_s:
+            log.warning("WARNING: profiling the verify cost curve overran its %.1fs budget in the warm-up pass "
+                        "(%.1fs): the machine looks loaded; using the warm-up timings (rough)", budget_s, now - start)
+            break
+        if rep == 0:
+            times = {t: [] for t in grid}  # warm-up timings include one-time set-up: drop them
+        elif now + (now - pass_start) - start > budget_s:
+            break
+    meta = {"repeats": len(times[grid[0]]), "context": PROFILE_CONTEXT, "profile_s": round(time.perf_counter() - start, 3)}
+    return CostCurve.from_points(grid, [min(times[t]) for t in grid], meta)
+
+
+def curve_identity(target, grid: list[int]) -> dict:
+    """What a cached curve is valid for: the model (name + config hash), dtype, device, threads."""
+    cfg = target.config
+    config_json = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return {
+        "model": str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model")),
+        "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device),
+        "threads": torch.get_num_threads(),
+        "grid": list(grid),
+        "torch": torch.__version__,
+    }
+
+
+def cache_path(identity: dict) -> Path:
+    from dspark.target.load import cache_dir
+
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(identity["model"]).name or "model")[:60]
+    return cache_dir() / "cost-curves" / f"{name}-{identity['dtype']}-{digest}.json"
+
+
+def warn_if_flat(curve: CostCurve) -> bool:
+    if not curve.is_flat():
+        return False
+    if curve.meta.get("flat_warned"):
+        return True  # once per curve: a benchmark builds many schedulers on the same curve
+    curve.meta["flat_warned"] = True
+    log.warning(
+        "WARNING: the verify cost curve is flat (%d tokens cost %.2fx one token): the adaptive scheduler "
+        "will see no price for verification and verify (almost) everything. Re-profile on a quiet machine "
+        "(delete %s) or pass a measured curve.",
+        curve.tokens[-1], curve.ratio, curve.meta.get("cache_file", "the cached curve"),
+    )
+    return True
+
+
+def cost_curve_for(target, max_tokens: int, *, cache: bool = True, refresh: bool = False, budget_s: float = 3.0) -> CostCurve:
+    """The cached curve for this target/dtype/device/threads, profiled (and cached) when absent."""
+    grid = default_grid(max_tokens)
+    ident = curve_identity(target, grid)
+    path = cache_path(ident)
+    curve = None
+    if cache and not refresh and path.exists():
+        try:
+            curve = CostCurve.load(path)
+            if curve.meta.get("identity") != ident:
+                curve = None  # a digest collision or a hand-edited file: profile afresh
+        except DSparkError as exc:
+            log.warning("ignoring unreadable cost curve cache %s: %s", path, exc)
+    if curve is None:
+        curve = profile_cost_curve(target, grid, budget_s=budget_s)
+        curve = CostCurve(curve.tokens, curve.seconds, {**curve.meta, "identity": ident})
+        if cache:
+            curve.save(path)
+        log.info("profiled verify cost curve in %.2fs: %s", curve.meta["profile_s"], describe(curve))
+    curve.meta["cache_file"] = str(path)
+    warn_if_flat(curve)
+    return curve
+
+
+def describe(curve: CostCurve) -> str:
+    return ", ".join(f"{t} tok {s * 1e3:.1f} ms" for t, s in zip(curve.tokens, curve.seconds))

@@ -1,0 +1,234 @@
+"""Verification policies: how many drafted tokens each request sends to the target.
+
+A policy is a callable `(Proposal, Batch) -> n [B]` that `decode_step` calls between drafting
+and verification (docs/SCHEDULING.md explains the choices):
+- `full`: n = g for every request;
+- `threshold`: cut each block before the first slot whose (calibrated) confidence c_k is
+  below a threshold;
+- `adaptive`: the paper's load-aware scheduler (Algorithm 1, `admit`), which trades expected
+  accepted tokens against verify steps per second from the target's profiled cost curve.
+
+Every decision about slot k of a request may read only confidences of slots <= k of that
+request (they depend on draft tokens before slot k), never later ones: that is what keeps
+verification lossless, and why `admit` stops at the first non-improvement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from dspark.engine.calibration import Calibration
+from dspark.engine.costs import CostCurve, cost_curve_for, warn_if_flat
+from dspark.errors import DSparkError
+
+POLICIES = ("full", "threshold", "adaptive")
+# How the target prices a batch: "padded" = HFTarget runs one [R, 1 + max n] block, so it
+# computes R * (1 + max n) tokens; "ragged" = an engine with varlen attention computes
+# sum(1 + n_r) (the paper's B).
+TOKEN_MODES = ("padded", "ragged")
+DEFAULT_THRESHOLD = 0.5
+EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
+
+
+# ---- Algorithm 1 -------------------------------------------------------------------------
+
+def admission_order(surv: np.ndarray) -> list[tuple[int, int]]:
+    """(request, slot) pairs by survival descending; ties go to the earlier slot, then request.
+
+    Survivals never increase along a request, so with this tie rule every prefix of the
+    order holds a prefix of each request's slots.
+    """
+    R, g = surv.shape
+    return sorted(((r, j) for r in range(R) for j in range(g)), key=lambda rj: (-surv[rj], rj[1], rj[0]))
+
+
+def batch_tokens(n: np.ndarray, mode: str) -> int:
+    """Tokens the target computes to verify n [R] drafts per request (each request also runs its anchor)."""
+    if mode == "ragged":
+        return int(len(n) + n.sum())
+    return int(len(n) * (1 + (n.max() if len(n) else 0)))
+
+
+def admit(surv: np.ndarray, sps: Callable[[int], float], *, tokens: str = "ragged", early_stop: bool = True) -> np.ndarray:
+    """Algorithm 1: survivals [R, g] (prefix survival of each drafted slot) -> verify lengths n [R].
+
+    Start from the anchors alone (B = R tokens, expected committed tokens tau = R: each
+    request commits at least the target's own next token). Admit candidates in survival
+    order, each adding its survival to tau and its tokens to B; Theta = tau * SPS(B) is
+    expected committed tokens per second. Stop at the first candidate that does not raise
+    Theta (early_stop=True, lossless). early_stop=False scans every candidate and keeps the
+    best prefix: a global search, whose decision about a slot then depends on later slots'
+    confidences and so on the very draft token being verified. That biases the output
+    (docs/SCHEDULING.md, tests/test_scheduler.py); it exists to show that, never to decode.
+
+    tokens="ragged": candidates are single (request, slot) pairs, B = sum(1 + n_r).
+    tokens="padded": the target computes R * (1 + max n) tokens anyway, so once one request
+    verifies depth j every other request's slot j is free; candidates are whole depths
+    j = 1..g (slot j of every request at once), which keeps the admitted set a set of
+    prefixes and reads only survivals up to the depth being decided.
+    """
+    if tokens not in TOKEN_MODES:
+        raise DSparkError(f"unknown token mode {tokens!r} (choose from {', '.join(TOKEN_MODES)})")
+    surv = np.asarray(surv, dtype=np.float64)
+    R, g = surv.shape
+    n = np.zeros(R, dtype=np.int64)
+    if R == 0 or g == 0:
+        return n
+    if tokens == "ragged":
+        steps = [((r,), j) for r, j in admission_order(surv)]
+    else:
+        steps = [(tuple(range(R)), j) for j in range(g)]
+    tau, cur = float(R), n.copy()
+    best = tau * sps(batch_tokens(cur, tokens))
+    for rows, j in steps:
+        for r in rows:
+            tau += surv[r, j]
+            cur[r] = j + 1
+        theta = tau * sps(batch_tokens(cur, tokens))
+        if theta > best:
+            best, n = theta, cur.copy()
+        elif early_stop:
+            break
+    return n
+
+
+def threshold_lengths(conf: np.ndarray, threshold: float) -> np.ndarray:
+    """conf [R, g] per-slot confidences -> n [R]: slots before the first one below threshold."""
+    below = conf < threshold
+    return np.where(below.any(axis=1), below.argmax(axis=1), conf.shape[1]).astype(np.int64)
+
+
+# ---- policies the engine calls ---------------------------------------------------------
+
+class _Policy:
+    name = "?"
+
+    def __init__(self, calibration: Calibration | None = None):
+        self.calibration = calibration
+
+    def confidences(self, prop) -> np.ndarray:
+        """Proposal -> calibrated per-slot confidences c [B, g] (float64, CPU)."""
+        if prop.conf_logits is None:
+            raise DSparkError(f"verification policy '{self.name}' needs the draft's confidence head, and this draft has none")
+        z = prop.conf_logits.detach()
+        c = self.calibration.confidences(z) if self.calibration is not None else torch.sigmoid(z.double())
+        return c.cpu().numpy()
+
+    def _lengths(self, n: np.ndarray, batch) -> torch.Tensor:
+        return torch.as_tensor(n, dtype=torch.long).to(batch.anchors.device)
+
+    def __repr__(self) -> str:
+        return f"<{self.name} verification>"
+
+
+class FullScheduler(_Policy):
+    name = "full"
+
+    def __call__(self, prop, batch) -> torch.Tensor:
+        B, g = prop.tokens.shape
+        return torch.full((B,), g, dtype=torch.long, device=batch.anchors.device)
+
+
+class ThresholdScheduler(_Policy):
+    name = "threshold"
+
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, calibration: Calibration | None = None):
+        if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
+            raise DSparkError(f"verification threshold must be a probability in [0, 1], got {threshold!r}")
+        super().__init__(calibration)
+        self.threshold = float(threshold)
+
+    def __call__(self, prop, batch) -> torch.Tensor:
+        return self._lengths(threshold_lengths(self.confidences(prop), self.threshold), batch)
+
+
+class AdaptiveScheduler(_Policy):
+    """Algorithm 1 with SPS(B) = 1 / (overhead + scale * curve.step_time(B)).
+
+    overhead = the step's time outside the target forward (draft pass, acceptance, commit),
+    which verification length does not change; scale corrects the start-up profile for the
+    load and context length seen since. Both are running averages of earlier steps (via
+    `observe`), fixed before the current drafts exist, so they cannot leak into losslessness.
+    learn=False keeps overhead 0 and scale 1 (the paper's SPS = verify steps per second).
+    """
+
+    name = "adaptive"
+
+    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, tokens: str = "padded", learn: bool = True):
+        if tokens not in TOKEN_MODES:
+            raise DSparkError(f"unknown token mode {tokens!r} (choose from {', '.join(TOKEN_MODES)})")
+        super().__init__(calibration)
+        self.curve, self.tokens, self.learn = curve, tokens, learn
+        self.overhead, self.scale = 0.0, 1.0
+        self._seen = 0
+
+    def sps(self, tokens: int) -> float:
+        return 1.0 / (self.overhead + self.scale * self.curve.step_time(tokens))
+
+    def __call__(self, prop, batch) -> torch.Tensor:
+        surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
+        return self._lengths(admit(surv, self.sps, tokens=self.tokens), batch)
+
+    def observe(self, res) -> None:
+        if not self.learn or res.t_verify <= 0:
+            return
+        fixed = res.t_draft + res.t_other
+        predicted = self.curve.step_time(batch_tokens(res.verified.numpy(), self.tokens))
+        # clamp: one descheduled step must not make verification look 100x dearer
+        ratio = min(4.0, max(0.25, res.t_verify / predicted))
+        w = 1.0 if self._seen == 0 else EMA
+        self.overhead = (1 - w) * self.overhead + w * fixed
+        self.scale = (1 - w) * self.scale + w * ratio
+        self._seen += 1
+
+
+# ---- factory -----------------------------------------------------------------------------
+
+def make_scheduler(
+    name: str,
+    engine_or_target,
+    draft=None,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    calibration: Calibration | str | Path | None = None,
+    curve: CostCurve | str | Path | None = None,
+    tokens: str = "padded",
+    max_batch: int | None = None,
+    cache: bool = True,
+    learn: bool = True,
+):
+    """The `--verify full|threshold|adaptive` policy for an Engine (or an HFTarget + draft).
+
+    calibration: a Calibration or the path of a `dspark calibrate` file (None: raw head).
+    curve (adaptive): a CostCurve or its JSON file; None profiles the target (cached on disk).
+    max_batch: sizes the profiled grid up to max_batch * (gamma + 1) tokens (default: the
+    engine's max_batch, else 16).
+    """
+    if name not in POLICIES:
+        raise DSparkError(f"unknown verification policy {name!r} (choose from {', '.join(POLICIES)})")
+    target = engine_or_target
+    if hasattr(engine_or_target, "target"):  # an Engine
+        target, draft = engine_or_target.target, engine_or_target.draft
+        max_batch = max_batch or engine_or_target.max_batch
+    if name == "full":
+        return FullScheduler()
+    if draft is None:
+        raise DSparkError(f"verification policy '{name}' needs a draft (this engine decodes without one)")
+    if draft.confidence_head is None:
+        raise DSparkError(f"verification policy '{name}' needs the draft's confidence head, and this draft has none")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        calibration = Calibration.load(calibration)
+    if calibration is not None:
+        calibration.check_gamma(draft.spec.gamma)
+    if name == "threshold":
+        return ThresholdScheduler(threshold, calibration)
+    if curve is None:
+        curve = cost_curve_for(target, (max_batch or 16) * (draft.spec.gamma + 1), cache=cache)
+    else:
+        curve = curve if isinstance(curve, CostCurve) else CostCurve.load(curve)
+        warn_if_flat(curve)
+    return AdaptiveScheduler(curve, calibration, tokens=tokens, learn=learn)

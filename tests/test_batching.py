@@ -1,0 +1,213 @@
+"""Continuous batching with every verification policy: a request's greedy output never
+depends on the batch around it nor on how many drafts were verified; metrics keep drafted,
+verified and accepted apart; the batching benchmark runs end to end (tiny models only)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark.engine.calibration import Calibration
+from dspark.engine.costs import CostCurve
+from dspark.engine.metrics import SpecMetrics
+from dspark.engine.sampling import SamplingParams
+from dspark.engine.scheduler import make_scheduler
+from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
+
+V = 96
+PROMPTS = [
+    [5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
+    [50, 50, 50], [60, 61, 62, 63, 64], [70], [80, 81, 82, 83, 84, 85, 86, 87, 88],
+]
+MAX_NEW = 40
+# (prompt index, max_new_tokens, step at which the request arrives)
+JOBS = [(0, 40, 0), (1, 17, 0), (2, 33, 0), (3, 9, 0), (4, 40, 3), (5, 25, 5), (6, 12, 11), (7, 40, 11), (2, 5, 20)]
+# Steep enough that the adaptive policy trims at these batch sizes.
+STEEP = CostCurve((1, 4, 16, 64), (0.010, 0.012, 0.030, 0.100))
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny target + a draft whose Markov head is the target's greedy bigram table: it
+    accepts whole blocks inside the target's loops and fails at their edges, so steps end in
+    every possible partial accept."""
+    model = tiny_target()
+    draft = tiny_draft(model, markov_rank=V)
+    eng = engine_for(model)
+    gen = torch.Generator().manual_seed(1)
+    train = [torch.randint(4, V, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist() for _ in range(16)]
+    counts = torch.zeros(V, V)
+    for p, r in zip(PROMPTS + train, eng.generate_many(PROMPTS + train, SamplingParams(max_new_tokens=24))):
+        seq = p + r.output_ids
+        for a, b in zip(seq, seq[1:]):
+            counts[a, b] += 1
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(V) * 10)
+        draft.markov_head.markov_w2.weight.copy_(torch.nn.functional.one_hot(counts.argmax(1), V).float().T * 10)
+    return model, draft
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Each prompt decoded alone (full verification), checked against transformers for two."""
+    model, draft = models
+    out = []
+    for p in PROMPTS:
+        eng = engine_for(model, draft)
+        out.append(eng.generate(p, SamplingParams(max_new_tokens=MAX_NEW)).output_ids)
+    for i in (0, 3):
+        assert out[i] == hf_greedy(model, PROMPTS[i], MAX_NEW)
+    return out
+
+
+def run_jobs(eng, jobs=JOBS):
+    """Requests arrive at their step; the engine admits them between steps (max_batch 3, so
+    some also wait in the queue for a free slot)."""
+    reqs, step = [None] * len(jobs), 0
+    while step == 0 or eng.has_work() or any(r is None for r in reqs):
+        for i, (p, n, at) in enumerate(jobs):
+            if at == step:
+                reqs[i] = eng.add_request(PROMPTS[p], SamplingParams(max_new_tokens=n))
+        eng.step()
+        step += 1
+    return reqs
+
+
+class Recording:
+    """Wraps a policy; remembers every n it returned."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, 0
+
+    def __call__(self, prop, batch):
+        n = self.inner(prop, batch)
+        assert n.shape == (prop.tokens.shape[0],) and bool(((n >= 0) & (n <= prop.tokens.shape[1])).all())
+        self.sent += int(n.sum())
+        return n
+
+    def __getattr__(self, name):  # forwards `observe` (the learning adaptive policy needs it)
+        return getattr(self.inner, name)
+
+
+def random_lengths(prop, batch, gen=torch.Generator().manual_seed(0)):
+    return torch.randint(0, prop.tokens.shape[1] + 1, (prop.tokens.shape[0],), generator=gen)
+
+
+POLICIES = {
+    "full": lambda eng: make_scheduler("full", eng),
+    "threshold": lambda eng: make_scheduler("threshold", eng, threshold=0.45, calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
+    "adaptive-padded": lambda eng: make_scheduler("adaptive", eng, curve=STEEP, learn=False),
+    "adaptive-ragged": lambda eng: make_scheduler("adaptive", eng, curve=STEEP, tokens="ragged", learn=False),
+    "adaptive-learning": lambda eng: make_scheduler("adaptive", eng, curve=STEEP),
+    "random": lambda eng: random_lengths,
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_mixed_batch_output_equals_single_request_output(models, reference, policy):
+    model, draft = models
+    eng = engine_for(model, draft, max_batch=3)
+    eng.scheduler = Recording(POLICIES[policy](eng))
+    reqs = run_jobs(eng)
+    for (p, n, _), req in zip(JOBS, reqs):
+        assert req.output_ids == reference[p][:n], f"prompt {p} (max {n}) differs under {policy}"
+        assert req.finish_reason == "length"
+    m = eng.metrics
+    assert m.verified == eng.scheduler.sent
+    assert m.drafted == m.steps * draft.spec.gamma
+    assert m.accepted > 0 and sum(m.histogram[1:-1]) > 0, "the test needs partial accepts to mean anything"
+    if policy != "full":
+        assert m.verified < m.drafted, f"{policy} never trimmed: the test would prove nothing"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(models):
+    model, draft = models
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7)
+    alone = engine_for(model, draft).generate(PROMPTS[1], sp).output_ids
+    eng = engine_for(model, draft, max_batch=4)
+    others = [eng.add_request(PROMPTS[i], SamplingParams(max_new_tokens=30, temperature=0.8, seed=i)) for i in (0, 3)]
+    eng.step()
+    eng.step()
+    req = eng.add_request(PROMPTS[1], sp)
+    eng.run_until_done()
+    assert req.output_ids == alone
+    assert all(r.finished for r in others)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_trimming_never_inflates_acceptance(gamma, data):
+    """Same drafts, same target: per step the full block would accept a_full drafts; a policy
+    verifying n accepts min(a_full, n). Against full verification of the same steps, nothing
+    per step or per drafted token can go up, and drafted is unchanged."""
+    steps = data.draw(st.lists(st.tuples(st.integers(0, gamma), st.integers(0, gamma)), min_size=1, max_size=30))
+    full, trimmed = SpecMetrics(gamma), SpecMetrics(gamma)
+    for a_full, n in steps:
+        full.record(gamma, gamma, a_full)
+        trimmed.record(gamma, n, min(a_full, n))
+    assert trimmed.drafted == full.drafted == gamma * len(steps)
+    assert trimmed.verified == sum(n for _, n in steps)
+    assert trimmed.accepted <= full.accepted
+    assert trimmed.accepted / trimmed.drafted <= full.accepted / full.drafted
+    assert trimmed.mean_accept_length <= full.mean_accept_length
+    assert all(t <= f for t, f in zip(trimmed.marginal, full.marginal))
+    assert sum(trimmed.histogram) == len(steps)
+    assert trimmed.mean_accept_length == pytest.approx(1 + sum(trimmed.marginal))
+    # a slot counts as reached only when it was verified: never more than full verification reached
+    assert all(t <= f for t, f in zip(trimmed.reached, full.reached))
+
+
+def test_verifying_nothing_reports_zero_acceptance(models):
+    model, draft = models
+    eng = engine_for(model, draft)
+    eng.scheduler = lambda prop, batch: torch.zeros(prop.tokens.shape[0], dtype=torch.long)
+    req = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=10))
+    m = req.metrics
+    assert req.output_ids == hf_greedy(model, PROMPTS[0], 10)
+    assert (m.verified, m.accepted, m.drafted) == (0, 0, m.steps * draft.spec.gamma)
+    assert m.draft_acceptance_rate == 0.0 and m.mean_accept_length == 1.0
+
+
+# ---- benchmark -----------------------------------------------------------------------------------
+
+
+def test_bench_batching_function(models):
+    from dspark.bench.batching import ARMS, bench_batching
+
+    model, draft = models
+    rows = bench_batching(model, draft, PROMPTS[:3], concurrency=(1, 2), max_new_tokens=6, requests_per_level=2, curve=STEEP)
+    assert [(r["concurrency"], r["arm"]) for r in rows] == [(c, a) for c in (1, 2) for a in ARMS]
+    for r in rows:
+        assert r["output_tokens"] == r["concurrency"] * 2 * 6
+        assert r["tokens_per_s"] > 0 and r["mean_accept_length"] >= 1.0
+        assert (r["verified_per_step"] == 0) == (r["arm"] == "plain")
+    assert rows[0]["vs_plain"] == 1.0
+    full = next(r for r in rows if r["arm"] == "full")
+    assert full["verified_per_step"] == full["drafted_per_step"] == draft.spec.gamma
+
+
+def test_bench_batch_cli(models, tmp_path, capsys):
+    from dspark.cli import main
+    from dspark.formats.convert import write_deepspec
+
+    model, draft = models
+    model.save_pretrained(tmp_path / "target")
+    write_deepspec(draft.spec, draft.own_state_dict(), tmp_path / "draft")
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt_ids": p}) for p in PROMPTS[:2]))
+    STEEP.save(tmp_path / "curve.json")
+    rc = main(["bench-batch", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "fp32",
+               "--device", "cpu", "--prompts", str(tmp_path / "prompts.jsonl"), "--concurrency", "2",
+               "--max-new-tokens", "4", "--requests-per-level", "1", "--cost-curve", str(tmp_path / "curve.json"),
+               "--json", str(tmp_path / "rows.json")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["arm"] for r in rows] == ["plain", "full", "threshold", "adaptive"]
+    assert all(r["output_tokens"] == 8 for r in rows)
+    assert "tok/s" in capsys.readouterr().out
+    assert main(["bench-batch", "--target", str(tmp_path / "target"), "--concurrency", "0,2"]) == 2
+    assert np.isfinite(rows[-1]["tokens_per_s"])

@@ -1,0 +1,297 @@
+"""Verification policies: Algorithm 1 against brute force, its invariants, and the paper's
+Appendix-A counterexample (why the early stop is what keeps verification lossless)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import binomtest
+
+from dspark.engine.calibration import Calibration
+from dspark.engine.costs import CostCurve
+from dspark.engine.sampling import rejection_accept, sample
+from dspark.engine.scheduler import (
+    AdaptiveScheduler,
+    FullScheduler,
+    ThresholdScheduler,
+    admission_order,
+    admit,
+    batch_tokens,
+    make_scheduler,
+    threshold_lengths,
+)
+from dspark.engine.step import Proposal
+from dspark.errors import DSparkError
+
+# ---- strategies ----------------------------------------------------------------------------
+# Confidences are multiples of 1/8: survivals (products) and tau (sums) are then exact in
+# float64, so the scheduler and the brute force compare Theta values bit for bit.
+
+
+@st.composite
+def problems(draw, max_r=3, max_g=4):
+    R = draw(st.integers(1, max_r))
+    g = draw(st.integers(1, max_g))
+    conf = np.array(draw(st.lists(st.lists(st.integers(0, 8), min_size=g, max_size=g), min_size=R, max_size=R))) / 8.0
+    sps_table = draw(st.lists(st.floats(0.05, 2.0), min_size=R * (1 + g), max_size=R * (1 + g)))
+    return conf, (lambda b: sps_table[b - 1])
+
+
+def theta(surv, n, sps, mode):
+    tau = surv.shape[0] + sum(float(surv[r, : n[r]].sum()) for r in range(surv.shape[0]))
+    return tau * sps(batch_tokens(np.asarray(n), mode))
+
+
+def brute_force(surv, sps, mode, early_stop=True):
+    """Best Theta over ALL per-request prefix vectors, grouped by what the chain moves along
+    (ragged: number of admitted slots; padded: depth); then the same stopping rule."""
+    R, g = surv.shape
+    best: dict[int, float] = {}
+    for n in itertools.product(range(g + 1), repeat=R):
+        key = sum(n) if mode == "ragged" else max(n)
+        best[key] = max(best.get(key, -np.inf), theta(surv, n, sps, mode))
+    keys = sorted(best)
+    if early_stop:
+        k = 0
+        while k + 1 in best and best[k + 1] > best[k]:
+            k += 1
+        return k, best[k]
+    k = max(keys, key=lambda key: (best[key], -key))  # first maximum
+    return k, best[k]
+
+
+# ---- Algorithm 1 properties --------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(), st.sampled_from(["ragged", "padded"]), st.booleans())
+def test_admit_matches_brute_force(problem, mode, early_stop):
+    conf, sps = problem
+    surv = np.cumprod(conf, axis=1)
+    n = admit(surv, sps, tokens=mode, early_stop=early_stop)
+    k, best = brute_force(surv, sps, mode, early_stop)
+    assert (int(n.sum()) if mode == "ragged" else int(n.max())) == k
+    assert theta(surv, n, sps, mode) == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(), st.sampled_from(["ragged", "padded"]))
+def test_every_request_keeps_its_anchor_and_lengths_are_in_range(problem, mode):
+    conf, sps = problem
+    n = admit(np.cumprod(conf, axis=1), sps, tokens=mode)
+    assert n.shape == (conf.shape[0],) and n.dtype == np.int64
+    assert ((n >= 0) & (n <= conf.shape[1])).all()
+    # the anchors alone are always the starting point: B never drops below one token per request
+    assert batch_tokens(n, mode) >= conf.shape[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(max_r=4, max_g=5))
+def test_every_prefix_of_the_admission_order_is_a_set_of_prefixes(problem):
+    conf, _ = problem
+    surv = np.cumprod(conf, axis=1)
+    order = admission_order(surv)
+    assert sorted(order) == sorted(itertools.product(range(conf.shape[0]), range(conf.shape[1])))
+    depth = [0] * conf.shape[0]
+    for r, j in order:
+        assert j == depth[r], f"slot {j} of request {r} admitted before slot {depth[r]}"
+        depth[r] += 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(), st.sampled_from(["ragged", "padded"]), st.data())
+def test_non_anticipation(problem, mode, data):
+    """Confidence of slot j depends on draft token j-1. Tokens from slot n_r on are not
+    verified, so confidences of slots >= n_r + 1 may be anything: the decision must not move."""
+    conf, sps = problem
+    n = admit(np.cumprod(conf, axis=1), sps, tokens=mode)
+    changed = conf.copy()
+    for r in range(conf.shape[0]):
+        for j in range(int(n[r]) + 1, conf.shape[1]):
+            changed[r, j] = data.draw(st.integers(0, 8)) / 8.0
+    assert (admit(np.cumprod(changed, axis=1), sps, tokens=mode) == n).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(), st.floats(0.0, 1.0), st.data())
+def test_threshold_cuts_at_first_low_confidence_and_ignores_later_slots(problem, thr, data):
+    conf, _ = problem
+    n = threshold_lengths(conf, thr)
+    for r in range(conf.shape[0]):
+        assert (conf[r, : n[r]] >= thr).all()
+        assert n[r] == conf.shape[1] or conf[r, n[r]] < thr
+    changed = conf.copy()
+    for r in range(conf.shape[0]):
+        for j in range(int(n[r]) + 1, conf.shape[1]):
+            changed[r, j] = data.draw(st.integers(0, 8)) / 8.0
+    assert (threshold_lengths(changed, thr) == n).all()
+
+
+def test_global_search_anticipates():
+    # Appendix A instance: the later confidence (which depends on the first draft token)
+    # flips the global search's decision about the first slot; the early stop never looks.
+    sps = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__
+    after_a, after_b = np.array([[0.8, 0.8]]), np.array([[0.8, 0.0]])
+    assert admit(after_a, sps, early_stop=False)[0] == 2
+    assert admit(after_b, sps, early_stop=False)[0] == 0
+    assert admit(after_a, sps)[0] == admit(after_b, sps)[0] == 0
+
+
+def test_flat_curve_verifies_everything():
+    flat = CostCurve((1, 64), (0.01, 0.01))
+    surv = np.cumprod(np.full((4, 7), 0.1), axis=1)  # hopeless drafts
+    assert (admit(surv, flat.sps, tokens="padded") == 7).all()
+    assert (admit(surv, flat.sps, tokens="ragged") == 7).all()
+
+
+def test_padded_mode_is_not_myopic():
+    """Padded cost: the first request to reach depth j pays R tokens; the rest of depth j
+    is free. Per-item admission would stop there, depth bundles see the whole gain."""
+    curve = CostCurve((1, 64), (0.020, 0.020 + 63 * 0.0006))
+    surv = np.cumprod(np.full((8, 4), 0.8), axis=1)
+    n = admit(surv, curve.sps, tokens="padded")
+    assert (n == n[0]).all() and n[0] >= 2
+    tau = lambda m: 8 + 8 * sum(0.8 ** (i + 1) for i in range(m))  # noqa: E731
+    assert tau(int(n[0])) * curve.sps(8 * (1 + int(n[0]))) > tau(0) * curve.sps(8)
+
+
+# ---- the Appendix-A counterexample, statistically -------------------------------------------
+
+A = 0
+P_TARGET = torch.tensor([0.7, 0.3])
+Q_DRAFT = torch.tensor([0.5, 0.5])
+ALPHA = 0.001  # significance level of every test below (fixed seeds: the outcome is reproducible)
+TRIALS = 5000
+
+
+def first_token_is_a(sps, early_stop: bool, trials: int = TRIALS, seed: int = 0) -> tuple[int, list[int]]:
+    """One request, gamma 2, drafts x1, x2 ~ q; c1 = 0.8, c2 = 1 if x1 == A else 0 (so the
+    survival of slot 2 is 0.8 after A and 0 after B). Verify with the real rejection sampler."""
+    gen = torch.Generator().manual_seed(seed)
+    hits, lengths = 0, []
+    for _ in range(trials):
+        x = [sample(Q_DRAFT, gen), sample(Q_DRAFT, gen)]
+        surv = np.array([[0.8, 0.8 * (1.0 if x[0] == A else 0.0)]])
+        n = int(admit(surv, sps, tokens="ragged", early_stop=early_stop)[0])
+        lengths.append(n)
+        acc, nxt = rejection_accept(P_TARGET.expand(n + 1, 2), Q_DRAFT.expand(n, 2), torch.tensor(x[:n]), gen)
+        hits += (x[0] if acc >= 1 else nxt) == A
+    return hits, lengths
+
+
+def test_appendix_a_early_stop_keeps_the_target_distribution():
+    sps = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__
+    hits, _ = first_token_is_a(sps, early_stop=True)
+    assert binomtest(hits, TRIALS, 0.7).pvalue > ALPHA, hits / TRIALS
+
+
+def test_appendix_a_global_search_is_biased():
+    sps = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__
+    hits, lengths = first_token_is_a(sps, early_stop=False)
+    # verifies only after drawing A (then A is always accepted: p/q = 1.4): P(A) = 0.5 + 0.5 * 0.7
+    assert set(lengths) == {0, 2}
+    assert binomtest(hits, TRIALS, 0.7).pvalue < ALPHA, hits / TRIALS
+    assert abs(hits / TRIALS - 0.85) < 0.03
+
+
+def test_early_stop_that_does_verify_is_still_exact():
+    """Cheaper SPS(2): the early-stop scheduler now verifies slot 1 always and slot 2 only
+    after x1 = A; the decision about slot 2 reads only x1, so P(A) is still 0.7."""
+    sps = {1: 1.0, 2: 0.6, 3: 0.45}.__getitem__
+    hits, lengths = first_token_is_a(sps, early_stop=True, seed=1)
+    assert set(lengths) == {1, 2}
+    assert binomtest(hits, TRIALS, 0.7).pvalue > ALPHA, hits / TRIALS
+
+
+# ---- policy objects -------------------------------------------------------------------------------
+
+
+def _proposal(conf_logits):
+    z = torch.tensor(conf_logits, dtype=torch.float32)
+    return Proposal(tokens=torch.zeros(z.shape, dtype=torch.long), q=[None] * z.shape[0], conf_logits=z)
+
+
+class _Batch:
+    anchors = torch.zeros(2, dtype=torch.long)
+
+
+def test_full_and_threshold_policies():
+    prop = _proposal([[3.0, 1.0, -1.0, 2.0], [-0.5, 4.0, 4.0, 4.0]])
+    assert FullScheduler()(prop, _Batch()).tolist() == [4, 4]
+    assert ThresholdScheduler(0.5)(prop, _Batch()).tolist() == [2, 0]
+    # a huge temperature at slot 0 lifts sigmoid(-0.5 / t) to just under 0.5, over 0.49
+    cal = Calibration((1e6, 1.0, 1.0, 1.0))
+    assert ThresholdScheduler(0.49, cal)(prop, _Batch()).tolist() == [2, 4]
+
+
+def test_adaptive_policy_is_algorithm_1_on_calibrated_survivals():
+    z = [[2.0, 0.5, -1.0, 3.0], [0.1, 1.5, 2.5, -2.0]]
+    temps = (0.5, 2.0, 1.0, 3.0)
+    curve = CostCurve((1, 4, 16), (0.010, 0.011, 0.030))
+    sched = AdaptiveScheduler(curve, Calibration(temps), tokens="ragged", learn=False)
+    want = admit(np.cumprod(1 / (1 + np.exp(-np.array(z) / np.array(temps))), axis=1), curve.sps, tokens="ragged")
+    assert sched(_proposal(z), _Batch()).tolist() == want.tolist()
+
+
+def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
+    curve = CostCurve((1, 16), (0.010, 0.020))
+    sched = AdaptiveScheduler(curve, tokens="padded")
+
+    class Res:
+        verified = torch.tensor([3, 1])  # padded: 2 * (1 + 3) = 8 tokens, predicted 0.01467 s
+        t_draft, t_other, t_verify = 0.004, 0.001, 0.02933
+
+    sched.observe(Res())
+    assert sched.overhead == pytest.approx(0.005)
+    assert sched.scale == pytest.approx(2.0, rel=1e-3)
+    Res.t_verify = 100.0  # a descheduled step: clamped, then averaged in with weight 0.1
+    sched.observe(Res())
+    assert sched.scale == pytest.approx(0.9 * 2.0 + 0.1 * 4.0, rel=1e-3)
+    frozen = AdaptiveScheduler(curve, learn=False)
+    frozen.observe(Res())
+    assert (frozen.overhead, frozen.scale) == (0.0, 1.0)
+
+
+def test_policy_errors_are_clear():
+    no_head = Proposal(tokens=torch.zeros(1, 2, dtype=torch.long), q=[None], conf_logits=None)
+    with pytest.raises(DSparkError, match="confidence head"):
+        ThresholdScheduler(0.5)(no_head, _Batch())
+    with pytest.raises(DSparkError, match="threshold"):
+        ThresholdScheduler(1.5)
+    with pytest.raises(DSparkError, match="temperatures"):
+        ThresholdScheduler(0.5, Calibration((1.0, 1.0, 1.0)))(_proposal([[0.0, 0.0, 0.0, 0.0]]), _Batch())
+    with pytest.raises(DSparkError, match="token mode"):
+        admit(np.ones((1, 2)), lambda b: 1.0, tokens="sum")
+
+
+def test_make_scheduler(tmp_path):
+    from tests.tiny import engine_for, tiny_draft, tiny_target
+
+    model = tiny_target()
+    eng = engine_for(model, tiny_draft(model))
+    curve = CostCurve((1, 8, 40), (0.001, 0.0012, 0.003))
+    assert isinstance(make_scheduler("full", eng), FullScheduler)
+    thr = make_scheduler("threshold", eng, threshold=0.3)
+    assert isinstance(thr, ThresholdScheduler) and thr.threshold == 0.3
+    path = tmp_path / "cal.json"
+    Calibration((1.0, 2.0, 0.5, 1.5)).save(path)
+    ada = make_scheduler("adaptive", eng, calibration=str(path), curve=curve)
+    assert isinstance(ada, AdaptiveScheduler) and ada.calibration.temperatures == (1.0, 2.0, 0.5, 1.5)
+    curve_file = tmp_path / "curve.json"
+    curve.save(curve_file)
+    assert make_scheduler("adaptive", eng, curve=curve_file).curve == curve
+    with pytest.raises(DSparkError, match="unknown verification policy"):
+        make_scheduler("greedy", eng)
+    Calibration((1.0, 2.0)).save(path)
+    with pytest.raises(DSparkError, match="2 temperatures"):
+        make_scheduler("threshold", eng, calibration=path)
+    with pytest.raises(DSparkError, match="needs a draft"):
+        make_scheduler("adaptive", engine_for(model), curve=curve)
+    no_head = tiny_draft(model, confidence_head=False)
+    with pytest.raises(DSparkError, match="confidence head"):
+        make_scheduler("threshold", eng.target, no_head)
