@@ -24,6 +24,8 @@ def add_engine_arguments(p) -> None:
                    help="force a block layout against the file (experts and diagnosis; warns loudly)")
     p.add_argument("--verify", choices=["full", "threshold", "adaptive"], default="full",
                    help="verification policy (default full)")
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence cut for --verify threshold")
+    p.add_argument("--calibration", default=None, help="STS file written by `dspark calibrate`")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -48,7 +50,7 @@ def build_engine(args):
     if args.verify != "full":
         from dspark.engine.scheduler import make_scheduler
 
-        engine.scheduler = make_scheduler(args.verify, engine)
+        engine.scheduler = make_scheduler(args.verify, engine, threshold=args.threshold, calibration=args.calibration)
     return engine
 
 

@@ -76,7 +76,8 @@ class SpecMetrics:
             "verified_tokens": self.verified,
             "accepted_tokens": self.accepted,
             "mean_accept_length": round(self.mean_accept_length, 4),
-            "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),
+            "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),  # accepted / verified
+            "accepted_per_drafted": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "conditional_accept_rates": [round(x, 4) for x in self.conditional],
             "marginal_accept_rates": [round(x, 4) for x in self.marginal],
             "acceptance_length_histogram": list(self.histogram),  # [a] = steps committing a+1 tokens
