@@ -1,0 +1,10 @@
+"""`dspark serve`: an OpenAI-compatible HTTP server over the batched engine.
+
+    protocol.py    request validation (OpenAI field names) and response/chunk bodies
+    worker.py      the one thread that owns the Engine; commands in, tokens out
+    prometheus.py  the /metrics registry (one per app)
+    app.py         FastAPI routes: create_app(engine, ...)
+    commands.py    CLI flags and uvicorn start-up
+
+Nothing heavy is imported here: `dspark --help` imports the command module only.
+"""

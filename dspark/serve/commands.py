@@ -1,0 +1,78 @@
+"""`dspark serve`: flags, engine construction, uvicorn.
+
+FastAPI, uvicorn and torch are imported inside run_serve: building the parser for
+`dspark --help` imports this module and must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+log = logging.getLogger("dspark")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from dspark.generate import add_engine_arguments
+
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request (default: $DSPARK_API_KEY)")
+    p.add_argument("--model-name", default=None, help="model id clients send and /v1/models lists (default: the target)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait for a batch slot; beyond that: HTTP 429 (default 64)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def served_name(target: str) -> str:
+    return Path(target).name if os.sep in target or Path(target).is_dir() else target
+
+
+def build_engine(args):
+    from dspark.api import load_engine
+
+    if args.max_batch < 1:
+        raise DSparkError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise DSparkError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise DSparkError(f"--port must be in 1..65535, got {args.port}")
+    engine = load_engine(args.target, args.draft, no_spec=args.no_spec, dtype=args.dtype, device=args.device,
+                         layout=args.layout, max_batch=args.max_batch, threads=args.threads)
+    if args.verify != "full":
+        from dspark.engine.scheduler import make_scheduler
+
+        engine.scheduler = make_scheduler(args.verify, engine, threshold=args.threshold, calibration=args.calibration)
+    return engine
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dspark.serve.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = build_engine(args)
+    name = args.model_name or served_name(args.target)
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    if not _is_loopback(args.host) and not args.api_key:
+        log.warning("WARNING: listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    log.info("dspark serve: model %r (%s) on http://%s:%d", name,
+             "speculative" if engine.draft is not None else "no draft", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

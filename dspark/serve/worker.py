@@ -1,0 +1,309 @@
+"""The one thread that owns the Engine.
+
+The Engine (and the tokenizer it calls) is not thread-safe, so every touch of it happens
+here: HTTP handlers put commands ("add", "abort") on a thread-safe queue, and this thread
+drains the queue between steps, tokenizes, admits, steps and hands results back to each
+request's asyncio.Queue through loop.call_soon_threadsafe. Each request has its own queue
+and events are keyed by the engine request id, so tokens cannot cross between requests.
+
+Admission control: at most max_batch + max_queue requests are in flight (decoding or
+waiting); one more is refused with 429 at once rather than left to wait unboundedly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from dspark.engine.sampling import SamplingParams
+from dspark.errors import DSparkError
+from dspark.serve.prometheus import ServerMetrics
+from dspark.serve.protocol import APIError, GenRequest, bad, default_max_tokens, usage
+
+log = logging.getLogger("dspark")
+
+
+# ---- events handed to the event loop --------------------------------------------------------
+@dataclass
+class Admitted:
+    prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    text: str  # the whole completion
+    tail: str  # what the Delta events did not carry yet
+    usage: dict
+    spec: dict | None  # per-request speculative statistics; None without a draft
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+class Job:
+    """One HTTP generation request as the worker sees it."""
+
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, t_received: float):
+        self.req, self.loop, self.t_received = req, loop, t_received
+        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.settled = False  # loop side: no abort needed (outcome delivered, or abort already sent)
+        # worker side
+        self.engine_req = None
+        self.in_flight = False  # counts against the admission limit until closed
+        self.closed = False
+        self.started = False
+        self.text = ""  # output decoded so far (incrementally, see EngineWorker._detokenize)
+        self.sent = ""  # the prefix of it already handed out as Delta events
+        self.prefix_offset = self.read_offset = 0
+        # a stop string may still be completing: never hand out its possible first characters
+        self.holdback = max((len(s) for s in req.stop), default=1) - 1
+
+    def push(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down, nobody is listening
+            pass
+
+
+_STOP = ("stop", None)
+
+
+class EngineWorker:
+    def __init__(self, engine, metrics: ServerMetrics, max_queue: int):
+        if max_queue < 0:
+            raise DSparkError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.capacity = engine.max_batch + max_queue
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._running = 0
+        self._jobs: dict[str, Job] = {}  # worker thread only
+        self._thread: threading.Thread | None = None
+        metrics.queue_depth.set_function(lambda: max(0, self._in_flight - self._running))
+        metrics.running.set_function(lambda: self._running)
+
+    # ---- called from the event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._cmds.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job for admission, or raise 429 when max_batch + max_queue are in flight."""
+        if not self.alive:
+            raise APIError(503, "the engine thread is not running")
+        with self._lock:
+            if self._in_flight >= self.capacity:
+                raise APIError(
+                    429,
+                    f"the server is at capacity: {self._in_flight} requests in flight "
+                    f"({self.engine.max_batch} decoding + a queue of {self.max_queue}); retry later",
+                    None, type_="rate_limit_error", code="queue_full",
+                )
+            self._in_flight += 1
+            job.in_flight = True
+        self._cmds.put(("add", job))
+
+    def abort(self, job: Job) -> None:
+        self._cmds.put(("abort", job))
+
+    # ---- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._iteration():
+                    return
+            except Exception as exc:  # the thread must outlive any bug: a dead worker hangs every request
+                log.exception("dspark serve: worker iteration failed; failing the requests in flight")
+                self._engine_failed(exc)
+
+    def _iteration(self) -> bool:
+        """Drain commands (blocking only when idle), then one engine step. False: stop."""
+        cmds = [self._cmds.get()] if not self.engine.has_work() else []
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                break
+        for kind, job in cmds:
+            if kind == "stop":
+                self._shutdown()
+                return False
+            try:
+                self._add(job) if kind == "add" else self._abort(job)
+            except Exception as exc:  # a bug in admission must cost one request, not the batch
+                log.exception("dspark serve: %s of %s failed", kind, job.id)
+                self._fail([job], f"{type(exc).__name__}: {exc}")
+        if self.engine.has_work():
+            self._step()
+        return True
+
+    def _tokenize(self, req: GenRequest) -> list[int]:
+        if req.kind == "chat":
+            return list(self.engine.encode(list(req.prompt), chat=True))
+        if isinstance(req.prompt, tuple):
+            return list(req.prompt)
+        return list(self.engine.encode(req.prompt))
+
+    def _add(self, job: Job) -> None:
+        req, eng = job.req, self.engine
+        try:
+            ids = self._tokenize(req)
+            if not ids:
+                raise bad(req.prompt_param, "the prompt is empty after tokenization")
+            if max(ids) >= eng.target.vocab_size:
+                raise bad("prompt", f"prompt token id {max(ids)} is outside the vocabulary [0, {eng.target.vocab_size})")
+            ctx, reserve = eng.target.max_length, eng.gamma + 1  # the engine's own admission rule
+            room = ctx - len(ids) - reserve
+            if room < 1:
+                raise bad(req.prompt_param, f"the prompt is {len(ids)} tokens but the model's context is {ctx} "
+                          f"tokens, {reserve} of which are reserved for the draft block: no room for any output")
+            max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens(req, room)
+            if max_tokens > room:
+                raise bad(req.max_tokens_param, f"{req.max_tokens_param} is {max_tokens}, but with a {len(ids)}-token "
+                          f"prompt and {reserve} tokens reserved for the draft block only {room} fit in the "
+                          f"model's context of {ctx}")
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                    top_p=req.top_p, seed=req.seed, stop=req.stop)
+            job.engine_req = eng.add_request(ids, params, on_tokens=self._on_tokens, request_id=job.id)
+        except APIError as err:
+            return self._reject(job, err)
+        except DSparkError as err:  # RequestError from the engine, or a target without a chat template
+            return self._reject(job, bad(req.prompt_param, str(err)))
+        self._jobs[job.id] = job
+        self.metrics.prompt_tokens.inc(len(ids))
+        job.push(Admitted(len(ids)))
+
+    def _reject(self, job: Job, err: APIError) -> None:
+        err.counted = True
+        self.metrics.count("invalid")
+        self._close(job)
+        job.push(Failed(err))
+
+    def _close(self, job: Job) -> None:
+        job.closed = True
+        self._jobs.pop(job.id, None)
+        if job.in_flight:
+            job.in_flight = False
+            with self._lock:
+                self._in_flight -= 1
+
+    def _on_tokens(self, r, new: list[int]) -> None:
+        """Engine callback (this thread), right after tokens are committed to request r."""
+        job = self._jobs.get(r.id)
+        if job is None:
+            return
+        if not job.started:
+            job.started = True
+            self.metrics.ttft.observe(time.perf_counter() - job.t_received)
+        self.metrics.generation_tokens.inc(len(new))
+        if r.finished:
+            return  # _finish hands out the rest, cut at the stop string
+        self._detokenize(job, r.output_ids)
+        safe = len(job.text) - job.holdback
+        if safe > len(job.sent):
+            delta = job.text[len(job.sent):safe]
+            job.sent += delta
+            job.push(Delta(delta))
+
+    def _detokenize(self, job: Job, ids: list[int]) -> None:
+        """Extend job.text with what the newest tokens add, decoding a few tokens only.
+
+        Decoding the whole output every step costs O(length) per step. Instead decode a window
+        that starts at the tokens of the previous delta (prefix_offset) and subtract the decode
+        of its old part: a tokenizer that drops a leading space at the start of a decode does
+        so in both, so the difference is exactly the new text.
+        """
+        prefix = self.engine.decode(ids[job.prefix_offset:job.read_offset])
+        full = self.engine.decode(ids[job.prefix_offset:])
+        # a trailing U+FFFD is an incomplete multi-byte character: wait for its remaining bytes
+        if len(full) > len(prefix) and not full.endswith("\ufffd") and full.startswith(prefix):
+            job.text += full[len(prefix):]
+            job.prefix_offset, job.read_offset = job.read_offset, len(ids)
+
+    def _step(self) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        try:
+            finished = eng.step()
+        except Exception as exc:
+            log.exception("dspark serve: engine step failed; failing the requests in flight")
+            self._engine_failed(exc)
+            return
+        seconds = time.perf_counter() - t0
+        self._running = len(eng.running)
+        # decoded this step: those still running plus those it finished (prefill-only finishes are not returned)
+        self.metrics.engine_step(eng.metrics, seconds, len(eng.running) + len(finished))
+        for job in [j for j in self._jobs.values() if j.engine_req.finished]:
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        r = job.engine_req
+        self._close(job)
+        if r.finish_reason == "abort":
+            self.metrics.count("aborted")
+            return
+        text = r.text if r.text is not None else self.engine.decode(r.output_ids)
+        if not text.startswith(job.sent):
+            log.warning("dspark serve: %s: streamed text is not a prefix of the final text (detokenizer)", job.id)
+        spec = r.metrics.to_dict() if self.engine.draft is not None else None
+        self.metrics.count(r.finish_reason)  # before the client can see the answer: /metrics never lags it
+        job.push(Done(r.finish_reason, text, text[len(job.sent):], usage(len(r.prompt_ids), len(r.output_ids)), spec))
+
+    def _abort(self, job: Job) -> None:
+        if job.closed or job.engine_req is None:
+            return
+        self.engine.abort(job.engine_req)
+        self._running = len(self.engine.running)
+        self._finish(job)
+
+    def _fail(self, jobs: list[Job], why: str, status: int = 500) -> None:
+        for job in jobs:
+            if job.closed:
+                continue
+            self._close(job)
+            self.metrics.count("error")
+            err = APIError(status, f"generation failed: {why}")
+            err.counted = True
+            job.push(Failed(err))
+
+    def _empty_engine(self) -> None:
+        # After an exception mid-step the batch state is unknown: start from an empty engine
+        # rather than risk committing one request's cache rows to another.
+        eng = self.engine
+        eng.waiting.clear()
+        eng.running = []
+        eng.batch = None
+        self._running = 0
+
+    def _engine_failed(self, exc: Exception) -> None:
+        self._empty_engine()
+        self._fail(list(self._jobs.values()), f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def _shutdown(self) -> None:
+        self._empty_engine()
+        self._fail(list(self._jobs.values()), "the server is shutting down", status=503)
