@@ -1,0 +1,333 @@
+"""`dspark bench`: plain transformers, prompt lookup and dspark arms, side by side in one run.
+
+    dspark bench --target smollm2 --dataset-dir ../shared/datasets --limit 10 --max-new-tokens 128 --out bench-out
+
+Writes under --out: results.json (everything), results.md (tables), acceptance_per_position.png,
+speedup.png and speculation_profile.json (validated; from the `full` arm when it runs).
+Heavy imports stay inside the functions: `dspark --help` must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONCURRENCY = 4
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from dspark.generate import LAYOUTS
+
+    p.add_argument("--target", default="smollm2", help="HF model directory, or 'smollm2' (default)")
+    p.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target and draft dtype")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None, help="force the draft's block layout (diagnosis only)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dataset-dir", default=None,
+                   help="folder of {\"turns\": [...]} JSONL sets (gsm8k, math500, aime25, humaneval, mbpp)")
+    p.add_argument("--sets", default=None,
+                   help="comma-separated prompt sets to run (default: every set found, then 'chat', then --prompts files)")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                   help="extra prompt set: JSONL with 'turns' or 'prompt', or text one prompt a line (repeatable)")
+    p.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="base seed when sampling (prompt i uses seed + i in every arm)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
+    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                   help=f"requests decoded together by the batched adaptive arm (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--arms", default=None,
+                   help="comma-separated arms among hf, lookup, nospec, full, threshold, adaptive; NAME@N decodes N "
+                        "requests together (default: hf,lookup,nospec,full,adaptive,adaptive@CONCURRENCY)")
+    p.add_argument("--baseline", default="hf", help="arm that ratios are taken against (default hf)")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the lookup arm")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every arm")
+    p.add_argument("--out", required=True, help="output folder (created)")
+
+
+def _check_args(args) -> None:
+    from dspark.errors import DSparkError
+
+    if args.limit < 1:
+        raise DSparkError("--limit must be >= 1")
+    if args.max_new_tokens < 1:
+        raise DSparkError("--max-new-tokens must be >= 1")
+    if args.concurrency < 1:
+        raise DSparkError("--concurrency must be >= 1")
+    if args.lookup_tokens < 1:
+        raise DSparkError("--lookup-tokens must be >= 1")
+
+
+def reproduce_command(args) -> str:
+    """The command line that repeats this run (from the parsed flags, so it is canonical)."""
+    parts = ["dspark", "bench", "--target", args.target]
+    if args.draft:
+        parts += ["--draft", args.draft]
+    parts += ["--dtype", args.dtype]
+    for flag in ("device", "layout", "threads", "dataset_dir", "sets"):
+        v = getattr(args, flag)
+        if v is not None:
+            parts += [f"--{flag.replace('_', '-')}", str(v)]
+    for f in args.prompts:
+        parts += ["--prompts", f]
+    parts += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens)]
+    if args.temperature:
+        parts += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p),
+                  "--seed", str(args.seed)]
+    for flag in ("ignore_eos", "no_chat", "no_warmup"):
+        if getattr(args, flag):
+            parts.append(f"--{flag.replace('_', '-')}")
+    parts += ["--concurrency", str(args.concurrency), "--arms", args.arms_resolved, "--baseline", args.baseline,
+              "--lookup-tokens", str(args.lookup_tokens), "--out", args.out]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def machine_info(device: str) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average_start": _load(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    return info
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _target_id(target: str) -> str:
+    from dspark.bench.profile import checkpoint_id
+    from dspark.target.load import SMOLLM2
+
+    return "HuggingFaceTB/SmolLM2-135M-Instruct" if target == SMOLLM2 else checkpoint_id(target)
+
+
+def build_runners(arms, model, tokenizer, draft, lookup_tokens: int):
+    """One runner per arm, all on the same model object (and one shared HFTarget)."""
+    from dspark.api import DSparkEngine, eos_ids
+    from dspark.bench.runner import EngineRunner, HFRunner
+    from dspark.errors import DSparkError
+    from dspark.target.hf import HFTarget
+
+    eos = eos_ids(model, tokenizer)
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    target = HFTarget(model)
+    runners = {}
+    for arm in arms:
+        if arm.kind in ("hf", "lookup"):
+            runners[arm.name] = HFRunner(model, eos, pad, lookup_tokens if arm.kind == "lookup" else None)
+            continue
+        d = draft if arm.speculative else None
+        engine = DSparkEngine(target, d, tokenizer, eos, max_batch=arm.concurrency)
+        if arm.kind in ("threshold", "adaptive"):
+            try:
+                from dspark.engine.scheduler import make_scheduler
+            except ImportError as exc:
+                raise DSparkError(f"arm {arm.name} needs dspark.engine.scheduler ({exc}); drop it with --arms") from None
+            engine.scheduler = make_scheduler(arm.kind, engine)
+        runners[arm.name] = EngineRunner(engine, d.spec.hidden_state_indices if d is not None else ())
+    return runners
+
+
+def run_bench(args) -> int:
+    import torch
+
+    from dspark.api import default_draft
+    from dspark.bench.prompts import load_sets
+    from dspark.bench.runner import aggregate, default_arms, interleaved, parse_arms, sampling_params, ForwardTimer
+    from dspark.errors import DSparkError
+    from dspark.target.load import default_device, load_target, parse_dtype
+
+    _check_args(args)
+    args.arms_resolved = args.arms or default_arms(args.concurrency)
+    arms = parse_arms(args.arms_resolved)
+    names = [a.name for a in arms]
+    if args.baseline not in names:
+        raise DSparkError(f"--baseline {args.baseline!r} is not among the arms {names}")
+    sets = load_sets(args.dataset_dir, args.sets.split(",") if args.sets else None, args.prompts, args.limit)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or default_device()
+    parse_dtype(args.dtype, device)
+    model, tokenizer = load_target(args.target, args.dtype, device)
+    if tokenizer is None:
+        raise DSparkError(f"target {args.target!r} has no tokenizer: bench feeds text prompts")
+    draft, draft_path = None, None
+    if any(a.speculative for a in arms):
+        from dspark.model.load import load_draft
+
+        draft_path = args.draft or default_draft(args.target)
+        if draft_path is None:
+            raise DSparkError(f"no draft given for target {args.target!r} (pass --draft PATH, or only plain arms)")
+        draft = load_draft(str(draft_path), model, layout=args.layout)
+    machine = machine_info(device)
+    load = machine["load_average_start"]
+    if load and os.cpu_count() and load[0] > 0.5 * os.cpu_count():
+        print(f"note: load average {load[0]} on {os.cpu_count()} cores before the run: other work shares this "
+              "machine, tokens/s will be noisy (ratios suffer less: arms are interleaved)", file=sys.stderr)
+    runners = build_runners(arms, model, tokenizer, draft, args.lookup_tokens)
+
+    chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
+    if not args.no_chat and not chat:
+        print("note: the target's tokenizer has no chat template: prompts are fed raw", file=sys.stderr)
+    encoder = next((r.engine for r in runners.values() if hasattr(r, "engine")), None)
+    encoded = {ps.name: [_encode(tokenizer, encoder, t, chat) for t in ps.prompts] for ps in sets}
+    params_for = sampling_params(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.ignore_eos)
+
+    timer = ForwardTimer(model, device)
+    try:
+        if not args.no_warmup:
+            # First calls allocate caches and pick kernels: keep that out of every arm's numbers.
+            from dataclasses import replace
+
+            first = encoded[sets[0].name][0]
+            warm = replace(params_for(0), max_new_tokens=min(8, args.max_new_tokens))
+            for arm in arms:
+                runners[arm.name]([first] * arm.concurrency, [warm] * arm.concurrency)
+        total = sum(len(v) for v in encoded.values())
+        print(f"bench: {len(arms)} arms x {total} prompts ({', '.join(f'{s.name} {len(s.prompts)}' for s in sets)})",
+              file=sys.stderr)
+        chunks = interleaved(arms, runners, sets, encoded, params_for, timer, device, progress=_progress)
+    finally:
+        timer.close()
+    machine["load_average_end"] = _load()
+
+    table = aggregate(chunks, arms, [s.name for s in sets])
+    profile_arm = _profile_arm(arms)
+    results = {
+        "command": reproduce_command(args),
+        "machine": machine,
+        "config": {
+            "target": args.target, "draft": str(draft_path) if draft_path else None, "dtype": args.dtype,
+            "layout": draft.spec.layout if draft is not None else None, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "ignore_eos": args.ignore_eos, "chat": chat, "limit": args.limit, "arms": names,
+            "baseline": args.baseline, "lookup_tokens": args.lookup_tokens, "warmup": not args.no_warmup,
+            "prompt_sets": {s.name: {"prompts": len(s.prompts), "source": s.source} for s in sets},
+        },
+        "gamma": draft.spec.gamma if draft is not None else None,
+        "profile_arm": profile_arm.name if profile_arm else None,
+        "sets": {
+            s: {"arms": {n: st.to_dict(arms_stats[args.baseline]) for n, st in arms_stats.items()}}
+            for s, arms_stats in table.items()
+        },
+    }
+    if args.temperature > 0:
+        # sampled arms draw from different random streams: equal text says nothing about losslessness
+        for block in results["sets"].values():
+            for arm in block["arms"].values():
+                arm["same_output_as_baseline"] = None
+    files = {"results_json": out / "results.json", "results_md": out / "results.md"}
+    refused = None
+    if profile_arm is not None:
+        from dspark.bench.profile import ProfileError
+
+        if table["all"][profile_arm.name].metrics is None or table["all"][profile_arm.name].metrics.steps == 0:
+            results["profile_skipped"] = f"arm {profile_arm.name} made no verify step (every request ended at prefill)"
+            print(f"note: no speculation profile: {results['profile_skipped']}", file=sys.stderr)
+        else:
+            try:
+                files["profile"] = _write_profile(args, table, profile_arm, draft, draft_path, machine, sets, out, chat)
+            except ProfileError as exc:
+                # keep the measurements (they show what went wrong), then fail the command
+                refused, results["profile_error"] = exc, str(exc)
+    from dspark.bench.report import markdown, plots
+
+    for p in plots(results, out):
+        files[p.stem] = p
+    results["files"] = {k: str(v) for k, v in files.items()}
+    files["results_json"].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    md = markdown(results)
+    files["results_md"].write_text(md, encoding="utf-8")
+    print(md)
+    print(f"wrote {', '.join(str(v) for v in files.values())}", file=sys.stderr)
+    if refused is not None:
+        raise refused
+    return 0
+
+
+def _encode(tokenizer, engine, text: str, chat: bool) -> list[int]:
+    if engine is not None:
+        return engine.encode(text, chat=chat)
+    if chat:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return tokenizer.encode(text)
+
+
+def _progress(chunk) -> None:
+    tok = sum(len(o) for o in chunk.outputs)
+    where = f"{chunk.set} #{chunk.indices[0]}" + (f"-{chunk.indices[-1]}" if len(chunk.indices) > 1 else "")
+    print(f"  {where:<16} {chunk.arm:<12} {tok:>5} tok {chunk.wall_s:7.2f} s  {tok / max(chunk.wall_s, 1e-9):7.1f} tok/s",
+          file=sys.stderr)
+
+
+def _profile_arm(arms):
+    """The arm whose acceptance describes the draft: full verification at batch 1 when measured."""
+    spec = [a for a in arms if a.speculative]
+    if not spec:
+        return None
+    return min(spec, key=lambda a: (a.kind != "full", a.concurrency))
+
+
+def _write_profile(args, table, arm, draft, draft_path, machine, sets, out: Path, chat: bool) -> Path:
+    from dspark.bench.profile import build_profile, checkpoint_id, write_profile
+
+    overall = table["all"][arm.name]
+    spec = draft.spec
+    profile = build_profile(
+        overall.metrics,
+        per_request=overall.per_request,
+        draft_checkpoint={"id": checkpoint_id(str(draft_path)), "format": spec.format, "layout": spec.layout,
+                          "layout_source": spec.layout_source, "hidden_state_indices": list(spec.hidden_state_indices),
+                          "mask_token_id": spec.mask_token_id, "markov_head_type": spec.markov_head_type},
+        target_model={"id": _target_id(args.target), "dtype": args.dtype},
+        block_size=spec.block_size,
+        per_category={s.name: (table[s.name][arm.name].metrics, table[s.name][arm.name].requests)
+                      for s in sets if table[s.name][arm.name].metrics is not None},
+        measurement_conditions={
+            "engine": "dspark", "arm": arm.name, "verify_policy": arm.kind, "concurrency": arm.concurrency,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "chat_template": chat,
+            "datasets": {s.name: len(s.prompts) for s in sets}, "dtype": args.dtype, "device": machine["device"],
+            "hardware": machine["gpu"] or machine["cpu"], "torch_threads": machine["torch_threads"],
+            "torch": machine["torch"], "transformers": machine["transformers"], "date": machine["date"],
+        },
+    )
+    return write_profile(profile, out / "speculation_profile.json")

@@ -1,0 +1,143 @@
+"""Issue 7: `dspark bench` runs every arm on the same prompts and writes all its outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.bench.prompts import load_sets
+from dspark.bench.runner import Arm, ForwardTimer, interleaved, parse_arms
+from dspark.cli import main
+from dspark.errors import DSparkError
+from tests.test_train_fixtures import char_tokenizer
+from tests.tiny import tiny_draft, tiny_target
+
+
+def _repeat_draft(model):
+    """A draft whose Markov head says "the previous token again": the tiny random target's greedy
+    text settles into loops, so this draft is accepted some of the time and rejected some of the
+    time, which gives the profile non-trivial rates to check."""
+    V = model.config.vocab_size
+    draft = tiny_draft(model, gamma=3, markov_rank=V, mask_token_id=3)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(V))
+        draft.markov_head.markov_w2.weight.copy_(torch.eye(V) * 50.0)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from dspark.formats.convert import write_deepspec
+
+    root = tmp_path_factory.mktemp("bench")
+    tok = char_tokenizer()
+    model = tiny_target(vocab=len(tok))
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    draft = _repeat_draft(model)
+    write_deepspec(draft.spec, draft.own_state_dict(), root / "draft")
+    data = root / "datasets"
+    data.mkdir()
+    for name, rows in {"gsm8k": ["What is 12 plus 30?", "Tom has 3 apples and buys 4 more. How many?", "unused"],
+                       "humaneval": ["def add(a, b):", "Write a function that reverses a list."]}.items():
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [r, "second turn"]}) + "\n" for r in rows))
+    (root / "mine.txt").write_text("Say hello.\nCount to five.\n")
+    return root
+
+
+def test_bench_end_to_end_writes_every_output(setup, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))  # the adaptive arm's cost curve
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "draft"), "--dtype", "fp32",
+               "--device", "cpu", "--dataset-dir", str(setup / "datasets"), "--prompts", str(setup / "mine.txt"),
+               "--limit", "2", "--max-new-tokens", "12", "--ignore-eos",
+               "--arms", "hf,lookup,nospec,full,adaptive,full@2", "--out", str(out)])
+    assert rc == 0
+    for name in ("results.json", "results.md", "speculation_profile.json", "acceptance_per_position.png", "speedup.png"):
+        assert (out / name).stat().st_size > 0, name
+    for png in ("acceptance_per_position.png", "speedup.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["sets"]) == ["gsm8k", "humaneval", "chat", "mine", "all"]
+    assert res["config"]["prompt_sets"]["gsm8k"]["prompts"] == 2  # --limit
+    for set_name, block in res["sets"].items():
+        n = 8 if set_name == "all" else 2
+        for name, arm in block["arms"].items():
+            assert arm["requests"] == n and arm["generated_tokens"] == 12 * n, (set_name, name)
+            assert arm["tokens_per_second"] > 0
+            t = arm["time_s"]
+            assert t["target_forward"] > 0
+            assert t["target_forward"] + t["draft"] + t["overhead"] == pytest.approx(t["wall"], abs=2e-3)
+        assert block["arms"]["hf"]["ratio_to_baseline"] == 1.0
+        # fp32: every dspark arm is lossless, token for token equal to transformers' greedy output
+        for name in ("nospec", "full", "adaptive", "full@2"):
+            assert block["arms"][name]["same_output_as_baseline"] == 1.0, (set_name, name)
+        assert "acceptance" not in block["arms"]["nospec"]
+    acc = res["sets"]["all"]["arms"]["full"]["acceptance"]
+    assert 0 < acc["draft_acceptance_rate"] < 1  # both accepted and rejected drafts: the rates mean something
+    assert acc["mean_accept_length"] == pytest.approx(1 + sum(acc["marginal_accept_rates"]), abs=1e-3)
+
+    prof = json.loads((out / "speculation_profile.json").read_text())
+    assert prof["validation"]["passed"] and prof["measurement_conditions"]["arm"] == "full"
+    assert prof["num_speculative_tokens"] == 3 and prof["block_size"] == 3
+    assert prof["mean_accept_length"] == pytest.approx(acc["mean_accept_length"], abs=1e-4)
+    assert sum(prof["acceptance_length_histogram"].values()) == acc["verify_steps"]
+    assert set(prof["per_category"]) == {"gsm8k", "humaneval", "chat", "mine"}
+
+    md = (out / "results.md").read_text()
+    assert "| gsm8k | dspark full |" in md and "## Acceptance per position (`full` arm)" in md
+    assert "Reproduce: `dspark bench --target" in md and md in capsys.readouterr().out
+
+
+def test_arms_are_interleaved_per_prompt_with_rotating_order():
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, prompts, params):
+            calls.append((self.name, tuple(p[0] for p in prompts)))
+            return [[1, 2]] * len(prompts), [None] * len(prompts)
+
+    class Set:
+        def __init__(self, name, n):
+            self.name, self.prompts = name, [""] * n
+
+    arms = parse_arms("hf,nospec,full,adaptive@2")
+    runners = {a.name: Fake(a.name) for a in arms}
+    sets = [Set("a", 3)]
+    encoded = {"a": [[10], [11], [12]]}
+    timer = ForwardTimer(torch.nn.Identity(), "cpu")
+    chunks = interleaved(arms, runners, sets, encoded, lambda i: None, timer, "cpu")
+    assert calls == [
+        ("hf", (10,)), ("nospec", (10,)), ("full", (10,)),  # prompt 0
+        ("nospec", (11,)), ("full", (11,)), ("hf", (11,)),  # prompt 1: order rotated
+        ("adaptive@2", (10, 11)),  # the batched arm decodes the group together
+        ("full", (12,)), ("hf", (12,)), ("nospec", (12,)),
+        ("adaptive@2", (12,)),
+    ]
+    assert [c.indices for c in chunks if c.arm == "adaptive@2"] == [[0, 1], [2]]
+
+
+def test_arm_parsing_and_prompt_set_errors(setup, tmp_path):
+    assert parse_arms("hf, lookup,adaptive@4") == [Arm("hf"), Arm("lookup"), Arm("adaptive", 4)]
+    for bad, match in (("magic", "unknown bench arm"), ("hf@2", "one request at a time"), ("full@x", "integer"),
+                       ("full,full", "twice"), ("full@0", ">= 1")):
+        with pytest.raises(DSparkError, match=match):
+            parse_arms(bad)
+    sets = load_sets(str(setup / "datasets"), None, [], 5)
+    assert [s.name for s in sets] == ["gsm8k", "humaneval", "chat"]
+    assert sets[0].prompts == ("What is 12 plus 30?", "Tom has 3 apples and buys 4 more. How many?", "unused")
+    with pytest.raises(DSparkError, match=r"prompt sets \['mbpp'\] not found"):
+        load_sets(str(setup / "datasets"), ["mbpp"], [], 5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": []}\n')
+    with pytest.raises(DSparkError, match="bad.jsonl:1"):
+        load_sets(None, ["bad"], [str(bad)], 5)
+    rc = main(["bench", "--target", str(setup / "target"), "--arms", "hf", "--baseline", "full",
+               "--out", str(tmp_path / "o")])
+    assert rc == 2  # a baseline that is not an arm: one-line error before any model loads
