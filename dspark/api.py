@@ -69,7 +69,10 @@ def load_engine(
     scheduler=None,
     max_batch: int = 16,
     threads: int | None = None,
+    check: bool = True,
 ) -> DSparkEngine:
+    """check: run the doctor's cheap empirical check once the draft is loaded and log loudly
+    what it finds (layout / taps / mask token that behave better than declared)."""
     from dspark.model.load import load_draft
 
     if threads:
@@ -83,4 +86,11 @@ def load_engine(
         if path is None:
             raise DSparkError(f"no draft given for target {target!r} (pass --draft PATH, or --no-spec)")
         d = load_draft(str(path), model, layout=layout)
-    return DSparkEngine(HFTarget(model), d, tokenizer, eos_ids(model, tokenizer), scheduler=scheduler, max_batch=max_batch)
+    engine = DSparkEngine(HFTarget(model), d, tokenizer, eos_ids(model, tokenizer), scheduler=scheduler,
+                          max_batch=max_batch)
+    if check and d is not None:
+        from dspark.bench.doctor import quick_check
+
+        for warning in quick_check(engine):
+            log.warning("WARNING: draft check: %s", warning)
+    return engine

@@ -27,6 +27,7 @@ def add_engine_arguments(p) -> None:
     p.add_argument("--threshold", type=float, default=0.5, help="confidence cut for --verify threshold")
     p.add_argument("--calibration", default=None, help="STS file written by `dspark calibrate`")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
 
 
 def add_generate_arguments(p) -> None:
@@ -42,11 +43,12 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--compare", action="store_true", help="also decode without speculation and print the speedup")
 
 
-def build_engine(args):
+def build_engine(args, **engine_options):
+    """The engine that add_engine_arguments' flags describe (generate, serve, ...)."""
     from dspark.api import load_engine
 
     engine = load_engine(args.target, args.draft, no_spec=args.no_spec, dtype=args.dtype, device=args.device,
-                         layout=args.layout, threads=args.threads)
+                         layout=args.layout, threads=args.threads, check=not args.no_check, **engine_options)
     if args.verify != "full":
         from dspark.engine.scheduler import make_scheduler
 

@@ -37,7 +37,7 @@ def served_name(target: str) -> str:
 
 
 def build_engine(args):
-    from dspark.api import load_engine
+    from dspark import generate
 
     if args.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {args.max_batch}")
@@ -45,13 +45,7 @@ def build_engine(args):
         raise DSparkError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise DSparkError(f"--port must be in 1..65535, got {args.port}")
-    engine = load_engine(args.target, args.draft, no_spec=args.no_spec, dtype=args.dtype, device=args.device,
-                         layout=args.layout, max_batch=args.max_batch, threads=args.threads)
-    if args.verify != "full":
-        from dspark.engine.scheduler import make_scheduler
-
-        engine.scheduler = make_scheduler(args.verify, engine, threshold=args.threshold, calibration=args.calibration)
-    return engine
+    return generate.build_engine(args, max_batch=args.max_batch)
 
 
 def _is_loopback(host: str) -> bool:
