@@ -1,0 +1,294 @@
+"""`dspark train {data,features,fit,export,eval,all}`: the training pipeline on the command line.
+
+`dspark train all --target smollm2 --out runs/smollm2` runs every stage, each resumable:
+rerunning the same command continues where it stopped. Heavy imports stay inside functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+STAGES = ("data", "features", "fit", "export", "eval", "all")
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _target_args(p) -> None:
+    p.add_argument("--target", default="smollm2", help="'smollm2' or a Hugging Face model directory")
+    p.add_argument("--dtype", default="bf16", help="target dtype (bf16 or fp32); the draft trains in fp32")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _data_args(p, prefix: str = "") -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--gen-batch-size", type=int, default=8, help="prompts generated together (left padded)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (base models)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each set")
+
+
+def _draft_args(p) -> None:
+    g = p.add_argument_group("draft architecture")
+    g.add_argument("--gamma", type=int, default=7, help="draft tokens per step")
+    g.add_argument("--layout", default="anchor_first", choices=("anchor_first", "bonus_anchor"))
+    g.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--taps", type=_int_tuple, default=None, help="HF hidden_states indices, e.g. 2,15,28")
+    g.add_argument("--n-taps", type=int, default=3, help="taps spread over the depth when --taps is not given")
+    g.add_argument("--markov-rank", type=int, default=64, help="0 = no Markov head (DFlash-style ablation)")
+    g.add_argument("--markov-type", default="vanilla", choices=("vanilla", "gated", "rnn"))
+    g.add_argument("--no-confidence-head", action="store_true")
+    g.add_argument("--mask-token-id", type=int, default=0)
+
+
+def _fit_args(p) -> None:
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=float, default=10.0)
+    g.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides --epochs)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all processes")
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup", type=float, default=0.04, help="fraction of steps")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--max-anchors", type=int, default=64, help="random anchors per sequence and step")
+    g.add_argument("--decay", type=float, default=4.0, help="slot weight exp(-slot/decay)")
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--head-dtype", default="bf16", choices=("bf16", "fp32"),
+                   help="precision of the frozen LM head's matmul in training")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--eval-every", type=int, default=100)
+    g.add_argument("--eval-max-anchors", type=int, default=64)
+    g.add_argument("--ckpt-every", type=int, default=100)
+    g.add_argument("--feature-batch-tokens", type=int, default=4096)
+    g.add_argument("--format", default="speculators", choices=("speculators", "deepspec"),
+                   help="format of the checkpoint export in <out>/draft")
+    g.add_argument("--verifier", default=None, help="verifier name recorded in speculators configs")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="stage", required=True)
+    p = sub.add_parser("data", help="self-distillation: the target answers a prompt set")
+    _target_args(p)
+    p.add_argument("--prompts", default="train", help="'train', 'heldout' or a .jsonl/.txt file")
+    p.add_argument("--out", required=True, help="shard to append to (.jsonl)")
+    p.add_argument("--seed", type=int, default=0)
+    _data_args(p)
+
+    p = sub.add_parser("features", help="cache the target's tapped and final hidden states (bf16)")
+    _target_args(p)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True, help="cache directory")
+    p.add_argument("--taps", type=_int_tuple, default=None)
+    p.add_argument("--n-taps", type=int, default=3)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--feature-batch-tokens", type=int, default=4096)
+
+    p = sub.add_parser("fit", help="train a draft (resumes from <out> when it holds a checkpoint)")
+    _target_args(p)
+    p.add_argument("--data", required=True)
+    p.add_argument("--heldout", default=None, help="held-out shard for periodic evaluation")
+    p.add_argument("--features", default="online", help="'online' or a feature-cache directory (built if absent)")
+    p.add_argument("--out", required=True, help="run directory")
+    _draft_args(p)
+    _fit_args(p)
+
+    p = sub.add_parser("export", help="write a run's latest checkpoint as speculators or DeepSpec")
+    p.add_argument("--run", required=True, help="run directory of `dspark train fit`")
+    p.add_argument("--format", default="speculators", choices=("speculators", "deepspec"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--verifier", default=None)
+
+    p = sub.add_parser("eval", help="greedy decoding through the engine, with and without the draft")
+    _target_args(p)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--prompts", default="heldout")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("all", help="data -> features -> fit -> export -> eval, each resumable")
+    _target_args(p)
+    p.add_argument("--out", required=True, help="directory for everything (data/, features/, run/, exports)")
+    p.add_argument("--train-prompts", default="train")
+    p.add_argument("--heldout-prompts", default="heldout")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--online", action="store_true", help="recompute target features every step instead of caching")
+    p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts decoded by the final engine check")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    _data_args(p)
+    _draft_args(p)
+    _fit_args(p)
+
+
+def run_train(args) -> int:
+    import os  # noqa: PLC0415
+
+    from dspark.train.errors import TrainError  # noqa: PLC0415
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.stage != "fit":
+        raise TrainError(f"`dspark train {args.stage}` runs in one process; only `fit` is data-parallel under torchrun")
+    return {"data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "all": _all}[args.stage](args)
+
+
+# ---------------------------------------------------------------- stages
+
+
+def _load(args):
+    from dspark.target.load import load_target  # noqa: PLC0415
+
+    return load_target(args.target, args.dtype)
+
+
+def _prompts(source: str, limit: int | None):
+    from dspark.train.errors import TrainError  # noqa: PLC0415
+    from dspark.train.prompts import load_prompts  # noqa: PLC0415
+
+    if limit is not None and limit < 1:
+        raise TrainError(f"--limit must be >= 1, got {limit}")
+    return load_prompts(source)[:limit]
+
+
+def _gen(model, tok, args, prompts: str, out, seed: int) -> None:
+    from dspark.train.data import GenSettings, generate_shard  # noqa: PLC0415
+    from dspark.train.errors import TrainError  # noqa: PLC0415
+
+    if tok is None:
+        raise TrainError(f"target {args.target!r} has no tokenizer: self-distillation needs one")
+    s = GenSettings(args.max_new_tokens, args.temperature, args.top_p, seed, not args.no_chat_template)
+    st = generate_shard(model, tok, _prompts(prompts, args.limit), out, s, target_name=args.target,
+                        batch_size=args.gen_batch_size, progress=not args.quiet)
+    print(f"{out}: {st.written} answers written ({st.tokens} tokens, {st.truncated} cut at --max-new-tokens), "
+          f"{st.skipped} of {st.total} prompts already done")
+
+
+def _data(args) -> int:
+    model, tok = _load(args)
+    _gen(model, tok, args, args.prompts, args.out, args.seed)
+    return 0
+
+
+def _features(args) -> int:
+    from dspark.model.factory import default_taps  # noqa: PLC0415
+    from dspark.train.dataset import load_sequences  # noqa: PLC0415
+    from dspark.train.features import build_cache, cache_bytes  # noqa: PLC0415
+
+    model, _ = _load(args)
+    taps = args.taps or default_taps(model.config.num_hidden_layers, args.n_taps)
+    seqs = load_sequences(args.data, model.get_output_embeddings().weight.shape[0], args.max_seq_len)
+    out = build_cache(model, tuple(taps), seqs, args.out, target_name=args.target,
+                      max_tokens=args.feature_batch_tokens, progress=not args.quiet)
+    print(f"feature cache {out}: {len(seqs)} sequences, taps {list(taps)}, {cache_bytes(out) / 2**20:.1f} MiB (bf16)")
+    return 0
+
+
+def _config(args, data: str, heldout: str | None, features: str, out: str):
+    from dspark.train.config import DraftOptions, TrainConfig  # noqa: PLC0415
+
+    d = DraftOptions(gamma=args.gamma, layout=args.layout, num_layers=args.layers, intermediate_size=args.intermediate_size,
+                     taps=args.taps, n_taps=args.n_taps, markov_rank=args.markov_rank, markov_head_type=args.markov_type,
+                     confidence_head=not args.no_confidence_head, mask_token_id=args.mask_token_id)
+    return TrainConfig(target=args.target, data=data, out=out, heldout=heldout, features=features, dtype=args.dtype,
+                       draft=d, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                       warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                       max_anchors=args.max_anchors, decay=args.decay, head_dtype=args.head_dtype,
+                       max_seq_len=args.max_seq_len, seed=args.seed,
+                       eval_every=args.eval_every, eval_max_anchors=args.eval_max_anchors, ckpt_every=args.ckpt_every,
+                       feature_batch_tokens=args.feature_batch_tokens, export_format=args.format, verifier=args.verifier)
+
+
+def _report_fit(res) -> None:
+    from dspark.train.trainer import _eval_line  # noqa: PLC0415
+
+    if not res.main:
+        return
+    first = f"{res.losses[0]:.4f} -> " if res.losses else ""
+    last = f"{res.losses[-1]:.4f}" if res.losses else "(nothing left to train)"
+    print(f"trained to step {res.step}/{res.total_steps} in {res.seconds / 60:.1f} min; loss {first}{last}")
+    if res.eval:
+        print(_eval_line(res.step, res.eval))
+    print(f"checkpoint: {res.draft_dir}")
+
+
+def _fit(args) -> int:
+    from dspark.train.trainer import train  # noqa: PLC0415
+
+    _report_fit(train(_config(args, args.data, args.heldout, args.features, args.out), progress=not args.quiet))
+    return 0
+
+
+def _export(args) -> int:
+    from dspark.train.export import export_run, size_mb  # noqa: PLC0415
+
+    out = export_run(args.run, args.out, args.format, args.verifier)
+    print(f"{args.format} draft written to {out} ({size_mb(out):.1f} MiB)")
+    return 0
+
+
+def _print_eval(res: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"engine check on {res['prompts']} prompts (greedy): mean acceptance length {res['mean_accept_length']:.3f}, "
+          f"speedup {res['speedup']:.2f}x ({res['spec_tok_s']:.1f} vs {res['plain_tok_s']:.1f} tok/s), "
+          f"outputs equal to plain decoding: {res['outputs_equal_plain']}/{res['prompts']}")
+    print("  conditional acceptance per slot: " + " ".join(f"{x:.2f}" for x in res["conditional_accept"]))
+    print("  marginal acceptance per slot:    " + " ".join(f"{x:.2f}" for x in res["marginal_accept"]))
+
+
+def _eval(args) -> int:
+    from dspark.model.load import load_draft  # noqa: PLC0415
+    from dspark.train.e2e import engine_eval  # noqa: PLC0415
+
+    model, tok = _load(args)
+    draft = load_draft(args.draft, model)
+    res = engine_eval(model, tok, draft, _prompts(args.prompts, args.limit), max_new_tokens=args.max_new_tokens,
+                      chat_template=not args.no_chat_template, progress=not args.quiet)
+    _print_eval(res, args.json)
+    return 0
+
+
+def _all(args) -> int:
+    from dspark.model.load import load_draft  # noqa: PLC0415
+    from dspark.train.e2e import engine_eval  # noqa: PLC0415
+    from dspark.train.export import export_run, size_mb  # noqa: PLC0415
+    from dspark.train.trainer import train  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    root = Path(args.out)
+    data, held = root / "data" / "train.jsonl", root / "data" / "heldout.jsonl"
+    model, tok = _load(args)
+    print("[1/4] self-distillation data")
+    _gen(model, tok, args, args.train_prompts, data, args.data_seed)
+    _gen(model, tok, args, args.heldout_prompts, held, args.data_seed)
+    del model  # the trainer loads its own copy
+    print("[2/4] training" + (" (online features)" if args.online else " (features cached in bf16)"))
+    cfg = _config(args, str(data), str(held), "online" if args.online else str(root / "features"), str(root / "run"))
+    res = train(cfg, progress=not args.quiet)
+    _report_fit(res)
+    print("[3/4] export")
+    for fmt in ("speculators", "deepspec") if args.layout == "anchor_first" else ("speculators",):
+        dst = root / f"draft-{fmt}"
+        shutil.rmtree(dst, ignore_errors=True)  # a rerun refreshes the exports from the latest checkpoint
+        export_run(root / "run", dst, fmt, args.verifier)
+        print(f"  {fmt}: {dst} ({size_mb(dst):.1f} MiB)")
+    print("[4/4] engine check on held-out prompts")
+    model, tok = _load(args)
+    draft = load_draft(str(root / "run" / "draft"), model)
+    prompts = _prompts(args.heldout_prompts, None)[: args.eval_prompts]
+    res = engine_eval(model, tok, draft, prompts, max_new_tokens=args.eval_max_new_tokens,
+                      chat_template=not args.no_chat_template, progress=not args.quiet)
+    (root / "engine_eval.json").write_text(json.dumps(res, indent=2) + "\n")
+    _print_eval(res, False)
+    print(f"all stages done in {(time.perf_counter() - t0) / 60:.1f} min (this invocation)")
+    return 0

@@ -1,0 +1,137 @@
+"""Self-distillation: the target answers a prompt set; prompt+answer ids and the answer mask are saved.
+
+Batched `transformers` generation with left padding (so every row's answer starts at the same
+column). Each finished batch is appended to the shard and fsynced, so an interrupted run
+resumes where it stopped; prompts already in the shard (same normalized text) are skipped.
+A sidecar `<shard>.meta.json` pins the target and sampling settings: mixing answers of two
+targets or two temperatures in one shard is refused rather than silently allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.train.dataset import read_records
+from dspark.train.errors import TrainError
+from dspark.train.prompts import Prompt, dedupe
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy, the decoding mode the bundled draft is measured in
+    top_p: float = 1.0
+    seed: int = 0
+    chat_template: bool = True
+
+    def check(self) -> None:
+        if self.max_new_tokens < 2:
+            raise TrainError(f"--max-new-tokens must be >= 2, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise TrainError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {self.temperature}, {self.top_p}")
+
+
+@dataclass
+class GenStats:
+    total: int  # distinct prompts
+    skipped: int  # already in the shard
+    written: int
+    tokens: int  # answer tokens written now
+    truncated: int  # answers cut by max_new_tokens (no end-of-turn token)
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if not chat_template:
+        return tokenizer(text)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainError("the tokenizer has no chat template: pass --no-chat-template to use raw prompts")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    # The template already holds any BOS it wants; letting the tokenizer add one would double it.
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    if not ids:
+        raise TrainError("neither the tokenizer nor the model's generation config names an end-of-sequence token")
+    return ids
+
+
+def _check_meta(out: Path, meta: dict) -> None:
+    side = out.with_name(out.name + ".meta.json")
+    if side.exists():
+        old = json.loads(side.read_text())
+        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        if diff:
+            raise TrainError(f"{out} was generated with other settings {diff} (old, new): use another --out")
+    else:
+        side.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSettings, *, target_name: str,
+                   batch_size: int = 8, progress: bool = True) -> GenStats:
+    settings.check()
+    if batch_size < 1:
+        raise TrainError(f"--batch-size must be >= 1, got {batch_size}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    _check_meta(out, {"target": target_name, "vocab_size": vocab, **asdict(settings)})
+    prompts = dedupe(prompts)
+    done = {r.get("key") for r in read_records(out, repair=True)}
+    todo = [p for p in prompts if p.key not in done]
+    stats = GenStats(len(prompts), len(prompts) - len(todo), 0, 0, 0)
+    stops = eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    dev = next(model.parameters()).device
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt", disable=not progress)
+    with open(out, "a", encoding="utf-8") as f:
+        for i in range(0, len(todo), batch_size):
+            batch = todo[i : i + batch_size]
+            encoded = [encode_prompt(tokenizer, p.text, settings.chat_template) for p in batch]
+            # Seeded per batch from its first prompt. Batches are written whole, so a run resumed with the same
+            # prompts and batch size forms the same batches and samples what an uninterrupted run would.
+            torch.manual_seed(settings.seed * 1_000_003 + zlib.crc32(batch[0].key.encode()))
+            answers = _generate(model, encoded, settings, pad, stops, dev)
+            for p, prompt_ids, (answer, finish) in zip(batch, encoded, answers):
+                rec = {"key": p.key, "prompt": p.text, "category": p.category, "ids": prompt_ids + answer,
+                       "loss_mask": [0] * len(prompt_ids) + [1] * len(answer), "prompt_len": len(prompt_ids),
+                       "finish": finish}
+                f.write(json.dumps(rec) + "\n")
+                stats.written += 1
+                stats.tokens += len(answer)
+                stats.truncated += finish == "length"
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(tokens=stats.tokens)
+    bar.close()
+    return stats
+
+
+@torch.inference_mode()
+def _generate(model, encoded: list[list[int]], s: GenSettings, pad: int, stops: set[int], dev) -> list[tuple[list[int], str]]:
+    width = max(len(e) for e in encoded)
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=dev)
+    attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=dev)
+    kw = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0) if s.temperature > 0 else dict(do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=s.max_new_tokens, pad_token_id=pad,
+                         eos_token_id=sorted(stops), **kw)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        answers.append((row[: cut + 1], "stop") if cut is not None else (row, "length"))
+    return answers

@@ -1,0 +1,70 @@
+"""Self-distillation shards: one JSON line per prompt with the prompt+answer ids and a loss mask.
+
+Line: {"key", "prompt", "category", "ids", "loss_mask", "prompt_len", "finish"}; loss_mask is 1
+on the target's answer (end-of-turn token included: the draft must learn to predict it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.train.errors import TrainError
+
+
+@dataclass
+class Sequence:
+    key: str
+    ids: torch.Tensor  # [L] long
+    loss_mask: torch.Tensor  # [L] bool
+
+
+def read_records(path: Path, repair: bool = False) -> list[dict]:
+    """Records of a shard. A torn last line (a crash mid-write) is dropped, and cut off when repair."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    records, good_end = [], 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            good_end += len(line) + 1
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):  # only the final, unterminated line can be torn
+                raise TrainError(f"{path}:{n}: malformed JSON line (not a torn write at the end)") from None
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(good_end)
+            break
+        good_end += len(line) + 1
+    return records
+
+
+def load_sequences(path, vocab_size: int | None = None, max_len: int | None = None) -> list[Sequence]:
+    path = Path(path)
+    if not path.is_file():
+        raise TrainError(f"training data {path} does not exist (run `dspark train data` first)")
+    seqs = []
+    for n, rec in enumerate(read_records(path), 1):
+        ids, mask = rec.get("ids"), rec.get("loss_mask")
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            raise TrainError(f"{path} record {n}: needs lists \"ids\" and \"loss_mask\" of equal length")
+        if not all(isinstance(t, int) for t in ids) or not all(m in (0, 1) for m in mask):
+            raise TrainError(f"{path} record {n}: ids must be integers and loss_mask 0/1")
+        if vocab_size is not None and ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            raise TrainError(f"{path} record {n}: token ids outside the target vocabulary [0, {vocab_size})")
+        ids_t, mask_t = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+        if max_len is not None:
+            ids_t, mask_t = ids_t[:max_len], mask_t[:max_len]
+        seqs.append(Sequence(str(rec.get("key", n)), ids_t, mask_t))
+    if not seqs:
+        raise TrainError(f"{path} holds no sequences")
+    if not any(s.loss_mask[1:].sum() >= 2 for s in seqs):
+        raise TrainError(f"{path}: no sequence has an answer of 2+ tokens: nothing to train on")
+    return seqs

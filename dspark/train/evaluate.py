@@ -1,0 +1,76 @@
+"""Held-out, teacher-forced acceptance of a draft being trained (no decoding loop needed).
+
+Only blocks whose gamma slots all predict response tokens are scored, so a short answer's end
+does not pose as a rejection. Per slot i, teacher-forced with the data's previous tokens:
+- greedy: draft argmax == target argmax. With greedily generated data the data tokens are the
+  target's own argmax, so "slots < i accepted" is exactly the teacher-forced context, and
+  conditional/marginal rates and tau_greedy = 1 + sum(marginal) estimate greedy decoding.
+- sampling at T=1: slot acceptance probability 1 - ||p_draft - p_target||_1 / 2, and
+  tau_t1 = 1 + mean over blocks of sum_k prod_{i<=k} of it (expected length under rejection sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, row_terms, valid_anchors
+
+
+@torch.no_grad()
+def evaluate(draft, features, seqs, lm_head, *, max_anchors: int, weights: LossWeights, seed: int = 0,
+             head_weight=None) -> dict:
+    spec = draft.spec
+    g = spec.gamma
+    was_training = draft.training
+    draft.eval()
+    gen = torch.Generator().manual_seed(seed)
+    match, accept, conf = [], [], []
+    loss = ce = l1 = bce = wsum = 0.0
+    for i, seq in enumerate(seqs):
+        anchors = valid_anchors(seq.loss_mask)
+        if anchors.numel() == 0:
+            continue
+        blocks = make_blocks(seq.ids, seq.loss_mask, anchors, layout=spec.layout, gamma=g,
+                             mask_token_id=spec.mask_token_id, decay=weights.decay)
+        full = blocks.slot_valid.sum(dim=1) == g
+        if not bool(full.any()):
+            continue
+        keep = full.nonzero().squeeze(-1)
+        if keep.numel() > max_anchors:
+            keep = keep[torch.randperm(keep.numel(), generator=gen)[:max_anchors]].sort().values
+        blocks = make_blocks(seq.ids, seq.loss_mask, anchors[keep], layout=spec.layout, gamma=g,
+                             mask_token_id=spec.mask_token_id, decay=weights.decay)
+        taps, final = features.get([i])[0]
+        dev = draft.fc.weight.device
+        ctx = draft.context_kv(taps[None].to(dev, draft.fc.weight.dtype), torch.arange(len(seq.ids), device=dev)[None])
+        out = draft_rows(draft, ctx, blocks, seq.ids, final, lm_head, head_weight)
+        terms = row_terms(out)
+        acc = terms[3]
+        s = loss_sums(out, weights, terms)
+        loss, ce, l1, bce, wsum = loss + float(s.total), ce + s.ce, l1 + s.l1, bce + s.conf, wsum + s.weight
+        match.append((out.logits.argmax(-1) == out.target_logits.argmax(-1)[out.target_index]).view(-1, g).cpu())
+        accept.append(acc.view(-1, g).cpu())
+        if out.conf_logits is not None:
+            conf.append((torch.sigmoid(out.conf_logits) - acc).abs().view(-1, g).cpu())
+    draft.train(was_training)
+    if not match:
+        return {"blocks": 0}
+    m, a = torch.cat(match).float(), torch.cat(accept)
+    marginal = m.cumprod(dim=1).mean(dim=0)
+    reached = torch.cat([torch.ones(1), marginal[:-1]])
+    conditional = torch.where(reached > 0, marginal / reached.clamp_min(1e-12), torch.zeros_like(marginal))
+    result = {
+        "blocks": int(m.shape[0]),
+        "loss": loss / wsum,
+        "ce": ce / wsum,
+        "l1": l1 / wsum,
+        "conf_bce": bce / wsum,
+        "greedy_conditional": [round(float(x), 4) for x in conditional],
+        "greedy_marginal": [round(float(x), 4) for x in marginal],
+        "tau_greedy": 1.0 + float(marginal.sum()),
+        "t1_accept": [round(float(x), 4) for x in a.mean(dim=0)],
+        "tau_t1": 1.0 + float(a.cumprod(dim=1).sum(dim=1).mean()),
+    }
+    if conf:
+        result["conf_abs_error"] = float(torch.cat(conf).mean())
+    return result

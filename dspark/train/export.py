@@ -1,0 +1,98 @@
+"""Write a trained draft as a speculators or DeepSpec checkpoint (bf16, target weights left out).
+
+Writing goes through dspark.formats.convert (the one writer of both families); the result is
+read back with dspark.formats.load and must describe the draft that was trained (layout,
+gamma, taps, mask token): an export that an engine would misread is an error here, not there.
+embed_tokens / lm_head are the target's own and are borrowed at load time, never saved.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from dspark.train.errors import TrainError
+
+HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def default_verifier(target: str, target_config) -> dict:
+    """The verifier recorded in speculators configs: hub id for bundled targets, else the path given."""
+    if target in HUB_IDS:
+        name = HUB_IDS[target]
+    elif Path(target).exists():
+        name = str(Path(target).resolve())
+    else:
+        name = target
+    return {"name_or_path": name, "architectures": list(getattr(target_config, "architectures", None) or [])}
+
+
+def draft_tensors(draft) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in draft.own_state_dict().items()}
+
+
+def write_draft(spec, tensors: dict, dst, fmt: str, verifier=None, *, replace: bool = False) -> Path:
+    """Write to `dst` through a temporary sibling; `replace` lets a run refresh its own export."""
+    from dspark.formats.convert import write_deepspec, write_speculators  # noqa: PLC0415
+
+    if fmt == "deepspec" and spec.layout != "anchor_first":
+        raise TrainError(f"a {spec.layout} draft cannot be written as DeepSpec (anchor-first only): use speculators")
+    dst = Path(dst)
+    if dst.exists() and not replace and (not dst.is_dir() or any(dst.iterdir())):
+        raise TrainError(f"{dst} exists and is not empty: choose another --out")
+    tmp = dst.with_name(dst.name + ".writing")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if fmt == "speculators":
+        write_speculators(spec, tensors, tmp, verifier=verifier)
+    elif fmt == "deepspec":
+        write_deepspec(spec, tensors, tmp)
+    else:
+        raise TrainError(f"export format must be speculators or deepspec, got {fmt!r}")
+    check_written(spec, tmp, fmt)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    return dst
+
+
+def check_written(spec, path: Path, fmt: str) -> None:
+    from dspark.formats.load import load_spec  # noqa: PLC0415
+
+    back = load_spec(path)
+    for name in ("layout", "gamma", "query_slots", "hidden_state_indices", "mask_token_id", "markov_rank",
+                 "markov_head_type", "confidence_head", "num_layers"):
+        if getattr(back, name) != getattr(spec, name):
+            raise TrainError(f"exported {fmt} draft reads back with {name}={getattr(back, name)!r}, "
+                             f"trained {getattr(spec, name)!r}")
+    if fmt == "speculators":
+        cfg = json.loads((path / "config.json").read_text())
+        methods = cfg["speculators_config"]["proposal_methods"]
+        if not isinstance(cfg.get("sample_from_anchor"), bool) or methods[0]["speculative_tokens"] != spec.gamma:
+            raise TrainError("exported speculators config lacks an explicit sample_from_anchor or has wrong speculative_tokens")
+
+
+def size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 2**20
+
+
+def export_run(run_dir, dst, fmt: str | None = None, verifier: str | None = None) -> Path:
+    """Export the latest checkpoint of a training run directory."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from dspark.target.load import resolve_target  # noqa: PLC0415
+    from dspark.train.config import draft_spec  # noqa: PLC0415
+    from dspark.train.trainer import load_state, read_run_config  # noqa: PLC0415
+
+    run_dir = Path(run_dir)
+    cfg = read_run_config(run_dir)
+    state = load_state(run_dir)
+    target_config = AutoConfig.from_pretrained(resolve_target(cfg.target))
+    ver = {"name_or_path": verifier, "architectures": list(target_config.architectures or [])} if verifier else \
+        default_verifier(cfg.target, target_config)
+    spec = draft_spec(cfg, target_config, verifier=ver["name_or_path"])
+    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state["draft"].items()}
+    return write_draft(spec, tensors, dst, fmt or cfg.export_format, ver)

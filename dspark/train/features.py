@@ -1,0 +1,193 @@
+"""Target features for training: tapped hidden states and the final (post-norm) hidden states.
+
+Tap index i is the input of decoder layer i (HF hidden_states[i]) read by forward hooks,
+exactly as the engine's HFTarget taps them. The final hidden state is stored after the
+target's final norm, so target logits are just `lm_head(final)`; `check_head` proves that
+on the real target before anything is trained (a target that transforms logits after its
+LM head, e.g. soft-capping, is refused instead of being silently mis-distilled).
+
+Two sources with one interface, `get(indices) -> [(taps [L, n*H], final [L, H])]`:
+OnlineFeatures runs the target for every batch; CachedFeatures reads a bf16 cache written once
+by `build_cache` (raw little-endian bf16 files + meta.json, memory-mapped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.target.hf import decoder_layers
+from dspark.train.dataset import Sequence
+from dspark.train.errors import TrainError
+
+CACHE_VERSION = 1
+
+
+class TapCapture:
+    """Forward hooks that record the inputs of the chosen decoder layers (index 0 = embeddings)."""
+
+    def __init__(self, model, taps: tuple[int, ...]):
+        layers = decoder_layers(model)
+        bad = [i for i in taps if not 0 <= i <= len(layers)]
+        if bad:
+            raise TrainError(f"taps {bad} outside 0..{len(layers)} for this {len(layers)}-layer target")
+        self.taps, self.captured, self._hooks = tuple(taps), {}, []
+        for i in self.taps:
+            module = model.get_input_embeddings() if i == 0 else layers[i - 1]
+            self._hooks.append(module.register_forward_hook(self._hook(i)))
+
+    def _hook(self, i):
+        def hook(_m, _inp, out):
+            self.captured[i] = out[0] if isinstance(out, tuple) else out
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+@torch.no_grad()  # not inference_mode: the features feed autograd-tracked draft layers
+def run_target(model, cap: TapCapture, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One right-padded batch (causal attention: padding never reaches a real position)."""
+    dev = next(model.parameters()).device
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s.ids)], attn[b, : len(s.ids)] = s.ids, 1
+    cap.captured.clear()
+    final = model.get_decoder()(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+    taps = torch.cat([cap.captured[i] for i in cap.taps], dim=-1)
+    return [(taps[b, : len(s.ids)], final[b, : len(s.ids)]) for b, s in enumerate(seqs)]
+
+
+@torch.no_grad()  # not inference_mode: the features feed autograd-tracked draft layers
+def check_head(model, seq: Sequence) -> None:
+    """The target's logits must equal lm_head(post-norm final hidden state) on a real sequence."""
+    dev = next(model.parameters()).device
+    ids = seq.ids[None, :64].to(dev)
+    full = model(input_ids=ids).logits.float()
+    mine = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state).float()
+    scale = full.abs().max().clamp_min(1e-6)
+    if float((full - mine).abs().max() / scale) > 1e-2:
+        raise TrainError(
+            f"{type(model).__name__}: logits are not lm_head(final hidden state) (soft-capping or scaling after "
+            "the LM head?): this target cannot be distilled from cached hidden states"
+        )
+
+
+def batches(indices: list[int], seqs: list[Sequence], max_tokens: int):
+    """Group indices so each padded batch stays under max_tokens (one long sequence goes alone)."""
+    cur: list[int] = []
+    for i in indices:
+        width = max([len(seqs[j].ids) for j in cur + [i]])
+        if cur and width * (len(cur) + 1) > max_tokens:
+            yield cur
+            cur = []
+        cur.append(i)
+    if cur:
+        yield cur
+
+
+class OnlineFeatures:
+    def __init__(self, model, taps: tuple[int, ...], seqs: list[Sequence], max_tokens: int = 4096):
+        self.model, self.seqs, self.max_tokens = model, seqs, max_tokens
+        self.cap = TapCapture(model, taps)
+        check_head(model, seqs[0])
+
+    def get(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        found: dict[int, tuple] = {}
+        for group in batches(indices, self.seqs, self.max_tokens):
+            for i, f in zip(group, run_target(self.model, self.cap, [self.seqs[j] for j in group])):
+                found[i] = f
+        return [found[i] for i in indices]
+
+
+def data_digest(seqs: list[Sequence]) -> str:
+    h = hashlib.sha1()
+    for s in seqs:
+        h.update(s.ids.numpy().astype("<i4").tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def _bf16_bytes(x: torch.Tensor) -> bytes:
+    return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().astype("<i2").tobytes()
+
+
+def build_cache(model, taps: tuple[int, ...], seqs: list[Sequence], out, *, target_name: str,
+                max_tokens: int = 4096, progress: bool = True) -> Path:
+    """Write features of every sequence to `out` (bf16); returns out. Reuses a matching complete cache."""
+    out = Path(out)
+    digest = data_digest(seqs)
+    if (out / "meta.json").exists():
+        CachedFeatures(out, taps, seqs)  # raises if it does not match
+        return out
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    check_head(model, seqs[0])
+    cap = TapCapture(model, taps)
+    widths = None
+    bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="target features", unit="tok", disable=not progress)
+    try:
+        with open(tmp / "taps.bin", "wb") as ft, open(tmp / "final.bin", "wb") as ff:
+            for group in batches(list(range(len(seqs))), seqs, max_tokens):
+                for t, fin in run_target(model, cap, [seqs[j] for j in group]):
+                    widths = (t.shape[-1], fin.shape[-1])
+                    ft.write(_bf16_bytes(t))
+                    ff.write(_bf16_bytes(fin))
+                    bar.update(t.shape[0])
+    finally:
+        cap.close()
+        bar.close()
+    lengths = [len(s.ids) for s in seqs]
+    meta = {"version": CACHE_VERSION, "target": target_name, "taps": list(taps), "tap_width": widths[0],
+            "hidden": widths[1], "lengths": lengths, "data_digest": digest, "dtype": "bfloat16"}
+    (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def cache_bytes(path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+class CachedFeatures:
+    def __init__(self, path, taps: tuple[int, ...], seqs: list[Sequence]):
+        path = Path(path)
+        if not (path / "meta.json").exists():
+            raise TrainError(f"{path} is not a feature cache (no meta.json; an interrupted build leaves *.partial)")
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("version") != CACHE_VERSION:
+            raise TrainError(f"{path}: feature cache version {meta.get('version')} (this dspark reads {CACHE_VERSION})")
+        if tuple(meta["taps"]) != tuple(taps):
+            raise TrainError(f"{path} caches taps {meta['taps']} but the draft taps {list(taps)}: "
+                             "delete it to rebuild it, or use another cache directory")
+        if meta["lengths"] != [len(s.ids) for s in seqs] or meta["data_digest"] != data_digest(seqs):
+            raise TrainError(f"{path} was built from other training data (or another --max-seq-len): "
+                             "delete it to rebuild it, or use another cache directory")
+        offsets = np.concatenate([[0], np.cumsum(meta["lengths"])]).astype(np.int64)
+        total = int(offsets[-1])
+        self.taps = np.memmap(path / "taps.bin", dtype="<i2", mode="r", shape=(total, meta["tap_width"]))
+        self.final = np.memmap(path / "final.bin", dtype="<i2", mode="r", shape=(total, meta["hidden"]))
+        self.offsets, self.meta = offsets, meta
+
+    def get(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for i in indices:
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            t = torch.from_numpy(np.array(self.taps[a:b])).view(torch.bfloat16)
+            f = torch.from_numpy(np.array(self.final[a:b])).view(torch.bfloat16)
+            out.append((t, f))
+        return out

@@ -1,0 +1,206 @@
+"""The DeepSpec objective (spec sheet, section 5) for both checkpoint layouts.
+
+Draft slot i = 0..gamma-1 of an anchor at absolute position a predicts token a+1+i; its
+target distribution is the target's softmax at position a+i (T=1) and its teacher-forced
+Markov input is token a+i. The layouts differ only in which block row holds slot i:
+anchor-first row i, bonus-anchor row i+1 (row 0 is weighted 0 but still runs, because the
+rnn Markov head's recurrence passes through it at decode time too).
+
+Per row: w * (0.1*CE(data token) + 0.9*||p_draft - p_target||_1 + 1.0*BCE(conf, clamp(1 - L1/2)))
+with w = exp(-i/4) times a contiguous-prefix mask that stops at the end of the response.
+Sums are returned unnormalized: the trainer divides by the weight summed over the whole
+(possibly multi-process) batch, so splitting a batch never changes the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.train.errors import TrainError
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    l1: float = 0.9
+    conf: float = 1.0
+    decay: float = 4.0  # w_i = exp(-i / decay) for draft slot i
+
+
+@dataclass
+class Blocks:
+    """Training blocks of one sequence: one per anchor, spec.query_slots rows each."""
+
+    anchors: torch.Tensor  # [N] absolute anchor positions (= context lengths)
+    block_ids: torch.Tensor  # [N, S] anchor then mask tokens: the draft's input
+    prev_ids: torch.Tensor  # [N, S] teacher-forced previous token of each row (Markov input)
+    label_pos: torch.Tensor  # [N, S] absolute position of the token each row predicts (clamped in range)
+    slot_valid: torch.Tensor  # [N, S] bool: row predicts a response token and every earlier slot does too
+    decay: torch.Tensor  # [S] exp(-slot/decay), 0 for a bonus-anchor row 0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.slot_valid.to(self.decay.dtype) * self.decay
+
+
+def first_row(layout: str) -> int:
+    """Block row of draft slot 0."""
+    if layout == "anchor_first":
+        return 0
+    if layout == "bonus_anchor":
+        return 1
+    raise TrainError(f"layout must be anchor_first or bonus_anchor, got {layout!r}")
+
+
+def slot_decay(layout: str, gamma: int, decay: float) -> torch.Tensor:
+    """[S] per-row weight exp(-slot/decay); bonus-anchor row 0 predicts nothing and weighs 0."""
+    start = first_row(layout)
+    w = torch.zeros(gamma + start)
+    w[start:] = torch.exp(-torch.arange(gamma, dtype=torch.float32) / decay)
+    return w
+
+
+def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a that may anchor a block: a response token whose next token is a response token.
+
+    a >= 1 keeps at least one context position, as in decoding (the prompt is never empty).
+    """
+    m = loss_mask.bool()
+    if m.shape[0] < 2:
+        return torch.zeros(0, dtype=torch.long)
+    ok = m[:-1] & m[1:]
+    ok[0] = False
+    return ok.nonzero().squeeze(-1)
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    """Up to max_anchors distinct valid anchors drawn uniformly (all of them when None), sorted."""
+    cand = valid_anchors(loss_mask)
+    if max_anchors is None or cand.numel() <= max_anchors:
+        return cand
+    pick = torch.randperm(cand.numel(), generator=generator)[:max_anchors]
+    return cand[pick].sort().values
+
+
+def make_blocks(ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, *, layout: str, gamma: int,
+                mask_token_id: int, decay: float = 4.0) -> Blocks:
+    """ids/loss_mask [L] of one sequence, anchors [N] -> the rows, labels and weights of every block."""
+    L = ids.shape[0]
+    start = first_row(layout)
+    S = gamma + start
+    if anchors.numel() and (int(anchors.min()) < 1 or int(anchors.max()) >= L - 1):
+        raise TrainError(f"anchors must lie in [1, {L - 2}] for a sequence of {L} tokens")
+    slot = torch.arange(S) - start  # slot index per row; -1 = bonus-anchor row 0
+    label_pos = anchors[:, None] + 1 + slot[None, :]  # [N, S]
+    in_range = (label_pos < L) & (slot[None, :] >= 0)
+    label_pos = label_pos.clamp(0, L - 1)
+    # Contiguous prefix: a slot counts only while every slot before it is a response token.
+    resp = loss_mask.bool()[label_pos] & in_range
+    resp[:, :start] = True  # the unused row must not break the prefix
+    slot_valid = resp.long().cumprod(dim=1).bool()
+    slot_valid[:, :start] = False
+    prev_pos = (anchors[:, None] + slot.clamp(min=0)[None, :]).clamp(max=L - 1)
+    block_ids = torch.full((anchors.numel(), S), mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = ids[anchors]
+    return Blocks(anchors, block_ids, ids[prev_pos], label_pos, slot_valid, slot_decay(layout, gamma, decay))
+
+
+@dataclass
+class RowOutputs:
+    """Draft outputs on the weighted rows of a batch of blocks (flattened)."""
+
+    logits: torch.Tensor  # [M, V] fp32 Markov-corrected draft logits (the q that decoding samples from)
+    conf_logits: torch.Tensor | None  # [M]
+    target_logits: torch.Tensor  # [U, V] fp32, one per distinct predicted position
+    target_index: torch.Tensor  # [M] row -> its entry of target_logits
+    labels: torch.Tensor  # [M] data tokens
+    weight: torch.Tensor  # [M]
+    rows: torch.Tensor  # [M, 2] (block, row) of each output
+
+
+def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: torch.Tensor, lm_head,
+               head_weight: torch.Tensor | None = None) -> RowOutputs:
+    """Run the draft on all blocks of one sequence; keep the rows that carry weight.
+
+    ctx_kv: draft.context_kv of the whole sequence (one entry per position, masked per anchor);
+    final_hidden [L, H]: the target's post-norm last hidden states; lm_head maps them to logits.
+    head_weight: a low-precision copy of the draft's frozen (borrowed) LM head. Its matmul is most
+    of the training FLOPs, and a bf16 target runs the draft head in bf16 at decode time anyway.
+    """
+    dev = draft.fc.weight.device
+    h = draft(blocks.block_ids.to(dev), ctx_kv, blocks.anchors.to(dev))  # [N, S, H]
+    prev_emb, bias = None, None
+    if draft.markov_head is not None:
+        bias, prev_emb = draft.markov_head.block_bias(blocks.prev_ids.to(dev), h)
+    conf = draft.confidence_logits(h, prev_emb)
+    weight = blocks.weight.to(dev)
+    rows = weight.nonzero()
+    b, r = rows[:, 0], rows[:, 1]
+    every = rows.shape[0] == weight.numel()  # the common anchor-first case: views instead of [rows, V] copies
+
+    def pick(x):
+        return x.reshape(-1, x.shape[-1]) if every else x[b, r]
+
+    hr = pick(h)
+    if head_weight is not None:
+        logits = F.linear(hr.to(head_weight.dtype), head_weight).float()
+    else:
+        logits = draft.lm_head(hr).float()
+    if bias is not None:
+        logits = logits + pick(bias).float()
+    label_pos = blocks.label_pos.to(dev)[b, r]
+    # Overlapping blocks predict the same positions many times: run the target head once per position.
+    positions, index = torch.unique(label_pos - 1, return_inverse=True)
+    with torch.no_grad():
+        target = lm_head(final_hidden.to(dev)[positions].to(lm_head.weight.dtype)).float()
+    return RowOutputs(
+        logits=logits,
+        conf_logits=conf[b, r].float() if conf is not None else None,
+        target_logits=target,
+        target_index=index,
+        labels=ids.to(dev)[label_pos],
+        weight=weight[b, r],
+        rows=rows,
+    )
+
+
+@dataclass
+class LossSums:
+    """Weighted sums over rows; divide by a batch-wide `weight` to get the mean loss."""
+
+    total: torch.Tensor  # differentiable
+    ce: float
+    l1: float
+    conf: float
+    weight: float
+
+
+def row_terms(out: RowOutputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per row: (CE, L1 distance, confidence BCE or None, confidence label)."""
+    logp = F.log_softmax(out.logits, dim=-1)
+    ce = F.nll_loss(logp, out.labels, reduction="none")
+    p_target = F.softmax(out.target_logits, dim=-1)[out.target_index]
+    l1 = (logp.exp() - p_target).abs().sum(dim=-1)
+    label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # the slot's acceptance probability at T=1
+    bce = None
+    if out.conf_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(out.conf_logits, label, reduction="none")
+    return ce, l1, bce, label
+
+
+def loss_sums(out: RowOutputs, w: LossWeights, terms=None) -> LossSums:
+    ce, l1, bce, _ = terms if terms is not None else row_terms(out)
+    per_row = w.ce * ce + w.l1 * l1
+    if bce is not None:
+        per_row = per_row + w.conf * bce
+    total = (out.weight * per_row).sum()
+    if not torch.isfinite(total):
+        raise TrainError("the loss is not finite (NaN/inf): lower --lr or check the features")
+
+    def s(x):
+        return float((out.weight * x.detach()).sum()) if x is not None else 0.0
+
+    return LossSums(total, s(ce), s(l1), s(bce), float(out.weight.sum()))

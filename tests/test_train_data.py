@@ -1,0 +1,159 @@
+"""Self-distillation shards, prompt sets and the feature cache."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.train.data import GenSettings, generate_shard
+from dspark.train.dataset import load_sequences
+from dspark.train.errors import TrainError
+from dspark.train.features import CachedFeatures, OnlineFeatures, build_cache
+from dspark.train.prompts import Prompt, load_prompts
+from tests.test_train_fixtures import char_tokenizer, synthetic_shard
+from tests.tiny import tiny_target
+
+torch.set_num_threads(1)
+PROMPTS = [Prompt("Hi there!"), Prompt("Name a fruit."), Prompt("  hi   THERE! "), Prompt("Count to 3.")]
+
+
+def _gen(model, tok, out, prompts, **kw):
+    s = GenSettings(max_new_tokens=kw.pop("max_new_tokens", 10), temperature=kw.pop("temperature", 0.0))
+    return generate_shard(model, tok, prompts, out, s, target_name="tiny", batch_size=3, progress=False, **kw)
+
+
+def test_generation_saves_prompt_answer_and_mask_and_matches_unbatched_greedy(tmp_path):
+    model, tok = tiny_target(), char_tokenizer()
+    out = tmp_path / "d.jsonl"
+    st = _gen(model, tok, out, PROMPTS)
+    assert (st.total, st.written, st.skipped) == (3, 3, 0)  # "  hi   THERE! " duplicates "Hi there!"
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    for rec in recs:
+        n = rec["prompt_len"]
+        assert rec["loss_mask"] == [0] * n + [1] * (len(rec["ids"]) - n)
+        answer = rec["ids"][n:]
+        assert 1 <= len(answer) <= 10
+        assert (answer[-1] == 2) == (rec["finish"] == "stop")  # EOS kept in the answer, and only at its end
+        # left padding in the batch must not change the answer (fp32 greedy)
+        alone = model.generate(torch.tensor([rec["ids"][:n]]), max_new_tokens=10, do_sample=False, eos_token_id=2,
+                               pad_token_id=0)[0, n:].tolist()
+        assert answer == alone[: len(answer)]
+    seqs = load_sequences(out, vocab_size=96)
+    assert [int(s.loss_mask.sum()) for s in seqs] == [len(r["ids"]) - r["prompt_len"] for r in recs]
+
+
+def test_generation_resumes_skips_done_prompts_and_repairs_a_torn_line(tmp_path):
+    model, tok = tiny_target(), char_tokenizer()
+    out = tmp_path / "d.jsonl"
+    _gen(model, tok, out, PROMPTS[:2])
+    with open(out, "a") as f:
+        f.write('{"key": "torn", "ids": [1, 2')  # a crash in the middle of a write
+    st = _gen(model, tok, out, PROMPTS)
+    assert (st.skipped, st.written) == (2, 1)
+    keys = [json.loads(line)["key"] for line in out.read_text().splitlines()]
+    assert len(keys) == len(set(keys)) == 3
+    with pytest.raises(TrainError, match="other settings"):
+        _gen(model, tok, out, PROMPTS, temperature=0.7)
+
+
+def test_sampled_generation_is_reproducible_per_batch(tmp_path):
+    model, tok = tiny_target(), char_tokenizer()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    full, first_batch = [PROMPTS[0], PROMPTS[1], PROMPTS[3], Prompt("Say yes.")], [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    _gen(model, tok, a, full, temperature=1.0)
+    _gen(model, tok, b, first_batch, temperature=1.0)  # stopped after its first batch of 3 ...
+    _gen(model, tok, b, full, temperature=1.0)  # ... and resumed
+    assert sorted(a.read_text().splitlines()) == sorted(b.read_text().splitlines())
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    model = tiny_target()
+    with pytest.raises(TrainError, match="chat template"):
+        _gen(model, char_tokenizer(chat_template=False), tmp_path / "x.jsonl", PROMPTS)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"ids": [1, 2, 3], "loss_mask": [0, 1]}) + "\n")
+    with pytest.raises(TrainError, match="equal length"):
+        load_sequences(bad)
+    bad.write_text(json.dumps({"ids": [1, 500, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    with pytest.raises(TrainError, match="vocabulary"):
+        load_sequences(bad, vocab_size=96)
+    bad.write_text('{"ids": [1]}\n{"ids": \n' + json.dumps({"ids": [1], "loss_mask": [0]}) + "\n")
+    with pytest.raises(TrainError, match="malformed"):
+        load_sequences(bad)
+    with pytest.raises(TrainError, match="no such file"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_bundled_prompt_sets_are_varied_disjoint_and_not_evaluation_data():
+    train, held = load_prompts("train"), load_prompts("heldout")
+    assert len(train) >= 300 and 35 <= len(held) <= 50
+    assert not {p.key for p in train} & {p.key for p in held}
+    kinds = {"explanation", "code", "math", "list", "story", "dialogue"}
+    assert kinds <= {p.category for p in train} and kinds <= {p.category for p in held}
+    data = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+    if not data.is_dir():
+        pytest.skip("evaluation sets not present")
+
+    def shingles(text, n=8):
+        w = re.findall(r"[a-z0-9]+", text.lower())
+        return {" ".join(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+    evaluation = set()
+    for f in data.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            for turn in json.loads(line)["turns"]:
+                evaluation |= shingles(turn)
+    leaked = [p.text for p in train + held if shingles(p.text) & evaluation]
+    assert not leaked
+
+
+def test_feature_cache_matches_online_features_and_hf_hidden_states(tmp_path, capsys):
+    model = tiny_target()
+    seqs = load_sequences(synthetic_shard(tmp_path / "d.jsonl", 5), vocab_size=96)
+    taps = (0, 2, 4)  # embeddings, input of layer 2, output of the last layer (pre-norm)
+    online = OnlineFeatures(model, taps, seqs, max_tokens=64).get([3, 0])
+    cache = build_cache(model, taps, seqs, tmp_path / "cache", target_name="tiny", max_tokens=64, progress=False)
+    cached = CachedFeatures(cache, taps, seqs).get([3, 0])
+    for (t1, f1), (t2, f2), s in zip(online, cached, [seqs[3], seqs[0]]):
+        assert t2.dtype == torch.bfloat16 and t2.shape == (len(s.ids), 3 * 64)
+        assert torch.allclose(t1, t2.float(), atol=0.05, rtol=0.02)
+        assert torch.allclose(f1, f2.float(), atol=0.05, rtol=0.02)
+        with torch.no_grad():
+            hf = model(s.ids[None], output_hidden_states=True)
+        assert torch.allclose(t1[:, :64], hf.hidden_states[0][0], atol=1e-5)
+        assert torch.allclose(t1[:, 64:128], hf.hidden_states[2][0], atol=1e-5)
+        # tap 4 = last layer's output before the final norm, which HF's hidden_states[-1] is not
+        assert not torch.allclose(t1[:, 128:], hf.hidden_states[4][0], atol=1e-3)
+        assert torch.allclose(model.lm_head(f1), hf.logits[0], atol=1e-4)  # final states are post-norm
+    with pytest.raises(TrainError, match="taps"):
+        CachedFeatures(cache, (1, 2), seqs)
+    with pytest.raises(TrainError, match="other training data"):
+        CachedFeatures(cache, taps, seqs[:4])
+
+
+def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
+    from dspark.cli import main
+
+    target = tmp_path / "target"
+    tiny_target().save_pretrained(target)
+    char_tokenizer().save_pretrained(target)
+    train_txt, held_txt = tmp_path / "train.txt", tmp_path / "held.txt"
+    train_txt.write_text("Say hi.\nName a color.\nCount to five.\nsay HI.\nWhat is two plus two?\n")
+    held_txt.write_text("Name an animal.\nSay bye.\n")
+    args = ["train", "all", "--target", str(target), "--dtype", "fp32", "--out", str(tmp_path / "root"),
+            "--train-prompts", str(train_txt), "--heldout-prompts", str(held_txt), "--max-new-tokens", "12",
+            "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "1",
+            "--steps", "3", "--batch-size", "2", "--eval-prompts", "2", "--eval-max-new-tokens", "10", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "4 answers written" in out  # "say HI." duplicates "Say hi."
+    assert "trained to step 3/3" in out and "outputs equal to plain decoding: 2/2" in out
+    root = tmp_path / "root"
+    for d in ("draft-speculators", "draft-deepspec", "run/draft", "features"):
+        assert (root / d).is_dir(), d
+    assert json.loads((root / "engine_eval.json").read_text())["outputs_equal_plain"] == 2
+    assert main(args) == 0  # everything done: nothing regenerated, nothing retrained
+    out = capsys.readouterr().out
+    assert "0 answers written" in out and "4 of 4 prompts already done" in out and "nothing left to train" in out

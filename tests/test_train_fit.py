@@ -1,0 +1,137 @@
+"""The training loop on a tiny target: loss goes down, checkpoints are drafts that `dspark inspect`
+and the engine read, resume replays exactly, bad settings are clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from dspark.cli import main
+from dspark.engine.sampling import SamplingParams
+from dspark.model.load import load_draft
+from dspark.target.load import load_target
+from dspark.train import trainer
+from dspark.train.config import DraftOptions, TrainConfig
+from dspark.train.errors import TrainError
+from dspark.train.trainer import load_state, train
+from tests.test_train_fixtures import save_tiny_target, synthetic_shard
+from tests.tiny import engine_for, hf_greedy
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit")
+    return {"target": str(save_tiny_target(root / "target")), "data": str(synthetic_shard(root / "train.jsonl", 12)),
+            "held": str(synthetic_shard(root / "held.jsonl", 3, seed=9)), "root": root}
+
+
+def cfg_for(setup, out, **kw):
+    draft = kw.pop("draft", DraftOptions(gamma=4, num_layers=1, markov_rank=16, n_taps=2, mask_token_id=3))
+    base = dict(target=setup["target"], data=setup["data"], heldout=setup["held"], out=str(setup["root"] / out),
+                dtype="fp32", draft=draft, steps=24, batch_size=4, lr=3e-3, max_anchors=16, eval_every=12, ckpt_every=12)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_training_reduces_loss_and_the_checkpoint_is_a_working_draft(setup, capsys):
+    res = train(cfg_for(setup, "run"), progress=False)
+    assert res.step == 24 and len(res.losses) == 24
+    assert sum(res.losses[-4:]) / 4 < 0.8 * sum(res.losses[:4]) / 4
+    assert res.eval["blocks"] > 0 and 1.0 <= res.eval["tau_greedy"] <= 5.0 and len(res.eval["greedy_marginal"]) == 4
+    log = [json.loads(line) for line in (setup["root"] / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 25))
+    assert [r["step"] for r in log if "eval" in r] == [12, 24]
+
+    draft_dir = res.draft_dir
+    assert "tau_greedy" in capsys.readouterr().out  # evaluations are reported as they happen
+    assert main(["inspect", str(draft_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["format"], info["layout"], info["gamma"], info["markov_rank"]) == ("speculators", "anchor_first", 4, 16)
+    assert not (set(json.loads((draft_dir / "config.json").read_text())) & {"embed_tokens.weight"})
+
+    model, _ = load_target(setup["target"], "fp32")
+    draft = load_draft(str(draft_dir), model)
+    assert "embed_tokens.weight" in draft.borrowed and "lm_head.weight" in draft.borrowed
+    state = load_state(setup["root"] / "run")["draft"]
+    for k, v in draft.own_state_dict().items():  # the export is the trained fp32 weights in bf16
+        assert torch.allclose(v.float(), state[k].to(torch.bfloat16).float()), k
+    req = engine_for(model, draft).generate([1, 5, 9, 14], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert req.output_ids == hf_greedy(model, [1, 5, 9, 14], 20)
+    assert req.metrics.steps > 0
+
+
+def test_resume_continues_from_the_saved_step_and_replays_exactly(setup, monkeypatch):
+    full = train(cfg_for(setup, "straight", eval_every=100), progress=False)
+    real = trainer.Run.train_step
+
+    def crash_at_18(self, step):
+        if step == 18:
+            raise RuntimeError("power cut")
+        return real(self, step)
+
+    monkeypatch.setattr(trainer.Run, "train_step", crash_at_18)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(cfg_for(setup, "crashed", eval_every=100), progress=False)
+    assert load_state(setup["root"] / "crashed")["step"] == 12  # the last periodic checkpoint
+    monkeypatch.setattr(trainer.Run, "train_step", real)
+    resumed = train(cfg_for(setup, "crashed", eval_every=100), progress=False)
+    assert len(resumed.losses) == 12 and resumed.step == 24  # steps 13..24 only
+    assert resumed.losses == pytest.approx(full.losses[12:], rel=1e-4)
+    a, b = load_state(setup["root"] / "straight")["draft"], load_state(setup["root"] / "crashed")["draft"]
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    log = [json.loads(line) for line in (setup["root"] / "crashed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 25))  # steps 13..18 of the crashed session are not doubled
+    with pytest.raises(TrainError, match="other settings"):
+        train(cfg_for(setup, "crashed", lr=1e-3, eval_every=100), progress=False)
+
+
+def test_markov_rank_0_and_bonus_anchor_train(setup):
+    d = DraftOptions(gamma=3, num_layers=1, markov_rank=0, n_taps=2, mask_token_id=3, layout="bonus_anchor")
+    res = train(cfg_for(setup, "dflash", draft=d, steps=6, eval_every=6, ckpt_every=6), progress=False)
+    assert res.losses[-1] < res.losses[0]
+    cfg = json.loads((res.draft_dir / "config.json").read_text())
+    assert (cfg["sample_from_anchor"], cfg["block_size"], cfg["markov_rank"]) == (False, 4, 0)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+
+def test_bad_settings_are_clear_errors(setup, tmp_path):
+    with pytest.raises(TrainError, match="anchor-first"):
+        train(cfg_for(setup, "x", draft=DraftOptions(layout="bonus_anchor"), export_format="deepspec"), progress=False)
+    with pytest.raises(TrainError, match="mask-token-id"):
+        train(cfg_for(setup, "x", draft=DraftOptions(gamma=2, num_layers=1, mask_token_id=500)), progress=False)
+    with pytest.raises(TrainError, match="taps"):
+        train(cfg_for(setup, "x", draft=DraftOptions(gamma=2, num_layers=1, taps=(9,))), progress=False)
+    with pytest.raises(TrainError, match="does not exist"):
+        train(cfg_for(setup, "x", data=str(tmp_path / "none.jsonl")), progress=False)
+    assert main(["train", "fit", "--target", setup["target"], "--data", setup["data"], "--out", str(tmp_path / "r"),
+                 "--warmup", "2"]) == 2
+
+
+def test_cli_fit_with_feature_cache_then_export_both_formats(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "fit", "--target", setup["target"], "--dtype", "fp32", "--data", setup["data"], "--heldout",
+            setup["held"], "--features", str(tmp_path / "cache"), "--out", str(run), "--gamma", "3", "--layers", "1",
+            "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "3", "--steps", "4", "--batch-size", "4",
+            "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "feature cache" in out and "MiB" in out and "trained to step 4/4" in out and "tau_greedy" in out
+    for fmt in ("speculators", "deepspec"):
+        assert main(["train", "export", "--run", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+        assert main(["inspect", str(tmp_path / fmt), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["train", "export", "--run", str(run), "--format", "deepspec", "--out", str(tmp_path / "deepspec")]) == 2
+    model, _ = load_target(setup["target"], "fp32")
+    a = load_draft(str(tmp_path / "speculators"), model).own_state_dict()
+    b = load_draft(str(tmp_path / "deepspec"), model).own_state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_changed_training_data(setup, tmp_path):
+    data = synthetic_shard(tmp_path / "d.jsonl", 12)
+    train(cfg_for(setup, "datachange", data=str(data), steps=2, eval_every=100, ckpt_every=1), progress=False)
+    synthetic_shard(data, 12, seed=5)  # same path, other answers
+    with pytest.raises(TrainError, match="other sequences"):
+        train(cfg_for(setup, "datachange", data=str(data), steps=2, eval_every=100, ckpt_every=1), progress=False)
