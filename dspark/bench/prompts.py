@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.prompts import read_prompt_file
 
 PAPER_SETS = ("gsm8k", "math500", "aime25", "humaneval", "mbpp")
 CHAT = "chat"
@@ -30,35 +30,6 @@ class PromptSet:
 
 def heldout_path() -> Path:
     return Path(str(resources.files("dspark") / "assets" / "prompts" / "heldout.jsonl"))
-
-
-def read_prompt_file(path: Path, limit: int | None = None) -> list[str]:
-    if not path.is_file():
-        raise DSparkError(f"prompt file {path} does not exist")
-    out: list[str] = []
-    jsonl = path.suffix == ".jsonl"
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if limit is not None and len(out) >= limit:
-            break
-        if not line.strip():
-            continue
-        if not jsonl:
-            out.append(line.strip())
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DSparkError(f"{path}:{n}: malformed JSON: {exc.msg}") from None
-        text = None
-        if isinstance(rec, dict):
-            turns = rec.get("turns")
-            text = turns[0] if isinstance(turns, list) and turns else rec.get("prompt")
-        if not isinstance(text, str) or not text.strip():
-            raise DSparkError(f"{path}:{n}: expected {{\"turns\": [\"...\"]}} or {{\"prompt\": \"...\"}} with a non-empty string")
-        out.append(text)
-    if not out:
-        raise DSparkError(f"prompt file {path} holds no prompts")
-    return out
 
 
 def load_sets(

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.prompts import read_prompt_file
 
 
 # ---- shared --------------------------------------------------------------------------------
@@ -24,38 +25,6 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", choices=("anchor_first", "bonus_anchor"), help="force the draft layout (experts only)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
-
-
-def read_prompts(path, limit: int | None = None) -> list:
-    """Prompts from a file: JSONL lines with "prompt_ids" (token ids), "turns" (first turn),
-    "prompt" or "text"; any other file is plain text, one prompt per non-empty line."""
-    path = Path(path)
-    try:
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    except FileNotFoundError:
-        raise DSparkError(f"prompt file {path} does not exist") from None
-    out = []
-    for no, line in enumerate(lines, 1):
-        if not line.lstrip().startswith("{"):
-            out.append(line.strip())
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DSparkError(f"{path}:{no}: not valid JSON: {exc}") from None
-        if isinstance(row.get("prompt_ids"), list) and all(isinstance(t, int) for t in row["prompt_ids"]):
-            out.append(row["prompt_ids"])
-        elif isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
-            out.append(row["turns"][0])
-        elif isinstance(row.get("prompt"), str):
-            out.append(row["prompt"])
-        elif isinstance(row.get("text"), str):
-            out.append(row["text"])
-        else:
-            raise DSparkError(f"{path}:{no}: expected a \"prompt_ids\" list of ints, or \"turns\", \"prompt\" or \"text\"")
-    if not out:
-        raise DSparkError(f"prompt file {path} holds no prompts")
-    return out[:limit] if limit else out
 
 
 def _encode(engine, prompt, chat: bool) -> list[int]:
@@ -94,7 +63,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise DSparkError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
     if args.concurrency < 1:
         raise DSparkError(f"--concurrency must be >= 1, got {args.concurrency}")
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompt_file(args.prompts, args.limit)
     engine = _load(args, args.concurrency)
     ids = [_encode(engine, p, args.chat) for p in prompts]
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed + i)
@@ -187,7 +156,7 @@ def run_bench_batch(args: argparse.Namespace) -> int:
     levels = _int_list(args.concurrency, "--concurrency")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     engine = _load(args, max(levels))
-    raw = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    raw = read_prompt_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     chat = args.chat or (not args.prompts and bool(getattr(engine.tokenizer, "chat_template", None)))
     prompts = [_encode(engine, p, chat) for p in raw]
     rows = bench_batching(
