@@ -185,6 +185,14 @@ class Engine:
             if req.text is None and self.tokenizer is not None:
                 req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
 
+    def reset(self) -> None:
+        """Drop every request and the batch state (after a failed step its caches are suspect)."""
+        for req in self.waiting + self.running:
+            req.finish_reason = req.finish_reason or "abort"
+        self.waiting.clear()
+        self.running = []
+        self.batch = None
+
     def abort(self, req: Request) -> None:
         """Free a request's slot at once (a client went away)."""
         if req in self.waiting:

@@ -294,10 +294,7 @@ class EngineWorker:
     def _empty_engine(self) -> None:
         # After an exception mid-step the batch state is unknown: start from an empty engine
         # rather than risk committing one request's cache rows to another.
-        eng = self.engine
-        eng.waiting.clear()
-        eng.running = []
-        eng.batch = None
+        self.engine.reset()
         self._running = 0
 
     def _engine_failed(self, exc: Exception) -> None:
