@@ -28,7 +28,8 @@ def test_bundled_draft_is_used_and_accepts(fp32_engine):
     assert fp32_engine.draft is not None and fp32_engine.draft.spec.path == str(BUNDLED_DRAFT)
     ids = fp32_engine.encode(PROMPTS[0], chat=True)
     req = fp32_engine.generate(ids, SamplingParams(max_new_tokens=96))
-    assert req.metrics.mean_accept_length > 1.5  # a trained draft, not a silently broken one
+    # a trained draft, not a silently broken one: a random draft of this shape accepts nothing
+    assert req.metrics.accepted > 0 and req.metrics.mean_accept_length > 1.1
 
 
 def test_greedy_equals_plain_decoding_fp32(fp32_engine):
