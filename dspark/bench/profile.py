@@ -14,12 +14,11 @@ that was never measured.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.jsonfile import write_json
 
 SCHEMA_VERSION = "1.0"
 METHOD = "dspark"
@@ -204,7 +203,4 @@ def write_profile(profile: dict, path) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / "speculation_profile.json"
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, profile, indent=2)

@@ -9,16 +9,14 @@ realised prefix acceptance 1[first k drafts all accepted]. Runtime: c_k = sigmoi
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dspark.errors import DSparkError
+from dspark.jsonfile import read_json, write_json
 
 CALIBRATION_FORMAT = "dspark-calibration"
 # log-spaced 0.05..20 plus exactly 1 (the raw head), so "no change" is always a candidate
@@ -62,20 +60,11 @@ class Calibration:
                 "gamma": self.gamma, "temperatures": list(self.temperatures), **self.meta}
 
     def save(self, path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, path)
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path) -> "Calibration":
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise DSparkError(f"calibration file {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise DSparkError(f"calibration file {path} is not JSON: {exc}") from None
+        data = read_json(path, "calibration")
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
             raise DSparkError(f"{path} is not a calibration file (expected \"format\": \"{CALIBRATION_FORMAT}\")")
         temps = data.get("temperatures")

@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import DSparkError
+from dspark.jsonfile import read_json, write_json
 
 log = logging.getLogger("dspark")
 
@@ -94,21 +94,11 @@ class CostCurve:
         return cls.from_points(data.get("tokens") or [], data.get("seconds") or [], data.get("meta") or {})
 
     def save(self, path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, path)  # atomic: a concurrent start-up never reads half a file
+        write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path) -> "CostCurve":
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise DSparkError(f"cost curve file {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise DSparkError(f"cost curve file {path} is not JSON: {exc}") from None
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "cost curve"))
 
 
 def default_grid(max_tokens: int) -> list[int]:
