@@ -1,0 +1,51 @@
+"""Issue 3: the target adapter works for the Llama, Qwen2/Qwen3 and GPT-2 families."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dspark.engine.sampling import SamplingParams
+from tests.tiny import engine_for, hf_greedy, tiny_draft
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _qwen2():
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON))
+
+
+def _qwen3():
+    return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **COMMON))
+
+
+def _gpt2():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=3, n_head=4, n_positions=512))
+
+
+@pytest.mark.parametrize("make", [_qwen2, _qwen3, _gpt2], ids=["qwen2", "qwen3", "gpt2"])
+def test_greedy_equals_transformers_for_each_family(make):
+    torch.manual_seed(0)
+    model = make().float().eval()
+    draft = tiny_draft(model, gamma=4)
+    engine = engine_for(model, draft)
+    for prompt in ([5, 17, 33, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48]):
+        req = engine.generate(prompt, SamplingParams(max_new_tokens=48))
+        assert req.output_ids == hf_greedy(model, prompt, 48)
+
+
+def test_tapped_states_are_layer_outputs_not_the_final_norm():
+    """Tap index L (= num_layers) is the last layer's raw output: HF's hidden_states[-1] is normed."""
+    torch.manual_seed(0)
+    model = _qwen3().float().eval()
+    from dspark.target.hf import HFTarget
+
+    target = HFTarget(model, (1, 3))
+    ids = torch.tensor([[3, 9, 27, 81, 50]])
+    state = target.new_state(1)
+    _, taps = target.forward(state, ids)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    assert torch.allclose(taps[..., :64], hs[1], atol=1e-5)
+    assert not torch.allclose(taps[..., 64:], hs[3], atol=1e-3)  # hs[3] went through the final norm
+    assert torch.allclose(model.model.norm(taps[..., 64:]), hs[3], atol=1e-4)
