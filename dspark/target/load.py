@@ -56,17 +56,28 @@ def smollm2_dir() -> Path:
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
+    import fcntl
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
-    model.hf_quantizer = None
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel first uses (test workers) convert once
+        if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+            return out
+        gguf = smollm2_gguf()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
+        model.hf_quantizer = None
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():  # a half-written copy from an interrupted run
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     return out
 
 
