@@ -18,6 +18,7 @@ from dspark.engine.engine import Engine
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
 from dspark.target.load import SMOLLM2, default_device, load_target, parse_dtype
+from dspark.target.text import encode_prompt, eos_ids
 
 log = logging.getLogger("dspark")
 BUNDLED_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"
@@ -33,29 +34,13 @@ def default_draft(target: str) -> Path | None:
 class DSparkEngine(Engine):
     """Engine plus tokenizer conveniences (chat template, decode)."""
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    def encode(self, prompt, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise DSparkError("this target has no tokenizer: pass token ids")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise DSparkError("the target's tokenizer has no chat template")
-            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if e is None:
-            continue
-        ids.update(e if isinstance(e, (list, tuple)) else [e])
-    return tuple(sorted(ids))
 
 
 def load_engine(

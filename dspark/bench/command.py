@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.target.text import encode_prompt, eos_ids
+
 DEFAULT_CONCURRENCY = 4
 
 
@@ -136,7 +138,7 @@ def _target_id(target: str) -> str:
 
 def build_runners(arms, model, tokenizer, draft, lookup_tokens: int):
     """One runner per arm, all on the same model object (and one shared HFTarget)."""
-    from dspark.api import DSparkEngine, eos_ids
+    from dspark.api import DSparkEngine
     from dspark.bench.runner import EngineRunner, HFRunner
     from dspark.errors import DSparkError
     from dspark.target.hf import HFTarget
@@ -285,10 +287,7 @@ def run_bench(args) -> int:
 def _encode(tokenizer, engine, text: str, chat: bool) -> list[int]:
     if engine is not None:
         return engine.encode(text, chat=chat)
-    if chat:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-    return tokenizer.encode(text)
+    return encode_prompt(tokenizer, text, chat)
 
 
 def _progress(chunk) -> None:

@@ -24,6 +24,8 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
+from dspark.target.text import encode_prompt, eos_ids
+
 EXIT_UNHEALTHY = 3
 Z_MIN = 3.0  # paired sign-test z an alternative needs to be called better
 MIN_GAIN = 0.05  # and its mean per-slot agreement gain
@@ -154,11 +156,7 @@ def prompt_ids(tokenizer, vocab: int, n: int, texts: list[str] | None = None) ->
     texts = list(texts or BUILTIN_PROMPTS[:n])
     out = []
     for t in texts:
-        if getattr(tokenizer, "chat_template", None):
-            enc = tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-            out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
-        else:
-            out.append(tokenizer.encode(t))
+        out.append(encode_prompt(tokenizer, t, chat=bool(getattr(tokenizer, "chat_template", None))))
     return out
 
 
@@ -484,7 +482,6 @@ def diagnose(target_name: str, draft_path: str, *, dtype: str = "bf16", device: 
              new_tokens: int = 32, n_prompts: int = 3, prompts: list[str] | None = None,
              extra_masks=()) -> Report:
     """The full doctor: static checks, then every reading measured on target-generated text."""
-    from dspark.api import eos_ids
     from dspark.formats.load import load_spec
     from dspark.model.load import build_draft
     from dspark.target.hf import HFTarget

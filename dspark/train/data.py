@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.target.text import encode_prompt as text_ids
+from dspark.target.text import eos_ids as target_eos_ids
 from dspark.train.dataset import read_records
 from dspark.train.errors import TrainError
 from dspark.train.prompts import Prompt, dedupe
@@ -47,22 +49,13 @@ class GenStats:
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    if not chat_template:
-        return tokenizer(text)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template and not getattr(tokenizer, "chat_template", None):
         raise TrainError("the tokenizer has no chat template: pass --no-chat-template to use raw prompts")
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    # The template already holds any BOS it wants; letting the tokenizer add one would double it.
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return text_ids(tokenizer, text, chat_template)
 
 
 def eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
+    ids = set(target_eos_ids(model, tokenizer))
     if not ids:
         raise TrainError("neither the tokenizer nor the model's generation config names an end-of-sequence token")
     return ids
