@@ -13,6 +13,7 @@ from dspark.target.load import load_target
 from dspark.train import trainer
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.errors import TrainError
+from dspark.train.features import CachedFeatures, OnlineFeatures, fold_tap_scale, tap_scale
 from dspark.train.trainer import load_state, train
 from tests.test_train_fixtures import save_tiny_target, synthetic_shard
 from tests.tiny import engine_for, hf_greedy
@@ -54,7 +55,9 @@ def test_training_reduces_loss_and_the_checkpoint_is_a_working_draft(setup, caps
     model, _ = load_target(setup["target"], "fp32")
     draft = load_draft(str(draft_dir), model)
     assert "embed_tokens.weight" in draft.borrowed and "lm_head.weight" in draft.borrowed
-    state = load_state(setup["root"] / "run")["draft"]
+    saved = load_state(setup["root"] / "run")
+    state = dict(saved["draft"])
+    state["fc.weight"] = fold_tap_scale(state["fc.weight"], saved["tap_scale"])  # trained on scaled taps
     for k, v in draft.own_state_dict().items():  # the export is the trained fp32 weights in bf16
         assert torch.allclose(v.float(), state[k].to(torch.bfloat16).float()), k
     req = engine_for(model, draft).generate([1, 5, 9, 14], SamplingParams(max_new_tokens=20, ignore_eos=True))
@@ -135,3 +138,69 @@ def test_resume_refuses_changed_training_data(setup, tmp_path):
     synthetic_shard(data, 12, seed=5)  # same path, other answers
     with pytest.raises(TrainError, match="other sequences"):
         train(cfg_for(setup, "datachange", data=str(data), steps=2, eval_every=100, ckpt_every=1), progress=False)
+
+
+def test_reduced_draft_vocab_trains_exports_with_d2t_and_stays_lossless(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "fit", "--target", setup["target"], "--dtype", "fp32", "--data", setup["data"], "--heldout",
+            setup["held"], "--out", str(run), "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2",
+            "--mask-token-id", "3", "--steps", "12", "--batch-size", "4", "--lr", "3e-3", "--draft-vocab", "40",
+            "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "draft vocabulary: 40 of 96 tokens" in out
+    log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    assert main(["inspect", str(run / "draft"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["vocab_size"], info["draft_vocab_size"], info["has_d2t"]) == (96, 40, True)
+
+    model, _ = load_target(setup["target"], "fp32")
+    draft = load_draft(str(run / "draft"), model)
+    assert "lm_head.weight" not in draft.borrowed  # a reduced head is saved with the draft
+    ids = draft.d2t + torch.arange(40)
+    assert torch.equal(draft.lm_head.weight.float(), model.get_output_embeddings().weight[ids].to(torch.bfloat16).float())
+    req = engine_for(model, draft).generate([1, 5, 9, 14], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert req.output_ids == hf_greedy(model, [1, 5, 9, 14], 20)
+    assert main(["train", "export", "--run", str(run), "--format", "deepspec", "--out", str(tmp_path / "ds")]) == 2
+    assert "reduced draft vocabulary" in capsys.readouterr().err
+
+
+def test_draft_output_norm_starts_at_the_targets_final_norm():
+    from tests.tiny import tiny_draft, tiny_target
+
+    model = tiny_target()
+    with torch.no_grad():
+        model.get_decoder().norm.weight.uniform_(0.5, 3.0)  # a trained target's gains are not all 1
+    draft = tiny_draft(model)
+    assert trainer.init_output_norm(draft, model)
+    assert torch.equal(draft.norm.weight, model.get_decoder().norm.weight.detach())
+
+
+def test_tap_scaling_is_folded_into_fc_so_the_export_reads_raw_taps(setup):
+    """Training conditions fc's input (taps / per-dim RMS); the exported draft must compute the
+    same context from raw taps, or the engine would see a different draft than the one trained."""
+    from dspark.train.dataset import load_sequences
+
+    model, _ = load_target(setup["target"], "fp32")
+    with torch.no_grad():  # give the tiny target a "massive" dimension like real residual streams
+        model.get_decoder().layers[0].mlp.down_proj.weight[5].mul_(300.0)
+    seqs = load_sequences(setup["data"], 96)
+    feats = OnlineFeatures(model, (1, 3), seqs)
+    scale = tap_scale(feats, list(range(len(seqs))), n_taps=2)
+    raw_rms = torch.cat([t for t, _ in feats.get(list(range(len(seqs))))]).pow(2).mean(0).sqrt()
+    assert scale.shape == (2 * 64,) and torch.allclose(scale, raw_rms, rtol=0.2)
+    assert float(scale[5]) > 20 * float(scale.median())  # the massive dimension is what gets scaled down
+
+    from tests.tiny import tiny_draft
+
+    draft = tiny_draft(model, taps=(1, 3)).float()
+    taps = feats.get([0])[0][0][None].float()
+    pos = torch.arange(taps.shape[1])[None]
+    trained = draft.context_kv(taps / scale, pos)
+    with torch.no_grad():
+        draft.fc.weight.copy_(fold_tap_scale(draft.fc.weight, scale))
+    exported = draft.context_kv(taps, pos)
+    for a, b in zip(trained, exported):
+        assert torch.allclose(a.k, b.k, atol=1e-4) and torch.allclose(a.v, b.v, atol=1e-4)

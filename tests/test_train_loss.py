@@ -178,3 +178,38 @@ def test_target_distribution_of_a_row_is_the_target_at_the_previous_position():
         assert out.labels.tolist() == ids[pos].tolist()
         assert torch.allclose(out.target_logits[out.target_index], head[[p - 1 for p in pos]])
         assert out.target_logits.shape[0] == len(set(pos))  # one target row per distinct position
+
+
+def test_reduced_vocab_l1_counts_target_mass_outside_and_ce_skips_missing_labels():
+    """A reduced draft vocabulary: q is 0 outside it, so ||p - q||_1 over the full vocabulary is the
+    in-vocabulary distance plus the target's mass outside; a label outside has no draft logit."""
+    torch.manual_seed(1)
+    V, ids = 9, torch.tensor([0, 2, 3, 7])
+    logits = torch.randn(3, ids.numel(), requires_grad=True)
+    target = torch.randn(3, V)
+    labels = torch.tensor([2, 5, 7])  # 5 is outside the draft vocabulary
+    out = _rows(logits, target, labels, torch.zeros(3), torch.ones(3))
+    out.draft_ids = ids
+    ce, l1, _, label = row_terms(out)
+    q_full = torch.zeros(3, V)
+    q_full[:, ids] = F.softmax(logits, -1)
+    p = F.softmax(target, -1)
+    assert l1.tolist() == pytest.approx((q_full - p).abs().sum(-1).tolist(), abs=1e-6)
+    assert label.tolist() == pytest.approx(torch.minimum(q_full, p).sum(-1).tolist(), abs=1e-6)
+    logq = F.log_softmax(logits.detach(), -1)
+    assert ce.tolist() == pytest.approx([-float(logq[0, 1]), 0.0, -float(logq[2, 3])], abs=1e-6)
+    assert out.draft_argmax().tolist() == ids[logits.argmax(-1)].tolist()
+
+
+def test_draft_vocab_selection_ranks_answer_then_prompt_tokens():
+    from dspark.train.dataset import Sequence
+    from dspark.train.vocab import d2t_offsets, select_draft_vocab
+
+    s = [Sequence("a", torch.tensor([8, 8, 8, 6, 5, 5, 9, 9, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1]).bool()),
+         Sequence("b", torch.tensor([6, 7, 9]), torch.tensor([0, 1, 1]).bool())]
+    # answers: 9 x3, 5 x2, 7 x1, 1 x1; prompts: 8 x3, 6 x2
+    assert select_draft_vocab(s, 10, 2).tolist() == [5, 9]
+    assert select_draft_vocab(s, 10, 3).tolist() == [1, 5, 9]  # answer-count tie (1 and 7): lower id first
+    assert select_draft_vocab(s, 10, 6).tolist() == [1, 5, 6, 7, 8, 9]  # then prompt tokens by count
+    ids = select_draft_vocab(s, 10, 6)
+    assert (d2t_offsets(ids) + torch.arange(6)).tolist() == ids.tolist()

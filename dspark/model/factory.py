@@ -30,7 +30,9 @@ def make_spec(
     mask_token_id: int = 0,
     intermediate_size: int | None = None,
     verifier: str | None = None,
+    draft_vocab_size: int | None = None,
 ) -> DraftSpec:
+    """draft_vocab_size < the target's vocabulary: a reduced draft vocabulary mapped by d2t."""
     c = target_config
     H = c.hidden_size
     heads = c.num_attention_heads
@@ -63,8 +65,8 @@ def make_spec(
         hidden_state_indices=taps,
         mask_token_id=mask_token_id,
         vocab_size=c.vocab_size,
-        draft_vocab_size=c.vocab_size,
-        has_d2t=False,
+        draft_vocab_size=draft_vocab_size or c.vocab_size,
+        has_d2t=bool(draft_vocab_size) and draft_vocab_size < c.vocab_size,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,
         confidence_head=confidence_head,

@@ -49,6 +49,9 @@ def _draft_args(p) -> None:
     g.add_argument("--markov-type", default="vanilla", choices=("vanilla", "gated", "rnn"))
     g.add_argument("--no-confidence-head", action="store_true")
     g.add_argument("--mask-token-id", type=int, default=0)
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="reduced draft vocabulary: the N tokens the training answers use most (d2t); "
+                        "default: the target's whole vocabulary")
 
 
 def _fit_args(p) -> None:
@@ -62,6 +65,11 @@ def _fit_args(p) -> None:
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--max-anchors", type=int, default=64, help="random anchors per sequence and step")
     g.add_argument("--decay", type=float, default=4.0, help="slot weight exp(-slot/decay)")
+    g.add_argument("--no-tap-scale", action="store_true",
+                   help="feed raw tapped states to fc in training (default: per-dimension RMS scaling, folded at export)")
+    g.add_argument("--ce-weight", type=float, default=0.1, help="weight of CE on the data tokens (DeepSpec: 0.1)")
+    g.add_argument("--l1-weight", type=float, default=0.9, help="weight of ||p_draft - p_target||_1 (DeepSpec: 0.9)")
+    g.add_argument("--conf-weight", type=float, default=1.0, help="weight of the confidence BCE (DeepSpec: 1.0)")
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--head-dtype", default="bf16", choices=("bf16", "fp32"),
                    help="precision of the frozen LM head's matmul in training")
@@ -197,11 +205,13 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
 
     d = DraftOptions(gamma=args.gamma, layout=args.layout, num_layers=args.layers, intermediate_size=args.intermediate_size,
                      taps=args.taps, n_taps=args.n_taps, markov_rank=args.markov_rank, markov_head_type=args.markov_type,
-                     confidence_head=not args.no_confidence_head, mask_token_id=args.mask_token_id)
+                     confidence_head=not args.no_confidence_head, mask_token_id=args.mask_token_id,
+                     draft_vocab=args.draft_vocab)
     return TrainConfig(target=args.target, data=data, out=out, heldout=heldout, features=features, dtype=args.dtype,
                        draft=d, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                       max_anchors=args.max_anchors, decay=args.decay, head_dtype=args.head_dtype,
+                       max_anchors=args.max_anchors, decay=args.decay, ce_weight=args.ce_weight,
+                       l1_weight=args.l1_weight, conf_weight=args.conf_weight, tap_scale=not args.no_tap_scale, head_dtype=args.head_dtype,
                        max_seq_len=args.max_seq_len, seed=args.seed,
                        eval_every=args.eval_every, eval_max_anchors=args.eval_max_anchors, ckpt_every=args.ckpt_every,
                        feature_batch_tokens=args.feature_batch_tokens, export_format=args.format, verifier=args.verifier)
@@ -277,7 +287,9 @@ def _all(args) -> int:
     res = train(cfg, progress=not args.quiet)
     _report_fit(res)
     print("[3/4] export")
-    for fmt in ("speculators", "deepspec") if args.layout == "anchor_first" else ("speculators",):
+    # DeepSpec files are anchor-first and have no d2t: a reduced vocabulary is speculators-only
+    deepspec_ok = args.layout == "anchor_first" and args.draft_vocab is None
+    for fmt in ("speculators", "deepspec") if deepspec_ok else ("speculators",):
         dst = root / f"draft-{fmt}"
         shutil.rmtree(dst, ignore_errors=True)  # a rerun refreshes the exports from the latest checkpoint
         export_run(root / "run", dst, fmt, args.verifier)

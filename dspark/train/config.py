@@ -32,6 +32,7 @@ class DraftOptions:
     markov_head_type: str = "vanilla"
     confidence_head: bool = True
     mask_token_id: int = 0
+    draft_vocab: int | None = None  # None: the target's vocabulary; N: the N most used tokens of the data (d2t)
 
     def check(self, num_target_layers: int, vocab_size: int) -> None:
         if self.layout not in ("anchor_first", "bonus_anchor"):
@@ -49,6 +50,9 @@ class DraftOptions:
                 raise TrainError(f"--taps {list(self.taps)}: each must lie in 0..{num_target_layers} (input of layer i)")
         if not 0 <= self.mask_token_id < vocab_size:
             raise TrainError(f"--mask-token-id {self.mask_token_id} outside the target vocabulary [0, {vocab_size})")
+        if self.draft_vocab is not None and not 1 <= self.draft_vocab < vocab_size:
+            raise TrainError(f"--draft-vocab must lie in [1, {vocab_size}) (leave it out for the full vocabulary), "
+                             f"got {self.draft_vocab}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise TrainError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
 
@@ -75,6 +79,7 @@ class TrainConfig:
     conf_weight: float = 1.0
     decay: float = 4.0
     head_dtype: str = "bf16"  # the frozen LM head's matmul in training (bf16: ~2.4x faster on CPU)
+    tap_scale: bool = True  # train on taps / per-dim RMS, folded into fc at export (features.tap_scale)
     max_seq_len: int = 2048
     seed: int = 0
     eval_every: int = 100
@@ -151,4 +156,5 @@ def draft_spec(cfg: TrainConfig, target_config, verifier: str | None = None):
         mask_token_id=d.mask_token_id,
         intermediate_size=d.intermediate_size,
         verifier=verifier,
+        draft_vocab_size=d.draft_vocab,
     )

@@ -48,7 +48,7 @@ def evaluate(draft, features, seqs, lm_head, *, max_anchors: int, weights: LossW
         acc = terms[3]
         s = loss_sums(out, weights, terms)
         loss, ce, l1, bce, wsum = loss + float(s.total), ce + s.ce, l1 + s.l1, bce + s.conf, wsum + s.weight
-        match.append((out.logits.argmax(-1) == out.target_logits.argmax(-1)[out.target_index]).view(-1, g).cpu())
+        match.append((out.draft_argmax() == out.target_logits.argmax(-1)[out.target_index]).view(-1, g).cpu())
         accept.append(acc.view(-1, g).cpu())
         if out.conf_logits is not None:
             conf.append((torch.sigmoid(out.conf_logits) - acc).abs().view(-1, g).cpu())

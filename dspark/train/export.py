@@ -3,7 +3,8 @@
 Writing goes through dspark.formats.convert (the one writer of both families); the result is
 read back with dspark.formats.load and must describe the draft that was trained (layout,
 gamma, taps, mask token): an export that an engine would misread is an error here, not there.
-embed_tokens / lm_head are the target's own and are borrowed at load time, never saved.
+embed_tokens / lm_head are the target's own and are borrowed at load time, never saved (a reduced
+vocabulary's lm_head rows and d2t/t2d are saved: they cannot be borrowed).
 """
 
 from __future__ import annotations
@@ -31,8 +32,19 @@ def default_verifier(target: str, target_config) -> dict:
 
 
 def draft_tensors(draft) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
-            for k, v in draft.own_state_dict().items()}
+    return checkpoint_tensors(draft.own_state_dict(), draft.spec.vocab_size)
+
+
+def checkpoint_tensors(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """bf16 floats; a reduced vocabulary's d2t gets its t2d mask, as speculators/EAGLE-3 files carry both."""
+    from dspark.train.vocab import t2d_mask  # noqa: PLC0415
+
+    out = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+           for k, v in state.items()}
+    if "d2t" in out:
+        d2t = out["d2t"]
+        out["t2d"] = t2d_mask(d2t + torch.arange(d2t.numel()), vocab_size)
+    return out
 
 
 def write_draft(spec, tensors: dict, dst, fmt: str, verifier=None, *, replace: bool = False) -> Path:
@@ -94,5 +106,10 @@ def export_run(run_dir, dst, fmt: str | None = None, verifier: str | None = None
     ver = {"name_or_path": verifier, "architectures": list(target_config.architectures or [])} if verifier else \
         default_verifier(cfg.target, target_config)
     spec = draft_spec(cfg, target_config, verifier=ver["name_or_path"])
-    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state["draft"].items()}
+    weights = dict(state["draft"])
+    if state.get("tap_scale") is not None:  # trained on scaled taps: the file reads raw ones
+        from dspark.train.features import fold_tap_scale  # noqa: PLC0415
+
+        weights["fc.weight"] = fold_tap_scale(weights["fc.weight"], state["tap_scale"])
+    tensors = checkpoint_tensors(weights, spec.vocab_size)
     return write_draft(spec, tensors, dst, fmt or cfg.export_format, ver)

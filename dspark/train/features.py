@@ -191,3 +191,41 @@ class CachedFeatures:
             f = torch.from_numpy(np.array(self.final[a:b])).view(torch.bfloat16)
             out.append((t, f))
         return out
+
+
+# ---- input conditioning ---------------------------------------------------------------------
+
+def tap_scale(features, indices: list[int], n_taps: int, outlier: float = 8.0) -> torch.Tensor:
+    """[W] per-dimension RMS of the tapped states over the sequences `indices`.
+
+    Residual streams carry a few "massive" dimensions (SmolLM2's layer-28 input has two at
+    |mean| 450 and 260, against a typical spread of 16) and a few sink positions at RMS ~1000.
+    Fed raw to fc, Adam moves those columns' contributions hundreds of times faster than the
+    rest, and the context the draft attends over barely varies between positions. Training
+    therefore reads taps / scale and folds the scale into fc at export (`fold_tap_scale`):
+    the same function, better conditioned. Positions whose RMS is `outlier` times a tap's
+    median (sinks) do not set the scale.
+    """
+    rows = torch.cat([t.float() for t, _ in features.get(indices)])  # [N, W]
+    per_tap = rows.view(rows.shape[0], n_taps, -1)
+    rms = per_tap.pow(2).mean(dim=2).sqrt()  # [N, n_taps]
+    keep = (rms <= outlier * rms.median(dim=0).values).all(dim=1)
+    if int(keep.sum()) < 2:
+        keep = torch.ones_like(keep)
+    scale = rows[keep].pow(2).mean(dim=0).sqrt()
+    return scale.clamp_min(1e-3)
+
+
+def fold_tap_scale(fc_weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fc trained on taps / scale -> the fc that reads raw taps: W[:, j] / scale[j]."""
+    return (fc_weight.float() / scale.to(fc_weight.device).float()[None, :]).to(fc_weight.dtype)
+
+
+class ScaledFeatures:
+    """Features whose taps are divided by a fixed per-dimension scale (see tap_scale)."""
+
+    def __init__(self, inner, scale: torch.Tensor):
+        self.inner, self.scale = inner, scale.float()
+
+    def get(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(t.float() / self.scale, f) for t, f in self.inner.get(indices)]

@@ -119,6 +119,12 @@ class RowOutputs:
     labels: torch.Tensor  # [M] data tokens
     weight: torch.Tensor  # [M]
     rows: torch.Tensor  # [M, 2] (block, row) of each output
+    draft_ids: torch.Tensor | None = None  # [Vd] target id of each draft-vocabulary entry (reduced vocab)
+
+    def draft_argmax(self) -> torch.Tensor:
+        """[M] the draft's greedy token per row, as a target id."""
+        top = self.logits.argmax(-1)
+        return top if self.draft_ids is None else self.draft_ids[top]
 
 
 def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: torch.Tensor, lm_head,
@@ -164,6 +170,7 @@ def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: t
         labels=ids.to(dev)[label_pos],
         weight=weight[b, r],
         rows=rows,
+        draft_ids=None if draft.d2t is None else draft.d2t + torch.arange(draft.d2t.numel(), device=dev),
     )
 
 
@@ -181,9 +188,22 @@ class LossSums:
 def row_terms(out: RowOutputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per row: (CE, L1 distance, confidence BCE or None, confidence label)."""
     logp = F.log_softmax(out.logits, dim=-1)
-    ce = F.nll_loss(logp, out.labels, reduction="none")
-    p_target = F.softmax(out.target_logits, dim=-1)[out.target_index]
+    p_target = F.softmax(out.target_logits, dim=-1)
+    labels = out.labels
+    outside = None
+    if out.draft_ids is not None:
+        # q is 0 outside the draft vocabulary, so the target mass there counts fully in ||p - q||_1;
+        # a data token outside it has no draft logit and adds no CE (the L1 term still penalizes it)
+        p_target = p_target[:, out.draft_ids]
+        outside = (1.0 - p_target.sum(dim=-1)).clamp_min(0.0)[out.target_index]
+        to_draft = torch.full((out.target_logits.shape[-1],), -100, dtype=torch.long, device=labels.device)
+        to_draft[out.draft_ids] = torch.arange(out.draft_ids.numel(), device=labels.device)
+        labels = to_draft[labels]
+    p_target = p_target[out.target_index]
+    ce = F.nll_loss(logp, labels, reduction="none", ignore_index=-100)
     l1 = (logp.exp() - p_target).abs().sum(dim=-1)
+    if outside is not None:
+        l1 = l1 + outside
     label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # the slot's acceptance probability at T=1
     bce = None
     if out.conf_logits is not None:

@@ -5,7 +5,7 @@ Everything random is derived from (seed, epoch, sequence index): the batch order
 and each sequence's anchors. So a resumed run replays exactly the steps an uninterrupted run
 would, and N processes see the same global batch a single process does.
 
-Run directory: train_config.json, state.pt (fp32 weights, optimizer, step), metrics.jsonl,
+Run directory: train_config.json, state.pt (fp32 weights, optimizer, step, tap scale), metrics.jsonl,
 draft/ (the latest checkpoint exported in bf16, readable by `dspark inspect` and the engine).
 """
 
@@ -81,6 +81,20 @@ def init_weights(draft, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def init_output_norm(draft, target_model) -> bool:
+    """Start the draft's final norm at the target's: the borrowed LM head was trained on states scaled
+    that way (SmolLM2's final-norm gains average 1.8, not 1). Returns whether it applied."""
+    norm = getattr(target_model.get_decoder(), "norm", None)
+    w = getattr(norm, "weight", None)
+    kind = type(norm).__name__
+    # same formula as the draft's Qwen3 RMSNorm (x_normed * w); Gemma's norms scale by (1 + w)
+    if w is None or not kind.endswith("RMSNorm") or "Gemma" in kind or tuple(w.shape) != tuple(draft.norm.weight.shape):
+        return False
+    with torch.no_grad():
+        draft.norm.weight.copy_(w.detach().float())
+    return True
+
+
 def _seed(*parts: int) -> int:
     x = 0
     for p in parts:
@@ -119,6 +133,9 @@ class Run:
         self.spec = draft_spec(cfg, self.model.config, verifier=ver["name_or_path"])
         self.draft = build_draft(self.spec, self.model, dtype=torch.float32)
         init_weights(self.draft, cfg.seed)
+        init_output_norm(self.draft, self.model)
+        if self.spec.has_d2t:
+            self._reduce_vocab()
         self.draft.train()
         self.lm_head = self.model.get_output_embeddings()
         w = self.draft.lm_head.weight
@@ -133,8 +150,10 @@ class Run:
         self.total = cfg.steps or max(1, round(cfg.epochs * self.steps_per_epoch))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(self.total, cfg.warmup))
         self.step, self.elapsed = 0, 0.0
+        self._saved: dict = {}
         if self.resumed:
-            self._restore(load_state(self.out))
+            self._saved = load_state(self.out)
+            self._restore(self._saved)
         distributed.broadcast_parameters(ctx, self.draft)
         self.features = self._features()
         self.held_features = None
@@ -143,8 +162,33 @@ class Run:
 
             self.held_features = OnlineFeatures(self.model, self.spec.hidden_state_indices, self.held,
                                                 cfg.feature_batch_tokens)
+        self.tap_scale = None
+        if cfg.tap_scale:
+            self._scale_taps(self._saved.get("tap_scale") if self.resumed else None)
+        self._saved = {}
 
     # ---- pieces --------------------------------------------------------------------------
+    def _reduce_vocab(self) -> None:
+        """Draft vocabulary from the training answers; its head = the target's rows, frozen.
+
+        Frozen because the draft's states live in the target's final space (the target's head reads
+        them); the rows and d2t are saved with the draft (a reduced head cannot be borrowed).
+        """
+        from dspark.train.vocab import d2t_offsets, select_draft_vocab  # noqa: PLC0415
+
+        V = self.spec.vocab_size
+        ids = select_draft_vocab(self.seqs, V, self.spec.draft_vocab_size)
+        head = self.model.get_output_embeddings().weight
+        with torch.no_grad():
+            self.draft.d2t.copy_(d2t_offsets(ids).to(self.draft.d2t.device))
+            self.draft.lm_head.weight.copy_(head.detach()[ids.to(head.device)].float())
+        self.draft.lm_head.weight.requires_grad_(False)
+        answers = sum(int(s.loss_mask.sum()) for s in self.seqs)
+        covered = sum(int(torch.isin(s.ids[s.loss_mask.bool()], ids).sum()) for s in self.seqs)
+        if self.ctx.main:
+            print(f"draft vocabulary: {ids.numel()} of {V} tokens, covering {covered / max(answers, 1):.2%} "
+                  "of the training answer tokens")
+
     def _features(self):
         from dspark.train.features import CachedFeatures, OnlineFeatures, build_cache, cache_bytes  # noqa: PLC0415
 
@@ -158,6 +202,27 @@ class Run:
             print(f"feature cache {path}: {cache_bytes(path) / 2**20:.1f} MiB (bf16)")
         distributed.barrier(self.ctx)
         return CachedFeatures(path, taps, self.seqs)
+
+    def _scale_taps(self, saved: torch.Tensor | None) -> None:
+        """Train on taps / per-dimension RMS (features.tap_scale); exports fold it into fc."""
+        from dspark.train.features import ScaledFeatures, tap_scale  # noqa: PLC0415
+
+        if saved is None:  # the same sequences on every process: every rank gets the same scale
+            saved = tap_scale(self.features, list(range(min(64, len(self.seqs)))), len(self.spec.hidden_state_indices))
+        self.tap_scale = saved.float()
+        self.features = ScaledFeatures(self.features, self.tap_scale)
+        if self.held_features is not None:
+            self.held_features = ScaledFeatures(self.held_features, self.tap_scale)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The draft as it reads raw taps (tap scale folded into fc), in bf16."""
+        from dspark.train.export import draft_tensors  # noqa: PLC0415
+        from dspark.train.features import fold_tap_scale  # noqa: PLC0415
+
+        tensors = draft_tensors(self.draft)
+        if self.tap_scale is not None:
+            tensors["fc.weight"] = fold_tap_scale(self.draft.fc.weight.detach().cpu(), self.tap_scale).to(torch.bfloat16)
+        return tensors
 
     def _restore(self, state: dict) -> None:
         own = self.draft.own_state_dict()
@@ -228,15 +293,16 @@ class Run:
 
     def save(self) -> Path:
         """state.pt (atomic) and draft/ (bf16 export); main process only."""
-        from dspark.train.export import draft_tensors, write_draft  # noqa: PLC0415
+        from dspark.train.export import write_draft  # noqa: PLC0415
 
         state = {"step": self.step, "total_steps": self.total, "elapsed": self.elapsed, "data_digest": self.data_digest,
                  "draft": {k: v.detach().cpu().clone() for k, v in self.draft.own_state_dict().items()},
+                 "tap_scale": self.tap_scale,
                  "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
         tmp = self.out / (STATE + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.out / STATE)
-        return write_draft(self.spec, draft_tensors(self.draft), self.out / DRAFT, self.cfg.export_format,
+        return write_draft(self.spec, self.export_tensors(), self.out / DRAFT, self.cfg.export_format,
                            self.verifier, replace=True)
 
     def log(self, record: dict) -> None:
