@@ -26,6 +26,8 @@ def add_engine_arguments(p) -> None:
                    help="verification policy (default full)")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence cut for --verify threshold")
     p.add_argument("--calibration", default=None, help="STS file written by `dspark calibrate`")
+    p.add_argument("--always-draft", action="store_true",
+                   help="--verify adaptive: draft every step, even when earlier steps say it does not pay")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
 
@@ -52,7 +54,8 @@ def build_engine(args, **engine_options):
     if args.verify != "full":
         from dspark.engine.scheduler import make_scheduler
 
-        engine.scheduler = make_scheduler(args.verify, engine, threshold=args.threshold, calibration=args.calibration)
+        engine.scheduler = make_scheduler(args.verify, engine, threshold=args.threshold, calibration=args.calibration,
+                                          skip=not getattr(args, "always_draft", False))
     return engine
 
 

@@ -211,3 +211,25 @@ def test_bench_batch_cli(models, tmp_path, capsys):
     assert "tok/s" in capsys.readouterr().out
     assert main(["bench-batch", "--target", str(tmp_path / "target"), "--concurrency", "0,2"]) == 2
     assert np.isfinite(rows[-1]["tokens_per_s"])
+
+
+def test_skipped_drafting_steps_are_plain_decoding(models, reference):
+    """An adaptive policy that judges drafting not worth it decodes plainly in between its probes:
+    same output, the draft's context kept in step (probe steps still accept), counted apart."""
+    from dspark.engine.scheduler import SKIP_PROBE, AdaptiveScheduler
+
+    class Skipping(AdaptiveScheduler):
+        def expected_rates(self, R):
+            return 0.0, 1.0
+
+    model, draft = models
+    eng = engine_for(model, draft, max_batch=3)
+    eng.scheduler = Skipping(STEEP)
+    reqs = run_jobs(eng)
+    for (p, n, _), req in zip(JOBS, reqs):
+        assert req.output_ids == reference[p][:n]
+    m = eng.metrics
+    assert m.plain_steps > m.steps > 1 and m.drafted == m.steps * draft.spec.gamma
+    assert m.plain_steps <= SKIP_PROBE * m.steps
+    assert m.accepted > 0  # probes after many plain steps still draft from a correct context
+    assert eng.metrics.to_dict()["plain_steps"] == m.plain_steps

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -243,6 +245,7 @@ def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
     sched = AdaptiveScheduler(curve, tokens="padded")
 
     class Res:
+        drafted = torch.tensor([4, 4])
         verified = torch.tensor([3, 1])  # padded: 2 * (1 + 3) = 8 tokens, predicted 0.01467 s
         t_draft, t_other, t_verify = 0.004, 0.001, 0.02933
 
@@ -295,3 +298,39 @@ def test_make_scheduler(tmp_path):
     no_head = tiny_draft(model, confidence_head=False)
     with pytest.raises(DSparkError, match="confidence head"):
         make_scheduler("threshold", eng.target, no_head)
+
+
+def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
+    """Skip rule: before drafting, compare expected committed tokens/s at the best depth (earlier
+    survivals, draft + verify cost) with plain decoding's; a skipped step is plain decoding."""
+    from dspark.engine import scheduler as sch
+
+    curve = CostCurve((1, 64), (0.010, 0.010))  # verification cost does not grow with tokens
+
+    def res(drafted, t_draft, t_other=0.001, t_verify=0.010):
+        return SimpleNamespace(drafted=torch.tensor([drafted] * 2), verified=torch.tensor([drafted] * 2),
+                               t_draft=t_draft, t_other=t_other, t_verify=t_verify)
+
+    batch = SimpleNamespace(anchors=torch.zeros(2, dtype=torch.long))
+    sched = AdaptiveScheduler(curve, tokens="padded")
+    assert sched.should_draft(batch)  # nothing known yet: draft
+    weak = _proposal([[-4.0, -4.0, -4.0]] * 2)  # survival 0.018, 0.0003, ...
+    sched(weak, batch)
+    sched.observe(res(3, t_draft=0.030))  # the draft pass costs 3x a verify step
+    spec, plain = sched.expected_rates(2)
+    assert spec == pytest.approx(2 * 1.018 / (0.031 + 0.010), rel=0.02) and plain == pytest.approx(2 / 0.011, rel=0.01)
+    assert not sched.should_draft(batch)
+    decisions = [sched.should_draft(batch) for _ in range(2 * sch.SKIP_PROBE + 2)]
+    assert decisions.count(True) == 2  # one probe after every SKIP_PROBE skipped steps
+    sched.observe(res(0, t_draft=0.0005))  # a skipped step teaches the plain overhead
+    assert sched.plain_overhead == pytest.approx(0.9 * 0.001 + 0.1 * 0.0015)
+
+    good = AdaptiveScheduler(curve, tokens="padded")
+    good(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # survivals ~1: 4 tokens per step
+    good.observe(res(3, t_draft=0.005))
+    assert good.should_draft(batch)
+    assert not AdaptiveScheduler(curve, skip=False).skip
+    off = AdaptiveScheduler(curve, skip=False)
+    off(weak, batch)
+    off.observe(res(3, t_draft=0.030))
+    assert off.should_draft(batch)  # --no-skip keeps drafting every step

@@ -5,6 +5,8 @@ Drafted, verified and accepted tokens are kept apart so that verifying fewer dra
 - conditional[i] = P(slot i accepted | slots < i accepted and slot i verified)
 - marginal[i]    = P(slots 0..i all accepted), per verify step
 - mean acceptance length = tokens committed per verify step, bonus included = 1 + sum(marginal)
+Steps where the adaptive policy skipped drafting are counted apart (plain_steps): they verify
+nothing, so they neither raise nor lower acceptance.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecMetrics:
     gamma: int
-    steps: int = 0
+    steps: int = 0  # verify steps with drafts (what acceptance is measured over)
+    plain_steps: int = 0  # steps the policy ran without drafting (see AdaptiveScheduler.should_draft)
     drafted: int = 0  # tokens the draft proposed
     verified: int = 0  # drafted tokens sent to the target
     accepted: int = 0
@@ -33,6 +36,9 @@ class SpecMetrics:
         self.accepted_at = self.accepted_at or [0] * self.gamma
 
     def record(self, drafted: int, verified: int, accepted: int) -> None:
+        if drafted == 0 and self.gamma > 0:  # a skipped draft: one token from the target alone
+            self.plain_steps += 1
+            return
         self.steps += 1
         self.drafted += drafted
         self.verified += verified
@@ -46,7 +52,7 @@ class SpecMetrics:
     def merge(self, other: "SpecMetrics") -> None:
         if other.gamma != self.gamma:
             raise ValueError("cannot merge metrics of different gamma")
-        for name in ("steps", "drafted", "verified", "accepted", "t_draft", "t_verify", "t_other"):
+        for name in ("steps", "plain_steps", "drafted", "verified", "accepted", "t_draft", "t_verify", "t_other"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("histogram", "reached", "accepted_at"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
@@ -71,6 +77,7 @@ class SpecMetrics:
         total = self.t_draft + self.t_verify + self.t_other
         return {
             "verify_steps": self.steps,
+            "plain_steps": self.plain_steps,
             "gamma": self.gamma,
             "drafted_tokens": self.drafted,
             "verified_tokens": self.verified,

@@ -32,6 +32,7 @@ POLICIES = ("full", "threshold", "adaptive")
 TOKEN_MODES = ("padded", "ragged")
 DEFAULT_THRESHOLD = 0.5
 EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
+SKIP_PROBE = 16  # after this many steps without drafting, draft once to re-estimate survivals
 
 
 # ---- Algorithm 1 -------------------------------------------------------------------------
@@ -154,24 +155,62 @@ class AdaptiveScheduler(_Policy):
     load and context length seen since. Both are running averages of earlier steps (via
     `observe`), fixed before the current drafts exist, so they cannot leak into losslessness.
     learn=False keeps overhead 0 and scale 1 (the paper's SPS = verify steps per second).
+
+    Admission only trims verification; the draft pass is paid on every drafting step. So before
+    a step (`should_draft`) the policy also compares the best expected rate with drafting against
+    plain decoding, both from earlier steps, and skips drafting when it does not pay (skip=True).
     """
 
     name = "adaptive"
 
-    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, tokens: str = "padded", learn: bool = True):
+    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, tokens: str = "padded", learn: bool = True,
+                 skip: bool = True):
         if tokens not in TOKEN_MODES:
             raise DSparkError(f"unknown token mode {tokens!r} (choose from {', '.join(TOKEN_MODES)})")
         super().__init__(calibration)
-        self.curve, self.tokens, self.learn = curve, tokens, learn
+        self.curve, self.tokens, self.learn, self.skip = curve, tokens, learn, skip
         self.overhead, self.scale = 0.0, 1.0
+        self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
+        self.survival: np.ndarray | None = None  # running mean prefix survival per depth [g]
         self._seen = 0
+        self._skipped = 0  # consecutive steps without drafting
 
     def sps(self, tokens: int) -> float:
         return 1.0 / (self.overhead + self.scale * self.curve.step_time(tokens))
 
     def __call__(self, prop, batch) -> torch.Tensor:
         surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
+        mean = surv.mean(axis=0)
+        self.survival = mean if self.survival is None else (1 - EMA) * self.survival + EMA * mean
         return self._lengths(admit(surv, self.sps, tokens=self.tokens), batch)
+
+    def expected_rates(self, R: int) -> tuple[float, float]:
+        """(committed tokens/s drafting at the best depth, tokens/s without drafting) for R requests,
+        from earlier steps' survivals and timings."""
+        plain = R / ((self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R))
+        n, tau, best = np.zeros(R, dtype=np.int64), float(R), 0.0
+        for j, s in enumerate(self.survival):
+            tau += R * float(s)
+            n[:] = j + 1
+            best = max(best, tau * self.sps(batch_tokens(n, self.tokens)))
+        return best, plain
+
+    def should_draft(self, batch) -> bool:
+        """Draft this step unless earlier steps say drafting costs more than it returns (the draft
+        pass is paid whatever is verified). Decided before any draft exists, so a skipped step is
+        plain target decoding: exact. Every SKIP_PROBE skipped steps one drafting step refreshes
+        the survival estimate (the text may have become predictable)."""
+        if not (self.skip and self.learn) or self.survival is None or self.plain_overhead is None:
+            return True
+        if self._skipped >= SKIP_PROBE:
+            self._skipped = 0
+            return True
+        spec, plain = self.expected_rates(int(batch.anchors.shape[0]))
+        if spec >= plain:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        return False
 
     def observe(self, res) -> None:
         if not self.learn or res.t_verify <= 0:
@@ -181,9 +220,14 @@ class AdaptiveScheduler(_Policy):
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         w = 1.0 if self._seen == 0 else EMA
-        self.overhead = (1 - w) * self.overhead + w * fixed
         self.scale = (1 - w) * self.scale + w * ratio
         self._seen += 1
+        if int(res.drafted.max()) == 0:  # a skipped step: its fixed time is the plain overhead
+            self.plain_overhead = fixed if self.plain_overhead is None else (1 - EMA) * self.plain_overhead + EMA * fixed
+            return
+        self.overhead = fixed if self._seen == 1 else (1 - EMA) * self.overhead + EMA * fixed
+        if self.plain_overhead is None:  # before any plain step: the part that is not drafting
+            self.plain_overhead = res.t_other
 
 
 # ---- factory -----------------------------------------------------------------------------
@@ -200,6 +244,7 @@ def make_scheduler(
     max_batch: int | None = None,
     cache: bool = True,
     learn: bool = True,
+    skip: bool = True,
 ):
     """The `--verify full|threshold|adaptive` policy for an Engine (or an HFTarget + draft).
 
@@ -207,6 +252,7 @@ def make_scheduler(
     curve (adaptive): a CostCurve or its JSON file; None profiles the target (cached on disk).
     max_batch: sizes the profiled grid up to max_batch * (gamma + 1) tokens (default: the
     engine's max_batch, else 16).
+    skip (adaptive): skip drafting on steps where earlier steps say it costs more than it returns.
     """
     if name not in POLICIES:
         raise DSparkError(f"unknown verification policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -231,4 +277,4 @@ def make_scheduler(
     else:
         curve = curve if isinstance(curve, CostCurve) else CostCurve.load(curve)
         warn_if_flat(curve)
-    return AdaptiveScheduler(curve, calibration, tokens=tokens, learn=learn)
+    return AdaptiveScheduler(curve, calibration, tokens=tokens, learn=learn, skip=skip)

@@ -8,7 +8,8 @@
       -> accept (greedy or rejection sampling)           -> accepted a [B], next token [B]
       -> commit: target keeps anchor + a drafts; the draft context receives the taps of
          exactly those positions (never a rejected one); next token = new anchor
-With no draft (g = 0) the same path is plain target decoding.
+With no draft (g = 0) the same path is plain target decoding; so is a step whose policy
+skips drafting (`should_draft`), except that the draft context still receives the new position.
 """
 
 from __future__ import annotations
@@ -124,7 +125,11 @@ def decode_step(
     dev = batch.anchors.device
     B = batch.anchors.shape[0]
     t0 = _now(dev)
-    if draft is not None:
+    # A policy may decide from earlier steps alone that drafting will not pay this step (its
+    # cost exceeds the expected gain): then this is a plain target step, and the draft's
+    # context still receives the committed position below.
+    drafting = draft is not None and getattr(schedule, "should_draft", lambda b: True)(batch)
+    if drafting:
         prop = propose(draft, batch)
     else:
         prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
