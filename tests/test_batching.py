@@ -17,6 +17,7 @@ from dspark.engine.costs import CostCurve
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import make_scheduler
+from dspark.errors import DSparkError
 from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
 
 V = 96
@@ -180,12 +181,16 @@ def test_bench_batching_function(models):
     from dspark.bench.batching import ARMS, bench_batching
 
     model, draft = models
-    rows = bench_batching(model, draft, PROMPTS[:3], concurrency=(1, 2), max_new_tokens=6, requests_per_level=2, curve=STEEP)
+    rows = bench_batching(model, draft, PROMPTS[:3], concurrency=(1, 2), max_new_tokens=6, requests_per_level=2, curve=STEEP,
+                          repeats=3)
     assert [(r["concurrency"], r["arm"]) for r in rows] == [(c, a) for c in (1, 2) for a in ARMS]
     for r in rows:
-        assert r["output_tokens"] == r["concurrency"] * 2 * 6
+        assert r["output_tokens"] == r["concurrency"] * 2 * 6 and r["repeats"] == 3
         assert r["tokens_per_s"] > 0 and r["mean_accept_length"] >= 1.0
         assert (r["verified_per_step"] == 0) == (r["arm"] == "plain")
+        assert 0.0 < r["drafting_steps"] <= 1.0 or r["arm"] == "plain"
+    with pytest.raises(DSparkError, match="repeats"):
+        bench_batching(model, draft, PROMPTS[:1], repeats=0)
     assert rows[0]["vs_plain"] == 1.0
     full = next(r for r in rows if r["arm"] == "full")
     assert full["verified_per_step"] == full["drafted_per_step"] == draft.spec.gamma

@@ -3,8 +3,9 @@
 For each concurrency level c, every arm decodes the same c * requests_per_level requests with
 at most c in flight (continuous batching: a finished request's slot goes to the next one),
 EOS ignored so every arm produces the same number of tokens. Reported per (c, arm): output
-tokens per second (prefill included, identical work in every arm), mean acceptance length,
-drafts verified per step, and the ratio to plain decoding at that concurrency.
+tokens per second (prefill included, identical work in every arm; the median of `repeats`
+runs, arms interleaved), mean acceptance length, drafts verified per step, the share of steps
+that drafted at all, and the ratio to plain decoding at that concurrency.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def bench_batching(
     calibration=None,
     curve=None,
     on_row=None,
+    repeats: int = 1,
 ) -> list[dict]:
     """model: the HF target model; draft: its DSparkDraft; prompts: token ids. -> one dict per (c, arm)."""
     import torch
@@ -67,6 +69,8 @@ def bench_batching(
         raise DSparkError("bench-batch needs at least one prompt")
     if any(not isinstance(c, int) or c < 1 for c in concurrency) or not concurrency:
         raise DSparkError(f"concurrency levels must be positive integers, got {list(concurrency)}")
+    if repeats < 1:
+        raise DSparkError(f"repeats must be >= 1, got {repeats}")
     if requests_per_level < 1:
         raise DSparkError(f"requests_per_level must be >= 1, got {requests_per_level}")
     if draft is None and any(a != "plain" for a in arms):
@@ -90,25 +94,38 @@ def bench_batching(
     for arm in arms:  # warm-up: first forwards pay one-time allocation costs
         engine(arm, 1).generate(prompts[0], params(0, 4))
 
+    def run(arm: str, c: int, work) -> tuple[float, int, object]:
+        eng = engine(arm, c)
+        reqs = [eng.add_request(p, params(i, max_new_tokens)) for i, p in enumerate(work)]
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            eng.run_until_done()
+            dt = time.perf_counter() - t0
+        return dt, sum(len(r.output_ids) for r in reqs), eng.metrics
+
     rows = []
     for c in concurrency:
         work = [prompts[i % len(prompts)] for i in range(c * requests_per_level)]
+        runs: dict[str, list] = {arm: [] for arm in arms}
+        for _ in range(repeats):  # arms interleaved, so a burst of load hits every arm alike
+            for arm in arms:
+                runs[arm].append(run(arm, c, work))
         plain_tps = None
         for arm in arms:
-            eng = engine(arm, c)
-            reqs = [eng.add_request(p, params(i, max_new_tokens)) for i, p in enumerate(work)]
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                eng.run_until_done()
-                dt = time.perf_counter() - t0
-            out = sum(len(r.output_ids) for r in reqs)
-            m = eng.metrics
+            # median run by time: one descheduled run must not decide a ratio
+            dt, out, _ = sorted(runs[arm], key=lambda r: r[0])[len(runs[arm]) // 2]
+            m = runs[arm][0][2]
+            for _, _, other in runs[arm][1:]:
+                m.merge(other)
+            all_steps = m.steps + m.plain_steps
             row = {
-                "concurrency": c, "arm": arm, "requests": len(reqs), "output_tokens": out, "seconds": round(dt, 4),
-                "tokens_per_s": round(out / dt, 2),
+                "concurrency": c, "arm": arm, "requests": len(work), "output_tokens": out, "seconds": round(dt, 4),
+                "tokens_per_s": round(out / dt, 2), "repeats": repeats,
                 "mean_accept_length": round(m.mean_accept_length, 3) if draft is not None and arm != "plain" else 1.0,
                 "verified_per_step": round(m.verified / m.steps, 3) if m.steps else 0.0,
                 "drafted_per_step": round(m.drafted / m.steps, 3) if m.steps else 0.0,
+                # share of decode steps that drafted at all (adaptive skips drafting when it does not pay)
+                "drafting_steps": round(m.steps / all_steps, 3) if all_steps and arm != "plain" else 0.0,
             }
             if arm == "plain":
                 plain_tps = row["tokens_per_s"]
@@ -124,10 +141,14 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="batched decoding (acc len = mean acceptance length, bonus included)")
-    for col in ("conc", "arm", "tok/s", "x plain", "acc len", "verif/step", "tokens", "s"):
+    for col in ("conc", "arm", "tok/s", "x plain", "acc len", "verif/step", "drafting", "tokens", "s"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for r in rows:
         table.add_row(str(r["concurrency"]), r["arm"], f"{r['tokens_per_s']:.1f}",
                       "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}", f"{r['mean_accept_length']:.2f}",
-                      f"{r['verified_per_step']:.2f}", str(r["output_tokens"]), f"{r['seconds']:.2f}")
-    Console().print(table)
+                      f"{r['verified_per_step']:.2f}", f"{r.get('drafting_steps', 0.0):.0%}", str(r["output_tokens"]),
+                      f"{r['seconds']:.2f}")
+    console = Console()
+    if not console.is_terminal:  # piped or captured: rich would squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)

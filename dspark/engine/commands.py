@@ -132,6 +132,8 @@ def add_bench_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", default="plain,full,threshold,adaptive", help="comma-separated subset of the four arms")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x concurrency")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per arm and level, arms interleaved; the median is reported (default 1)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threshold", type=float, help="confidence threshold of the threshold arm (default 0.5)")
@@ -163,7 +165,7 @@ def run_bench_batch(args: argparse.Namespace) -> int:
         engine.target.model, engine.draft, prompts, tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids,
         concurrency=levels, arms=arms, max_new_tokens=args.max_new_tokens, requests_per_level=args.requests_per_level,
         temperature=args.temperature, seed=args.seed, threshold=args.threshold, calibration=args.calibration,
-        curve=args.cost_curve,
+        curve=args.cost_curve, repeats=args.repeats,
     )
     print_table(rows)
     if args.json_out:
