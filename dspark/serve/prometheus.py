@@ -39,6 +39,9 @@ class ServerMetrics:
                                          registry=r)
         self.verify_steps = Counter("dspark_spec_verify_steps", "Verify steps, counted once per request per step",
                                     registry=r)
+        self.plain_steps = Counter("dspark_spec_plain_steps", "Steps decoded without drafting (the adaptive policy "
+                                   "judged the draft pass not worth it), counted once per request per step",
+                                   registry=r)
         self.drafted = Counter("dspark_spec_draft_tokens", "Draft tokens proposed", registry=r)
         self.verified = Counter("dspark_spec_verified_tokens", "Draft tokens sent to the target for verification",
                                 registry=r)
@@ -75,6 +78,7 @@ class ServerMetrics:
             self.batch_size.observe(batch)
         s = self._seen
         self.verify_steps.inc(m.steps - s.steps)
+        self.plain_steps.inc(m.plain_steps - s.plain_steps)
         self.drafted.inc(m.drafted - s.drafted)
         self.verified.inc(m.verified - s.verified)
         self.accepted.inc(m.accepted - s.accepted)
@@ -83,6 +87,7 @@ class ServerMetrics:
             self.reached_pos.labels(position=str(i)).inc(m.reached[i] - s.reached[i])
         self.mean_accept_length.set(m.mean_accept_length)
         s.steps, s.drafted, s.verified, s.accepted = m.steps, m.drafted, m.verified, m.accepted
+        s.plain_steps = m.plain_steps
         s.accepted_at, s.reached = list(m.accepted_at), list(m.reached)
 
     def render(self) -> bytes:
