@@ -221,7 +221,7 @@ def test_bench_batch_cli(models, tmp_path, capsys):
 def test_skipped_drafting_steps_are_plain_decoding(models, reference):
     """An adaptive policy that judges drafting not worth it decodes plainly in between its probes:
     same output, the draft's context kept in step (probe steps still accept), counted apart."""
-    from dspark.engine.scheduler import SKIP_PROBE, AdaptiveScheduler
+    from dspark.engine.scheduler import SKIP_PROBE_MAX, AdaptiveScheduler
 
     class Skipping(AdaptiveScheduler):
         def expected_rates(self, R):
@@ -235,6 +235,6 @@ def test_skipped_drafting_steps_are_plain_decoding(models, reference):
         assert req.output_ids == reference[p][:n]
     m = eng.metrics
     assert m.plain_steps > m.steps > 1 and m.drafted == m.steps * draft.spec.gamma
-    assert m.plain_steps <= SKIP_PROBE * m.steps
+    assert m.plain_steps <= SKIP_PROBE_MAX * m.steps  # probes keep coming, ever more rarely
     assert m.accepted > 0  # probes after many plain steps still draft from a correct context
     assert eng.metrics.to_dict()["plain_steps"] == m.plain_steps

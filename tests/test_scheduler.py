@@ -320,8 +320,15 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     spec, plain = sched.expected_rates(2)
     assert spec == pytest.approx(2 * 1.018 / (0.031 + 0.010), rel=0.02) and plain == pytest.approx(2 / 0.011, rel=0.01)
     assert not sched.should_draft(batch)
-    decisions = [sched.should_draft(batch) for _ in range(2 * sch.SKIP_PROBE + 2)]
-    assert decisions.count(True) == 2  # one probe after every SKIP_PROBE skipped steps
+    decisions = [sched.should_draft(batch) for _ in range(400)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    # a probe after SKIP_PROBE skipped steps; each confirmed probe doubles the wait, up to SKIP_PROBE_MAX
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert probes[0] == sch.SKIP_PROBE - 1 and gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {sch.SKIP_PROBE_MAX}
+    while not sched.should_draft(batch):
+        pass
+    sched(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # this probe finds the text predictable again
+    assert sched.should_draft(batch) and sched._probe_every == sch.SKIP_PROBE
     sched.observe(res(0, t_draft=0.0005))  # a skipped step teaches the plain overhead
     assert sched.plain_overhead == pytest.approx(0.9 * 0.001 + 0.1 * 0.0015)
 

@@ -33,6 +33,7 @@ TOKEN_MODES = ("padded", "ragged")
 DEFAULT_THRESHOLD = 0.5
 EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
 SKIP_PROBE = 16  # after this many steps without drafting, draft once to re-estimate survivals
+SKIP_PROBE_MAX = 128  # a probe that confirms skipping doubles the wait before the next, up to this
 
 
 # ---- Algorithm 1 -------------------------------------------------------------------------
@@ -174,6 +175,8 @@ class AdaptiveScheduler(_Policy):
         self.survival: np.ndarray | None = None  # running mean prefix survival per depth [g]
         self._seen = 0
         self._skipped = 0  # consecutive steps without drafting
+        self._probe_every = SKIP_PROBE
+        self._probing = False  # the last drafting step was a probe between skipped steps
 
     def sps(self, tokens: int) -> float:
         return 1.0 / (self.overhead + self.scale * self.curve.step_time(tokens))
@@ -181,7 +184,8 @@ class AdaptiveScheduler(_Policy):
     def __call__(self, prop, batch) -> torch.Tensor:
         surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
         mean = surv.mean(axis=0)
-        self.survival = mean if self.survival is None else (1 - EMA) * self.survival + EMA * mean
+        w = 1.0 if self._probing else EMA  # after many skipped steps the old estimate is stale
+        self.survival = mean if self.survival is None else (1 - w) * self.survival + w * mean
         return self._lengths(admit(surv, self.sps, tokens=self.tokens), batch)
 
     def expected_rates(self, R: int) -> tuple[float, float]:
@@ -198,16 +202,20 @@ class AdaptiveScheduler(_Policy):
     def should_draft(self, batch) -> bool:
         """Draft this step unless earlier steps say drafting costs more than it returns (the draft
         pass is paid whatever is verified). Decided before any draft exists, so a skipped step is
-        plain target decoding: exact. Every SKIP_PROBE skipped steps one drafting step refreshes
-        the survival estimate (the text may have become predictable)."""
+        plain target decoding: exact. After SKIP_PROBE skipped steps one drafting step (a probe)
+        refreshes the survival estimate (the text may have become predictable); each probe that
+        confirms skipping doubles that wait, up to SKIP_PROBE_MAX, so probing costs little."""
         if not (self.skip and self.learn) or self.survival is None or self.plain_overhead is None:
-            return True
-        if self._skipped >= SKIP_PROBE:
-            self._skipped = 0
             return True
         spec, plain = self.expected_rates(int(batch.anchors.shape[0]))
         if spec >= plain:
-            self._skipped = 0
+            self._skipped, self._probing, self._probe_every = 0, False, SKIP_PROBE
+            return True
+        if self._probing:  # the probe confirmed it
+            self._probing = False
+            self._probe_every = min(2 * self._probe_every, SKIP_PROBE_MAX)
+        if self._skipped >= self._probe_every:
+            self._skipped, self._probing = 0, True
             return True
         self._skipped += 1
         return False
