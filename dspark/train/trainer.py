@@ -163,7 +163,8 @@ class Run:
             self.held_features = OnlineFeatures(self.model, self.spec.hidden_state_indices, self.held,
                                                 cfg.feature_batch_tokens)
         self.tap_scale = None
-        if cfg.tap_scale:
+        # a checkpoint from before tap scaling existed holds weights for raw taps: keep it that way
+        if cfg.tap_scale and not (self.resumed and self._saved.get("tap_scale") is None):
             self._scale_taps(self._saved.get("tap_scale") if self.resumed else None)
         self._saved = {}
 
