@@ -80,12 +80,15 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
             bias, emb, state = mh.step(prev, h[:, row], state)
             logits = logits + bias
         confs.append(draft.confidence_logits(h[:, row], emb))
-        logits = draft.to_target_vocab(logits).float()  # [B, V]
-        tok = logits.argmax(-1)
-        for b in sampled:
-            dist = probs(logits[b], batch.params[b])
-            tok[b] = sample(dist, batch.generators[b])
-            qs[b].append(dist)
+        # greedy rows: argmax in the draft vocabulary (a reduced one maps through d2t); only sampled
+        # rows need the full [V] distribution q that verification divides by
+        tok = draft.to_target_ids(logits.argmax(-1))  # [B]
+        if sampled:
+            full = draft.to_target_vocab(logits[sampled]).float()  # [len(sampled), V]
+            for i, b in enumerate(sampled):
+                dist = probs(full[i], batch.params[b])
+                tok[b] = sample(dist, batch.generators[b])
+                qs[b].append(dist)
         tokens.append(tok)
         prev = tok
     return Proposal(

@@ -163,6 +163,10 @@ class DSparkDraft(nn.Module):
         target_ids = torch.arange(logits.shape[-1], device=logits.device) + self.d2t
         return out.index_copy(-1, target_ids, logits)
 
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
     def confidence_logits(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor | None:
         if self.confidence_head is None:
             return None
