@@ -26,23 +26,25 @@ def tiny(tmp_path_factory):
     return root, save_tiny_target(root / "target"), synthetic_shard(root / "d.jsonl", 6)
 
 
-def trained(tiny, layout, markov, name):
+def trained(tiny, layout, markov, name, draft_vocab=None):
     root, target, data = tiny
     d = DraftOptions(gamma=4, num_layers=2, markov_rank=8, markov_head_type=markov, taps=(1, 3), mask_token_id=3,
-                     layout=layout)
+                     layout=layout, draft_vocab=draft_vocab)
     cfg = TrainConfig(target=str(target), data=str(data), out=str(root / name), dtype="fp32", draft=d, steps=3,
                       batch_size=3, lr=1e-2)
     return train(cfg, progress=False)
 
 
-@pytest.mark.parametrize("layout,markov", [("anchor_first", "vanilla"), ("bonus_anchor", "rnn")])
-def test_speculators_library_loads_the_export_and_computes_the_trained_logits(tiny, layout, markov, monkeypatch):
+@pytest.mark.parametrize("layout,markov,draft_vocab", [("anchor_first", "vanilla", None), ("bonus_anchor", "rnn", None),
+                                                     ("anchor_first", "vanilla", 40)])
+def test_speculators_library_loads_the_export_and_computes_the_trained_logits(tiny, layout, markov, draft_vocab,
+                                                                              monkeypatch):
     spec_lib = pytest.importorskip("speculators.models.dspark")
     import speculators.models.dflash.core as dflash_core
     import speculators.models.dspark.core as dspark_core
 
     root, target, data = tiny
-    res = trained(tiny, layout, markov, f"run-{layout}")
+    res = trained(tiny, layout, markov, f"run-{layout}-{draft_vocab}", draft_vocab)
     cfg_json = json.loads((res.draft_dir / "config.json").read_text())
     gamma_written = cfg_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     assert cfg_json["sample_from_anchor"] is (layout == "anchor_first") and gamma_written == 4
@@ -54,6 +56,9 @@ def test_speculators_library_loads_the_export_and_computes_the_trained_logits(ti
     config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention needs a compiler on CPU
     theirs_model = spec_lib.DSparkDraftModel.from_pretrained(res.draft_dir, config=config, dtype=torch.float32).eval()
     assert theirs_model.config.sample_from_anchor is (layout == "anchor_first")
+    if draft_vocab:  # the reduced vocabulary's mapping reaches the library as written
+        sd = theirs_model.state_dict()
+        assert int(sd["t2d"].sum()) == draft_vocab and sd["d2t"].shape == (draft_vocab,)
 
     model, _ = load_target(str(target), "fp32")
     ours = load_draft(str(res.draft_dir), model, dtype=torch.float32)
@@ -81,6 +86,8 @@ def test_speculators_library_loads_the_export_and_computes_the_trained_logits(ti
     S = blocks.block_ids.shape[1]
     theirs = captured["logits"].view(2, S, -1)[out.rows[:, 0], out.rows[:, 1]]
     assert torch.allclose(theirs, out.logits, atol=1e-5)
+    if draft_vocab:
+        assert torch.equal(sd["d2t"].long(), ours.d2t.long())
     assert torch.allclose(captured["conf"].view(2, S)[out.rows[:, 0], out.rows[:, 1]], out.conf_logits, atol=1e-5)
 
 
