@@ -104,6 +104,9 @@ def test_cli_json_and_table(trained, capsys):
                "--device", "cpu", "--tokens", "24"])
     text = capsys.readouterr().out
     assert rc == 0 and "healthy: the declared reading is the best one tried" in text and "taps-1" in text
+    # without --draft only smollm2 has a default (the bundled draft); any other target must name one
+    assert main(["doctor", "--target", trained["target"], "--device", "cpu"]) == 2
+    assert "no draft given" in capsys.readouterr().err
 
 
 def test_nan_and_quantised_weights_fail_the_static_checks(trained):

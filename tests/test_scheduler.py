@@ -247,6 +247,7 @@ def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
     class Res:
         drafted = torch.tensor([4, 4])
         verified = torch.tensor([3, 1])  # padded: 2 * (1 + 3) = 8 tokens, predicted 0.01467 s
+        accepted = torch.tensor([1, 0])
         t_draft, t_other, t_verify = 0.004, 0.001, 0.02933
 
     sched.observe(Res())
@@ -307,9 +308,10 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
 
     curve = CostCurve((1, 64), (0.010, 0.010))  # verification cost does not grow with tokens
 
-    def res(drafted, t_draft, t_other=0.001, t_verify=0.010):
+    def res(drafted, t_draft, t_other=0.001, t_verify=0.010, accepted=0):
         return SimpleNamespace(drafted=torch.tensor([drafted] * 2), verified=torch.tensor([drafted] * 2),
-                               t_draft=t_draft, t_other=t_other, t_verify=t_verify)
+                               accepted=torch.tensor([accepted] * 2), t_draft=t_draft, t_other=t_other,
+                               t_verify=t_verify)
 
     batch = SimpleNamespace(anchors=torch.zeros(2, dtype=torch.long))
     sched = AdaptiveScheduler(curve, tokens="padded")
@@ -334,8 +336,16 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
 
     good = AdaptiveScheduler(curve, tokens="padded")
     good(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # survivals ~1: 4 tokens per step
-    good.observe(res(3, t_draft=0.005))
+    good.observe(res(3, t_draft=0.005, accepted=3))
     assert good.should_draft(batch)
+
+    # a head that promises acceptance the target does not grant: measured acceptance decides
+    boastful = AdaptiveScheduler(curve, tokens="padded")
+    for _ in range(sch.REALISED_MIN // 2):  # 2 requests per step
+        boastful(_proposal([[6.0, 6.0, 6.0]] * 2), batch)
+        boastful.observe(res(3, t_draft=0.005, accepted=0))
+    assert boastful.survival[0] > 0.99 and boastful.expected_survival().tolist() == [0.0, 0.0, 0.0]
+    assert not boastful.should_draft(batch)
     assert not AdaptiveScheduler(curve, skip=False).skip
     off = AdaptiveScheduler(curve, skip=False)
     off(weak, batch)

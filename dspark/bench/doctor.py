@@ -536,7 +536,7 @@ def quick_check(engine, *, new_tokens: int = 16, prompt: str | list[int] | None 
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2", help="HF model directory, or 'smollm2' (default)")
-    p.add_argument("--draft", required=True, help="draft checkpoint directory")
+    p.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target and draft dtype")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -561,7 +561,12 @@ def run_doctor(args) -> int:
         extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
     except ValueError:
         raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
-    report = diagnose(args.target, args.draft, dtype=args.dtype, device=args.device, new_tokens=args.tokens,
+    from dspark.api import default_draft
+
+    draft = args.draft or default_draft(args.target)
+    if draft is None:
+        raise DSparkError(f"no draft given for target {args.target!r}: pass --draft PATH")
+    report = diagnose(args.target, str(draft), dtype=args.dtype, device=args.device, new_tokens=args.tokens,
                       prompts=args.prompt, n_prompts=len(args.prompt) if args.prompt else 3, extra_masks=extra)
     if args.json:
         print(json.dumps(report.to_json(args.strict), indent=2))

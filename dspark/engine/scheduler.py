@@ -33,6 +33,7 @@ TOKEN_MODES = ("padded", "ragged")
 DEFAULT_THRESHOLD = 0.5
 EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
 SKIP_PROBE = 16  # after this many steps without drafting, draft once to re-estimate survivals
+REALISED_MIN = 16  # verified requests at a depth before its measured acceptance replaces the prediction
 SKIP_PROBE_MAX = 128  # a probe that confirms skipping doubles the wait before the next, up to this
 
 
@@ -172,7 +173,9 @@ class AdaptiveScheduler(_Policy):
         self.curve, self.tokens, self.learn, self.skip = curve, tokens, learn, skip
         self.overhead, self.scale = 0.0, 1.0
         self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
-        self.survival: np.ndarray | None = None  # running mean prefix survival per depth [g]
+        self.survival: np.ndarray | None = None  # running mean predicted prefix survival per depth [g]
+        self.realised: np.ndarray | None = None  # running P(first j+1 drafts accepted | verified), per depth
+        self.realised_n: np.ndarray | None = None  # how many verified requests each depth has seen
         self._seen = 0
         self._skipped = 0  # consecutive steps without drafting
         self._probe_every = SKIP_PROBE
@@ -193,11 +196,22 @@ class AdaptiveScheduler(_Policy):
         from earlier steps' survivals and timings."""
         plain = R / ((self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R))
         n, tau, best = np.zeros(R, dtype=np.int64), float(R), 0.0
-        for j, s in enumerate(self.survival):
+        for j, s in enumerate(self.expected_survival()):
             tau += R * float(s)
             n[:] = j + 1
             best = max(best, tau * self.sps(batch_tokens(n, self.tokens)))
         return best, plain
+
+    def expected_survival(self) -> np.ndarray:
+        """[g] prefix survival per depth for the skip rule: what verification actually accepted where
+        that is known (REALISED_MIN verified requests), the confidence head's prediction elsewhere.
+        An uncalibrated head that promises more than the target grants would otherwise keep a
+        losing draft running."""
+        s = self.survival.copy()
+        if self.realised is not None:
+            known = self.realised_n >= REALISED_MIN
+            s[known] = self.realised[known]
+        return np.minimum.accumulate(s)  # survival cannot grow with depth
 
     def should_draft(self, batch) -> bool:
         """Draft this step unless earlier steps say drafting costs more than it returns (the draft
@@ -220,6 +234,19 @@ class AdaptiveScheduler(_Policy):
         self._skipped += 1
         return False
 
+    def _observe_acceptance(self, verified: np.ndarray, accepted: np.ndarray) -> None:
+        g = len(self.survival) if self.survival is not None else int(verified.max(initial=0))
+        if self.realised is None:
+            self.realised, self.realised_n = np.zeros(g), np.zeros(g, dtype=np.int64)
+        for j in range(g):
+            seen = verified > j
+            if not seen.any():
+                break
+            rate = float((accepted[seen] > j).mean())
+            w = 1.0 if self.realised_n[j] == 0 else EMA
+            self.realised[j] = (1 - w) * self.realised[j] + w * rate
+            self.realised_n[j] += int(seen.sum())
+
     def observe(self, res) -> None:
         if not self.learn or res.t_verify <= 0:
             return
@@ -234,6 +261,7 @@ class AdaptiveScheduler(_Policy):
             self.plain_overhead = fixed if self.plain_overhead is None else (1 - EMA) * self.plain_overhead + EMA * fixed
             return
         self.overhead = fixed if self._seen == 1 else (1 - EMA) * self.overhead + EMA * fixed
+        self._observe_acceptance(res.verified.numpy(), res.accepted.numpy())
         if self.plain_overhead is None:  # before any plain step: the part that is not drafting
             self.plain_overhead = res.t_other
 
