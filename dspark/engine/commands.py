@@ -133,7 +133,7 @@ def add_bench_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x concurrency")
     p.add_argument("--repeats", type=int, default=1,
-                   help="runs per arm and level, arms interleaved; the median is reported (default 1)")
+                   help="runs per arm and level, arms interleaved; the fastest is reported (default 1)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threshold", type=float, help="confidence threshold of the threshold arm (default 0.5)")
