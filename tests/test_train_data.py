@@ -157,3 +157,26 @@ def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
     assert main(args) == 0  # everything done: nothing regenerated, nothing retrained
     out = capsys.readouterr().out
     assert "0 answers written" in out and "4 of 4 prompts already done" in out and "nothing left to train" in out
+
+
+def test_cli_all_with_a_reduced_vocabulary_exports_speculators_only(tmp_path, capsys):
+    from dspark.cli import main
+
+    target = tmp_path / "target"
+    tiny_target().save_pretrained(target)
+    char_tokenizer().save_pretrained(target)
+    train_txt, held_txt = tmp_path / "train.txt", tmp_path / "held.txt"
+    train_txt.write_text("Say hi.\nName a color.\nCount to five.\n")
+    held_txt.write_text("Name an animal.\n")
+    args = ["train", "all", "--target", str(target), "--dtype", "fp32", "--out", str(tmp_path / "root"),
+            "--train-prompts", str(train_txt), "--heldout-prompts", str(held_txt), "--max-new-tokens", "12",
+            "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "1",
+            "--draft-vocab", "24", "--steps", "3", "--batch-size", "2", "--eval-prompts", "1",
+            "--eval-max-new-tokens", "10", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "draft vocabulary: 24 of" in out and "outputs equal to plain decoding: 1/1" in out
+    root = tmp_path / "root"
+    assert (root / "draft-speculators" / "model.safetensors").exists() and not (root / "draft-deepspec").exists()
+    cfg = json.loads((root / "draft-speculators" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 24
