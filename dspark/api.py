@@ -31,6 +31,15 @@ def default_draft(target: str) -> Path | None:
     return None
 
 
+def resolve_draft(target: str, draft: str | None, alternative: str) -> Path:
+    """The draft a command runs: the one given, else the bundled one for smollm2, else an error
+    naming what the user can do instead (`alternative`)."""
+    path = draft or default_draft(target)
+    if path is None:
+        raise DSparkError(f"no draft given for target {target!r} (pass --draft PATH{alternative})")
+    return Path(path)
+
+
 class DSparkEngine(Engine):
     """Engine plus tokenizer conveniences (chat template, decode)."""
 
@@ -67,10 +76,7 @@ def load_engine(
     model, tokenizer = load_target(target, dtype, device)
     d = None
     if not no_spec:
-        path = draft or default_draft(target)
-        if path is None:
-            raise DSparkError(f"no draft given for target {target!r} (pass --draft PATH, or --no-spec)")
-        d = load_draft(str(path), model, layout=layout)
+        d = load_draft(str(resolve_draft(target, draft, ", or --no-spec")), model, layout=layout)
     engine = DSparkEngine(HFTarget(model), d, tokenizer, eos_ids(model, tokenizer), scheduler=scheduler,
                           max_batch=max_batch)
     if check and d is not None:

@@ -55,7 +55,7 @@ def build_engine(args, **engine_options):
         from dspark.engine.scheduler import make_scheduler
 
         engine.scheduler = make_scheduler(args.verify, engine, threshold=args.threshold, calibration=args.calibration,
-                                          skip=not getattr(args, "always_draft", False))
+                                          skip=not args.always_draft)
     return engine
 
 

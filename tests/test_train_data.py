@@ -133,19 +133,25 @@ def test_feature_cache_matches_online_features_and_hf_hidden_states(tmp_path, ca
         CachedFeatures(cache, taps, seqs[:4])
 
 
-def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
-    from dspark.cli import main
-
+def _all_args(tmp_path, train_prompts: str, held_prompts: str, *extra: str) -> list[str]:
+    """`dspark train all` on a tiny target with a character tokenizer, settings small enough for a test."""
     target = tmp_path / "target"
     tiny_target().save_pretrained(target)
     char_tokenizer().save_pretrained(target)
     train_txt, held_txt = tmp_path / "train.txt", tmp_path / "held.txt"
-    train_txt.write_text("Say hi.\nName a color.\nCount to five.\nsay HI.\nWhat is two plus two?\n")
-    held_txt.write_text("Name an animal.\nSay bye.\n")
-    args = ["train", "all", "--target", str(target), "--dtype", "fp32", "--out", str(tmp_path / "root"),
+    train_txt.write_text(train_prompts)
+    held_txt.write_text(held_prompts)
+    return ["train", "all", "--target", str(target), "--dtype", "fp32", "--out", str(tmp_path / "root"),
             "--train-prompts", str(train_txt), "--heldout-prompts", str(held_txt), "--max-new-tokens", "12",
             "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "1",
-            "--steps", "3", "--batch-size", "2", "--eval-prompts", "2", "--eval-max-new-tokens", "10", "--quiet"]
+            "--steps", "3", "--batch-size", "2", "--eval-max-new-tokens", "10", "--quiet", *extra]
+
+
+def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
+    from dspark.cli import main
+
+    args = _all_args(tmp_path, "Say hi.\nName a color.\nCount to five.\nsay HI.\nWhat is two plus two?\n",
+                     "Name an animal.\nSay bye.\n", "--eval-prompts", "2")
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "4 answers written" in out  # "say HI." duplicates "Say hi."
@@ -162,17 +168,8 @@ def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
 def test_cli_all_with_a_reduced_vocabulary_exports_speculators_only(tmp_path, capsys):
     from dspark.cli import main
 
-    target = tmp_path / "target"
-    tiny_target().save_pretrained(target)
-    char_tokenizer().save_pretrained(target)
-    train_txt, held_txt = tmp_path / "train.txt", tmp_path / "held.txt"
-    train_txt.write_text("Say hi.\nName a color.\nCount to five.\n")
-    held_txt.write_text("Name an animal.\n")
-    args = ["train", "all", "--target", str(target), "--dtype", "fp32", "--out", str(tmp_path / "root"),
-            "--train-prompts", str(train_txt), "--heldout-prompts", str(held_txt), "--max-new-tokens", "12",
-            "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "1",
-            "--draft-vocab", "24", "--steps", "3", "--batch-size", "2", "--eval-prompts", "1",
-            "--eval-max-new-tokens", "10", "--quiet"]
+    args = _all_args(tmp_path, "Say hi.\nName a color.\nCount to five.\n", "Name an animal.\n",
+                     "--draft-vocab", "24", "--eval-prompts", "1")
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "draft vocabulary: 24 of" in out and "outputs equal to plain decoding: 1/1" in out

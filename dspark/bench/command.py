@@ -167,7 +167,7 @@ def build_runners(arms, model, tokenizer, draft, lookup_tokens: int):
 def run_bench(args) -> int:
     import torch
 
-    from dspark.api import default_draft
+    from dspark.api import resolve_draft
     from dspark.bench.prompts import load_sets
     from dspark.bench.runner import aggregate, default_arms, interleaved, parse_arms, sampling_params, ForwardTimer
     from dspark.errors import DSparkError
@@ -194,9 +194,7 @@ def run_bench(args) -> int:
     if any(a.speculative for a in arms):
         from dspark.model.load import load_draft
 
-        draft_path = args.draft or default_draft(args.target)
-        if draft_path is None:
-            raise DSparkError(f"no draft given for target {args.target!r} (pass --draft PATH, or only plain arms)")
+        draft_path = resolve_draft(args.target, args.draft, ", or only plain arms")
         draft = load_draft(str(draft_path), model, layout=args.layout)
     machine = machine_info(device)
     load = machine["load_average_start"]

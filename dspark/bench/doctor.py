@@ -561,12 +561,9 @@ def run_doctor(args) -> int:
         extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
     except ValueError:
         raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
-    from dspark.api import default_draft
+    from dspark.api import resolve_draft
 
-    draft = args.draft or default_draft(args.target)
-    if draft is None:
-        raise DSparkError(f"no draft given for target {args.target!r}: pass --draft PATH")
-    report = diagnose(args.target, str(draft), dtype=args.dtype, device=args.device, new_tokens=args.tokens,
+    report = diagnose(args.target, str(resolve_draft(args.target, args.draft, "")), dtype=args.dtype, device=args.device, new_tokens=args.tokens,
                       prompts=args.prompt, n_prompts=len(args.prompt) if args.prompt else 3, extra_masks=extra)
     if args.json:
         print(json.dumps(report.to_json(args.strict), indent=2))

@@ -234,8 +234,7 @@ class AdaptiveScheduler(_Policy):
         self._skipped += 1
         return False
 
-    def _observe_acceptance(self, verified: np.ndarray, accepted: np.ndarray) -> None:
-        g = len(self.survival) if self.survival is not None else int(verified.max(initial=0))
+    def _observe_acceptance(self, g: int, verified: np.ndarray, accepted: np.ndarray) -> None:
         if self.realised is None:
             self.realised, self.realised_n = np.zeros(g), np.zeros(g, dtype=np.int64)
         for j in range(g):
@@ -261,7 +260,7 @@ class AdaptiveScheduler(_Policy):
             self.plain_overhead = fixed if self.plain_overhead is None else (1 - EMA) * self.plain_overhead + EMA * fixed
             return
         self.overhead = fixed if self._seen == 1 else (1 - EMA) * self.overhead + EMA * fixed
-        self._observe_acceptance(res.verified.numpy(), res.accepted.numpy())
+        self._observe_acceptance(int(res.drafted.max()), res.verified.numpy(), res.accepted.numpy())
         if self.plain_overhead is None:  # before any plain step: the part that is not drafting
             self.plain_overhead = res.t_other
 

@@ -160,8 +160,7 @@ class DSparkDraft(nn.Module):
         if self.d2t is None:
             return logits
         out = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
-        target_ids = torch.arange(logits.shape[-1], device=logits.device) + self.d2t
-        return out.index_copy(-1, target_ids, logits)
+        return out.index_copy(-1, self.to_target_ids(torch.arange(logits.shape[-1], device=logits.device)), logits)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target token ids."""

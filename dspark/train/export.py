@@ -31,14 +31,17 @@ def default_verifier(target: str, target_config) -> dict:
     return {"name_or_path": name, "architectures": list(getattr(target_config, "architectures", None) or [])}
 
 
-def draft_tensors(draft) -> dict[str, torch.Tensor]:
-    return checkpoint_tensors(draft.own_state_dict(), draft.spec.vocab_size)
-
-
-def checkpoint_tensors(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-    """bf16 floats; a reduced vocabulary's d2t gets its t2d mask, as speculators/EAGLE-3 files carry both."""
+def checkpoint_tensors(state: dict[str, torch.Tensor], vocab_size: int,
+                       tap_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Trained weights -> the file's tensors: bf16 floats; fc reading raw taps when training read
+    taps / tap_scale (features.tap_scale); a reduced vocabulary's d2t with its t2d mask, as
+    speculators/EAGLE-3 files carry both."""
+    from dspark.train.features import fold_tap_scale  # noqa: PLC0415
     from dspark.train.vocab import t2d_mask  # noqa: PLC0415
 
+    state = dict(state)
+    if tap_scale is not None:
+        state["fc.weight"] = fold_tap_scale(state["fc.weight"].detach().cpu(), tap_scale)
     out = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
            for k, v in state.items()}
     if "d2t" in out:
@@ -106,10 +109,5 @@ def export_run(run_dir, dst, fmt: str | None = None, verifier: str | None = None
     ver = {"name_or_path": verifier, "architectures": list(target_config.architectures or [])} if verifier else \
         default_verifier(cfg.target, target_config)
     spec = draft_spec(cfg, target_config, verifier=ver["name_or_path"])
-    weights = dict(state["draft"])
-    if state.get("tap_scale") is not None:  # trained on scaled taps: the file reads raw ones
-        from dspark.train.features import fold_tap_scale  # noqa: PLC0415
-
-        weights["fc.weight"] = fold_tap_scale(weights["fc.weight"], state["tap_scale"])
-    tensors = checkpoint_tensors(weights, spec.vocab_size)
+    tensors = checkpoint_tensors(state["draft"], spec.vocab_size, state.get("tap_scale"))
     return write_draft(spec, tensors, dst, fmt or cfg.export_format, ver)

@@ -170,7 +170,7 @@ def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: t
         labels=ids.to(dev)[label_pos],
         weight=weight[b, r],
         rows=rows,
-        draft_ids=None if draft.d2t is None else draft.d2t + torch.arange(draft.d2t.numel(), device=dev),
+        draft_ids=None if draft.d2t is None else draft.to_target_ids(torch.arange(draft.d2t.numel(), device=dev)),
     )
 
 

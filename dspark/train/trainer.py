@@ -150,10 +150,9 @@ class Run:
         self.total = cfg.steps or max(1, round(cfg.epochs * self.steps_per_epoch))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(self.total, cfg.warmup))
         self.step, self.elapsed = 0, 0.0
-        self._saved: dict = {}
-        if self.resumed:
-            self._saved = load_state(self.out)
-            self._restore(self._saved)
+        saved = load_state(self.out) if self.resumed else None
+        if saved is not None:
+            self._restore(saved)
         distributed.broadcast_parameters(ctx, self.draft)
         self.features = self._features()
         self.held_features = None
@@ -164,9 +163,8 @@ class Run:
                                                 cfg.feature_batch_tokens)
         self.tap_scale = None
         # a checkpoint from before tap scaling existed holds weights for raw taps: keep it that way
-        if cfg.tap_scale and not (self.resumed and self._saved.get("tap_scale") is None):
-            self._scale_taps(self._saved.get("tap_scale") if self.resumed else None)
-        self._saved = {}
+        if cfg.tap_scale and (saved is None or saved.get("tap_scale") is not None):
+            self._scale_taps(None if saved is None else saved["tap_scale"])
 
     # ---- pieces --------------------------------------------------------------------------
     def _reduce_vocab(self) -> None:
@@ -214,16 +212,6 @@ class Run:
         self.features = ScaledFeatures(self.features, self.tap_scale)
         if self.held_features is not None:
             self.held_features = ScaledFeatures(self.held_features, self.tap_scale)
-
-    def export_tensors(self) -> dict[str, torch.Tensor]:
-        """The draft as it reads raw taps (tap scale folded into fc), in bf16."""
-        from dspark.train.export import draft_tensors  # noqa: PLC0415
-        from dspark.train.features import fold_tap_scale  # noqa: PLC0415
-
-        tensors = draft_tensors(self.draft)
-        if self.tap_scale is not None:
-            tensors["fc.weight"] = fold_tap_scale(self.draft.fc.weight.detach().cpu(), self.tap_scale).to(torch.bfloat16)
-        return tensors
 
     def _restore(self, state: dict) -> None:
         own = self.draft.own_state_dict()
@@ -294,7 +282,7 @@ class Run:
 
     def save(self) -> Path:
         """state.pt (atomic) and draft/ (bf16 export); main process only."""
-        from dspark.train.export import write_draft  # noqa: PLC0415
+        from dspark.train.export import checkpoint_tensors, write_draft  # noqa: PLC0415
 
         state = {"step": self.step, "total_steps": self.total, "elapsed": self.elapsed, "data_digest": self.data_digest,
                  "draft": {k: v.detach().cpu().clone() for k, v in self.draft.own_state_dict().items()},
@@ -303,7 +291,8 @@ class Run:
         tmp = self.out / (STATE + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.out / STATE)
-        return write_draft(self.spec, self.export_tensors(), self.out / DRAFT, self.cfg.export_format,
+        tensors = checkpoint_tensors(self.draft.own_state_dict(), self.spec.vocab_size, self.tap_scale)
+        return write_draft(self.spec, tensors, self.out / DRAFT, self.cfg.export_format,
                            self.verifier, replace=True)
 
     def log(self, record: dict) -> None:
