@@ -16,7 +16,7 @@ from dspark.engine.calibration import Calibration
 from dspark.engine.costs import CostCurve
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
-from dspark.engine.scheduler import make_scheduler
+from dspark.engine.scheduler import VerifyPolicy, make_scheduler
 from dspark.errors import DSparkError
 from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
 
@@ -79,33 +79,47 @@ def run_jobs(eng, jobs=JOBS):
     return reqs
 
 
-class Recording:
+class Recording(VerifyPolicy):
     """Wraps a policy; remembers every n it returned."""
 
     def __init__(self, inner):
+        super().__init__()
         self.inner, self.sent = inner, 0
 
-    def __call__(self, prop, batch):
-        n = self.inner(prop, batch)
+    def should_draft(self, batch):
+        return self.inner.should_draft(batch)
+
+    def verify_lengths(self, prop, batch):
+        n = self.inner.verify_lengths(prop, batch)
         assert n.shape == (prop.tokens.shape[0],) and bool(((n >= 0) & (n <= prop.tokens.shape[1])).all())
         self.sent += int(n.sum())
         return n
 
-    def __getattr__(self, name):  # forwards `observe` (the learning adaptive policy needs it)
-        return getattr(self.inner, name)
+    def observe(self, res, requests):  # the learning adaptive policy needs it
+        self.inner.observe(res, requests)
 
 
-def random_lengths(prop, batch, gen=torch.Generator().manual_seed(0)):
-    return torch.randint(0, prop.tokens.shape[1] + 1, (prop.tokens.shape[0],), generator=gen)
+class RandomLengths(VerifyPolicy):
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def verify_lengths(self, prop, batch):
+        return torch.randint(0, prop.tokens.shape[1] + 1, (prop.tokens.shape[0],), generator=self.gen)
+
+
+class VerifyNothing(VerifyPolicy):
+    def verify_lengths(self, prop, batch):
+        return torch.zeros(prop.tokens.shape[0], dtype=torch.long)
 
 
 POLICIES = {
-    "full": lambda eng: make_scheduler("full", eng),
-    "threshold": lambda eng: make_scheduler("threshold", eng, threshold=0.45, calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
-    "adaptive-padded": lambda eng: make_scheduler("adaptive", eng, curve=STEEP, learn=False),
-    "adaptive-ragged": lambda eng: make_scheduler("adaptive", eng, curve=STEEP, tokens="ragged", learn=False),
-    "adaptive-learning": lambda eng: make_scheduler("adaptive", eng, curve=STEEP),
-    "random": lambda eng: random_lengths,
+    "full": lambda eng: make_scheduler("full", eng.target, eng.draft),
+    "threshold": lambda eng: make_scheduler("threshold", eng.target, eng.draft, threshold=0.45,
+                                            calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
+    "adaptive-padded": lambda eng: make_scheduler("adaptive", eng.target, eng.draft, curve=STEEP, learn=False),
+    "adaptive-learning": lambda eng: make_scheduler("adaptive", eng.target, eng.draft, curve=STEEP),
+    "random": lambda eng: RandomLengths(),
 }
 
 
@@ -113,13 +127,13 @@ POLICIES = {
 def test_mixed_batch_output_equals_single_request_output(models, reference, policy):
     model, draft = models
     eng = engine_for(model, draft, max_batch=3)
-    eng.scheduler = Recording(POLICIES[policy](eng))
+    eng.policy = Recording(POLICIES[policy](eng))
     reqs = run_jobs(eng)
     for (p, n, _), req in zip(JOBS, reqs):
         assert req.output_ids == reference[p][:n], f"prompt {p} (max {n}) differs under {policy}"
         assert req.finish_reason == "length"
     m = eng.metrics
-    assert m.verified == eng.scheduler.sent
+    assert m.verified == eng.policy.sent
     assert m.drafted == m.steps * draft.spec.gamma
     assert m.accepted > 0 and sum(m.histogram[1:-1]) > 0, "the test needs partial accepts to mean anything"
     if policy != "full":
@@ -165,8 +179,7 @@ def test_trimming_never_inflates_acceptance(gamma, data):
 
 def test_verifying_nothing_reports_zero_acceptance(models):
     model, draft = models
-    eng = engine_for(model, draft)
-    eng.scheduler = lambda prop, batch: torch.zeros(prop.tokens.shape[0], dtype=torch.long)
+    eng = engine_for(model, draft, policy=VerifyNothing())
     req = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=10))
     m = req.metrics
     assert req.output_ids == hf_greedy(model, PROMPTS[0], 10)
@@ -181,7 +194,7 @@ def test_bench_batching_function(models):
     from dspark.bench.batching import ARMS, bench_batching
 
     model, draft = models
-    rows = bench_batching(model, draft, PROMPTS[:3], concurrency=(1, 2), max_new_tokens=6, requests_per_level=2, curve=STEEP,
+    rows = bench_batching(engine_for(model, draft), PROMPTS[:3], concurrency=(1, 2), max_new_tokens=6, requests_per_level=2, curve=STEEP,
                           repeats=3)
     assert [(r["concurrency"], r["arm"]) for r in rows] == [(c, a) for c in (1, 2) for a in ARMS]
     for r in rows:
@@ -190,7 +203,7 @@ def test_bench_batching_function(models):
         assert (r["verified_per_step"] == 0) == (r["arm"] == "plain")
         assert 0.0 < r["drafting_steps"] <= 1.0 or r["arm"] == "plain"
     with pytest.raises(DSparkError, match="repeats"):
-        bench_batching(model, draft, PROMPTS[:1], repeats=0)
+        bench_batching(engine_for(model, draft), PROMPTS[:1], repeats=0)
     assert rows[0]["vs_plain"] == 1.0
     full = next(r for r in rows if r["arm"] == "full")
     assert full["verified_per_step"] == full["drafted_per_step"] == draft.spec.gamma
@@ -228,8 +241,7 @@ def test_skipped_drafting_steps_are_plain_decoding(models, reference):
             return 0.0, 1.0
 
     model, draft = models
-    eng = engine_for(model, draft, max_batch=3)
-    eng.scheduler = Skipping(STEEP)
+    eng = engine_for(model, draft, max_batch=3, policy=Skipping(STEEP))
     reqs = run_jobs(eng)
     for (p, n, _), req in zip(JOBS, reqs):
         assert req.output_ids == reference[p][:n]

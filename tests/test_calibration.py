@@ -20,6 +20,7 @@ from dspark.engine.calibration import (
     sigmoid,
 )
 from dspark.engine.sampling import SamplingParams
+from dspark.engine.scheduler import VerifyPolicy
 from dspark.errors import DSparkError
 from tests.tiny import engine_for, tiny_draft, tiny_target
 
@@ -100,16 +101,21 @@ def test_calibration_file_roundtrip_and_errors(tmp_path):
         Calibration.load(tmp_path / "missing.json")
 
 
-def test_record_generations_forces_full_verification_and_restores_the_policy():
+class _Trim(VerifyPolicy):
+    def verify_lengths(self, prop, batch):
+        return prop.tokens.new_zeros(prop.tokens.shape[0])
+
+
+def test_record_generations_forces_full_verification_and_leaves_the_engine_alone():
     model = tiny_target()
     draft = tiny_draft(model)
-    eng = engine_for(model, draft, max_batch=2)
-    trim = lambda prop, batch: prop.tokens.new_zeros(prop.tokens.shape[0])  # noqa: E731
-    eng.scheduler = trim
+    trim = _Trim()
+    eng = engine_for(model, draft, max_batch=2, policy=trim)
     rec, reqs = record_generations(eng, [[5, 6, 7], [9, 10], [11]], [SamplingParams(max_new_tokens=6)] * 3)
-    assert eng.scheduler is trim and eng.step_hooks == []
+    assert eng.policy is trim and eng.observers == [] and eng.metrics.steps == 0
     z, acc, ver = rec.arrays()
-    assert z.shape == (len(acc), draft.spec.gamma) and len(acc) == eng.metrics.steps
+    # one record per (step, request): every request's own steps
+    assert z.shape == (len(acc), draft.spec.gamma) and len(acc) == sum(r.metrics.steps for r in reqs)
     assert (ver == draft.spec.gamma).all()
     one = rec.arrays({reqs[0].id})
     assert 0 < len(one[1]) < len(acc)
@@ -139,7 +145,7 @@ def test_calibrate_cli(tmp_path, capsys):
     assert data["gamma"] == draft.spec.gamma and data["records"]["eval"] > 0
     assert len(data["metrics"]["before"]) == len(data["metrics"]["after"]) == draft.spec.gamma
     eng = engine_for(model, draft)
-    assert make_scheduler("threshold", eng, calibration=out).calibration.temperatures == tuple(data["temperatures"])
+    assert make_scheduler("threshold", eng.target, eng.draft, calibration=out).calibration.temperatures == tuple(data["temperatures"])
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     assert main(args[:-6] + ["--prompts", str(tmp_path / "bad.jsonl"), "--out", str(out)]) == 2
     assert "expected a \"prompt_ids\"" in capsys.readouterr().err

@@ -21,7 +21,6 @@ from dspark.engine.scheduler import (
     AdaptiveScheduler,
     FullScheduler,
     ThresholdScheduler,
-    admission_order,
     admit,
     batch_tokens,
     make_scheduler,
@@ -44,19 +43,24 @@ def problems(draw, max_r=3, max_g=4):
     return conf, (lambda b: sps_table[b - 1])
 
 
-def theta(surv, n, sps, mode):
+def sps_of(curve):
+    """Verify steps per second of the paper's SPS (no learnt overhead)."""
+    return lambda tokens: 1.0 / curve.step_time(tokens)
+
+
+def theta(surv, n, sps):
     tau = surv.shape[0] + sum(float(surv[r, : n[r]].sum()) for r in range(surv.shape[0]))
-    return tau * sps(batch_tokens(np.asarray(n), mode))
+    return tau * sps(batch_tokens(np.asarray(n)))
 
 
-def brute_force(surv, sps, mode, early_stop=True):
+def brute_force(surv, sps, early_stop=True):
     """Best Theta over ALL per-request prefix vectors, grouped by what the chain moves along
-    (ragged: number of admitted slots; padded: depth); then the same stopping rule."""
+    (the depth); then the same stopping rule."""
     R, g = surv.shape
     best: dict[int, float] = {}
     for n in itertools.product(range(g + 1), repeat=R):
-        key = sum(n) if mode == "ragged" else max(n)
-        best[key] = max(best.get(key, -np.inf), theta(surv, n, sps, mode))
+        key = max(n)
+        best[key] = max(best.get(key, -np.inf), theta(surv, n, sps))
     keys = sorted(best)
     if early_stop:
         k = 0
@@ -71,52 +75,39 @@ def brute_force(surv, sps, mode, early_stop=True):
 
 
 @settings(max_examples=200, deadline=None)
-@given(problems(), st.sampled_from(["ragged", "padded"]), st.booleans())
-def test_admit_matches_brute_force(problem, mode, early_stop):
+@given(problems(), st.booleans())
+def test_admit_matches_brute_force(problem, early_stop):
     conf, sps = problem
     surv = np.cumprod(conf, axis=1)
-    n = admit(surv, sps, tokens=mode, early_stop=early_stop)
-    k, best = brute_force(surv, sps, mode, early_stop)
-    assert (int(n.sum()) if mode == "ragged" else int(n.max())) == k
-    assert theta(surv, n, sps, mode) == best
+    n = admit(surv, sps, early_stop=early_stop)
+    k, best = brute_force(surv, sps, early_stop)
+    assert int(n.max()) == k
+    assert theta(surv, n, sps) == best
 
 
 @settings(max_examples=200, deadline=None)
-@given(problems(), st.sampled_from(["ragged", "padded"]))
-def test_every_request_keeps_its_anchor_and_lengths_are_in_range(problem, mode):
+@given(problems())
+def test_every_request_keeps_its_anchor_and_lengths_are_in_range(problem):
     conf, sps = problem
-    n = admit(np.cumprod(conf, axis=1), sps, tokens=mode)
+    n = admit(np.cumprod(conf, axis=1), sps)
     assert n.shape == (conf.shape[0],) and n.dtype == np.int64
     assert ((n >= 0) & (n <= conf.shape[1])).all()
     # the anchors alone are always the starting point: B never drops below one token per request
-    assert batch_tokens(n, mode) >= conf.shape[0]
+    assert batch_tokens(n) >= conf.shape[0]
 
 
 @settings(max_examples=200, deadline=None)
-@given(problems(max_r=4, max_g=5))
-def test_every_prefix_of_the_admission_order_is_a_set_of_prefixes(problem):
-    conf, _ = problem
-    surv = np.cumprod(conf, axis=1)
-    order = admission_order(surv)
-    assert sorted(order) == sorted(itertools.product(range(conf.shape[0]), range(conf.shape[1])))
-    depth = [0] * conf.shape[0]
-    for r, j in order:
-        assert j == depth[r], f"slot {j} of request {r} admitted before slot {depth[r]}"
-        depth[r] += 1
-
-
-@settings(max_examples=200, deadline=None)
-@given(problems(), st.sampled_from(["ragged", "padded"]), st.data())
-def test_non_anticipation(problem, mode, data):
+@given(problems(), st.data())
+def test_non_anticipation(problem, data):
     """Confidence of slot j depends on draft token j-1. Tokens from slot n_r on are not
     verified, so confidences of slots >= n_r + 1 may be anything: the decision must not move."""
     conf, sps = problem
-    n = admit(np.cumprod(conf, axis=1), sps, tokens=mode)
+    n = admit(np.cumprod(conf, axis=1), sps)
     changed = conf.copy()
     for r in range(conf.shape[0]):
         for j in range(int(n[r]) + 1, conf.shape[1]):
             changed[r, j] = data.draw(st.integers(0, 8)) / 8.0
-    assert (admit(np.cumprod(changed, axis=1), sps, tokens=mode) == n).all()
+    assert (admit(np.cumprod(changed, axis=1), sps) == n).all()
 
 
 @settings(max_examples=200, deadline=None)
@@ -147,8 +138,7 @@ def test_global_search_anticipates():
 def test_flat_curve_verifies_everything():
     flat = CostCurve((1, 64), (0.01, 0.01))
     surv = np.cumprod(np.full((4, 7), 0.1), axis=1)  # hopeless drafts
-    assert (admit(surv, flat.sps, tokens="padded") == 7).all()
-    assert (admit(surv, flat.sps, tokens="ragged") == 7).all()
+    assert (admit(surv, sps_of(flat)) == 7).all()
 
 
 def test_padded_mode_is_not_myopic():
@@ -156,10 +146,10 @@ def test_padded_mode_is_not_myopic():
     is free. Per-item admission would stop there, depth bundles see the whole gain."""
     curve = CostCurve((1, 64), (0.020, 0.020 + 63 * 0.0006))
     surv = np.cumprod(np.full((8, 4), 0.8), axis=1)
-    n = admit(surv, curve.sps, tokens="padded")
+    n = admit(surv, sps_of(curve))
     assert (n == n[0]).all() and n[0] >= 2
     tau = lambda m: 8 + 8 * sum(0.8 ** (i + 1) for i in range(m))  # noqa: E731
-    assert tau(int(n[0])) * curve.sps(8 * (1 + int(n[0]))) > tau(0) * curve.sps(8)
+    assert tau(int(n[0])) * sps_of(curve)(8 * (1 + int(n[0]))) > tau(0) * sps_of(curve)(8)
 
 
 # ---- the Appendix-A counterexample, statistically -------------------------------------------
@@ -179,7 +169,7 @@ def first_token_is_a(sps, early_stop: bool, trials: int = TRIALS, seed: int = 0)
     for _ in range(trials):
         x = [sample(Q_DRAFT, gen), sample(Q_DRAFT, gen)]
         surv = np.array([[0.8, 0.8 * (1.0 if x[0] == A else 0.0)]])
-        n = int(admit(surv, sps, tokens="ragged", early_stop=early_stop)[0])
+        n = int(admit(surv, sps, early_stop=early_stop)[0])
         lengths.append(n)
         acc, nxt = rejection_accept(P_TARGET.expand(n + 1, 2), Q_DRAFT.expand(n, 2), torch.tensor(x[:n]), gen)
         hits += (x[0] if acc >= 1 else nxt) == A
@@ -224,25 +214,25 @@ class _Batch:
 
 def test_full_and_threshold_policies():
     prop = _proposal([[3.0, 1.0, -1.0, 2.0], [-0.5, 4.0, 4.0, 4.0]])
-    assert FullScheduler()(prop, _Batch()).tolist() == [4, 4]
-    assert ThresholdScheduler(0.5)(prop, _Batch()).tolist() == [2, 0]
+    assert FullScheduler().verify_lengths(prop, _Batch()).tolist() == [4, 4]
+    assert ThresholdScheduler(0.5).verify_lengths(prop, _Batch()).tolist() == [2, 0]
     # a huge temperature at slot 0 lifts sigmoid(-0.5 / t) to just under 0.5, over 0.49
     cal = Calibration((1e6, 1.0, 1.0, 1.0))
-    assert ThresholdScheduler(0.49, cal)(prop, _Batch()).tolist() == [2, 4]
+    assert ThresholdScheduler(0.49, cal).verify_lengths(prop, _Batch()).tolist() == [2, 4]
 
 
 def test_adaptive_policy_is_algorithm_1_on_calibrated_survivals():
     z = [[2.0, 0.5, -1.0, 3.0], [0.1, 1.5, 2.5, -2.0]]
     temps = (0.5, 2.0, 1.0, 3.0)
     curve = CostCurve((1, 4, 16), (0.010, 0.011, 0.030))
-    sched = AdaptiveScheduler(curve, Calibration(temps), tokens="ragged", learn=False)
-    want = admit(np.cumprod(1 / (1 + np.exp(-np.array(z) / np.array(temps))), axis=1), curve.sps, tokens="ragged")
-    assert sched(_proposal(z), _Batch()).tolist() == want.tolist()
+    sched = AdaptiveScheduler(curve, Calibration(temps), learn=False)
+    want = admit(np.cumprod(1 / (1 + np.exp(-np.array(z) / np.array(temps))), axis=1), sps_of(curve))
+    assert sched.verify_lengths(_proposal(z), _Batch()).tolist() == want.tolist()
 
 
 def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
     curve = CostCurve((1, 16), (0.010, 0.020))
-    sched = AdaptiveScheduler(curve, tokens="padded")
+    sched = AdaptiveScheduler(curve)
 
     class Res:
         drafted = torch.tensor([4, 4])
@@ -250,27 +240,25 @@ def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
         accepted = torch.tensor([1, 0])
         t_draft, t_other, t_verify = 0.004, 0.001, 0.02933
 
-    sched.observe(Res())
+    sched.observe(Res(), [])
     assert sched.overhead == pytest.approx(0.005)
     assert sched.scale == pytest.approx(2.0, rel=1e-3)
     Res.t_verify = 100.0  # a descheduled step: clamped, then averaged in with weight 0.1
-    sched.observe(Res())
+    sched.observe(Res(), [])
     assert sched.scale == pytest.approx(0.9 * 2.0 + 0.1 * 4.0, rel=1e-3)
     frozen = AdaptiveScheduler(curve, learn=False)
-    frozen.observe(Res())
+    frozen.observe(Res(), [])
     assert (frozen.overhead, frozen.scale) == (0.0, 1.0)
 
 
 def test_policy_errors_are_clear():
     no_head = Proposal(tokens=torch.zeros(1, 2, dtype=torch.long), q=[None], conf_logits=None)
     with pytest.raises(DSparkError, match="confidence head"):
-        ThresholdScheduler(0.5)(no_head, _Batch())
+        ThresholdScheduler(0.5).verify_lengths(no_head, _Batch())
     with pytest.raises(DSparkError, match="threshold"):
         ThresholdScheduler(1.5)
     with pytest.raises(DSparkError, match="temperatures"):
-        ThresholdScheduler(0.5, Calibration((1.0, 1.0, 1.0)))(_proposal([[0.0, 0.0, 0.0, 0.0]]), _Batch())
-    with pytest.raises(DSparkError, match="token mode"):
-        admit(np.ones((1, 2)), lambda b: 1.0, tokens="sum")
+        ThresholdScheduler(0.5, Calibration((1.0, 1.0, 1.0))).verify_lengths(_proposal([[0.0, 0.0, 0.0, 0.0]]), _Batch())
 
 
 def test_make_scheduler(tmp_path):
@@ -279,23 +267,23 @@ def test_make_scheduler(tmp_path):
     model = tiny_target()
     eng = engine_for(model, tiny_draft(model))
     curve = CostCurve((1, 8, 40), (0.001, 0.0012, 0.003))
-    assert isinstance(make_scheduler("full", eng), FullScheduler)
-    thr = make_scheduler("threshold", eng, threshold=0.3)
+    assert isinstance(make_scheduler("full", eng.target, eng.draft), FullScheduler)
+    thr = make_scheduler("threshold", eng.target, eng.draft, threshold=0.3)
     assert isinstance(thr, ThresholdScheduler) and thr.threshold == 0.3
     path = tmp_path / "cal.json"
     Calibration((1.0, 2.0, 0.5, 1.5)).save(path)
-    ada = make_scheduler("adaptive", eng, calibration=str(path), curve=curve)
+    ada = make_scheduler("adaptive", eng.target, eng.draft, calibration=str(path), curve=curve)
     assert isinstance(ada, AdaptiveScheduler) and ada.calibration.temperatures == (1.0, 2.0, 0.5, 1.5)
     curve_file = tmp_path / "curve.json"
     curve.save(curve_file)
-    assert make_scheduler("adaptive", eng, curve=curve_file).curve == curve
+    assert make_scheduler("adaptive", eng.target, eng.draft, curve=curve_file).curve == curve
     with pytest.raises(DSparkError, match="unknown verification policy"):
-        make_scheduler("greedy", eng)
+        make_scheduler("greedy", eng.target, eng.draft)
     Calibration((1.0, 2.0)).save(path)
     with pytest.raises(DSparkError, match="2 temperatures"):
-        make_scheduler("threshold", eng, calibration=path)
+        make_scheduler("threshold", eng.target, eng.draft, calibration=path)
     with pytest.raises(DSparkError, match="needs a draft"):
-        make_scheduler("adaptive", engine_for(model), curve=curve)
+        make_scheduler("adaptive", eng.target, None, curve=curve)
     no_head = tiny_draft(model, confidence_head=False)
     with pytest.raises(DSparkError, match="confidence head"):
         make_scheduler("threshold", eng.target, no_head)
@@ -314,11 +302,11 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
                                t_verify=t_verify)
 
     batch = SimpleNamespace(anchors=torch.zeros(2, dtype=torch.long))
-    sched = AdaptiveScheduler(curve, tokens="padded")
+    sched = AdaptiveScheduler(curve)
     assert sched.should_draft(batch)  # nothing known yet: draft
     weak = _proposal([[-4.0, -4.0, -4.0]] * 2)  # survival 0.018, 0.0003, ...
-    sched(weak, batch)
-    sched.observe(res(3, t_draft=0.030))  # the draft pass costs 3x a verify step
+    sched.verify_lengths(weak, batch)
+    sched.observe(res(3, t_draft=0.030), [])  # the draft pass costs 3x a verify step
     spec, plain = sched.expected_rates(2)
     assert spec == pytest.approx(2 * 1.018 / (0.031 + 0.010), rel=0.02) and plain == pytest.approx(2 / 0.011, rel=0.01)
     assert not sched.should_draft(batch)
@@ -329,25 +317,25 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     assert probes[0] == sch.SKIP_PROBE - 1 and gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {sch.SKIP_PROBE_MAX}
     while not sched.should_draft(batch):
         pass
-    sched(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # this probe finds the text predictable again
+    sched.verify_lengths(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # this probe finds the text predictable again
     assert sched.should_draft(batch) and sched._probe_every == sch.SKIP_PROBE
-    sched.observe(res(0, t_draft=0.0005))  # a skipped step teaches the plain overhead
+    sched.observe(res(0, t_draft=0.0005), [])  # a skipped step teaches the plain overhead
     assert sched.plain_overhead == pytest.approx(0.9 * 0.001 + 0.1 * 0.0015)
 
-    good = AdaptiveScheduler(curve, tokens="padded")
-    good(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # survivals ~1: 4 tokens per step
-    good.observe(res(3, t_draft=0.005, accepted=3))
+    good = AdaptiveScheduler(curve)
+    good.verify_lengths(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # survivals ~1: 4 tokens per step
+    good.observe(res(3, t_draft=0.005, accepted=3), [])
     assert good.should_draft(batch)
 
     # a head that promises acceptance the target does not grant: measured acceptance decides
-    boastful = AdaptiveScheduler(curve, tokens="padded")
+    boastful = AdaptiveScheduler(curve)
     for _ in range(sch.REALISED_MIN // 2):  # 2 requests per step
-        boastful(_proposal([[6.0, 6.0, 6.0]] * 2), batch)
-        boastful.observe(res(3, t_draft=0.005, accepted=0))
+        boastful.verify_lengths(_proposal([[6.0, 6.0, 6.0]] * 2), batch)
+        boastful.observe(res(3, t_draft=0.005, accepted=0), [])
     assert boastful.survival[0] > 0.99 and boastful.expected_survival().tolist() == [0.0, 0.0, 0.0]
     assert not boastful.should_draft(batch)
     assert not AdaptiveScheduler(curve, skip=False).skip
     off = AdaptiveScheduler(curve, skip=False)
-    off(weak, batch)
-    off.observe(res(3, t_draft=0.030))
+    off.verify_lengths(weak, batch)
+    off.observe(res(3, t_draft=0.030), [])
     assert off.should_draft(batch)  # --no-skip keeps drafting every step

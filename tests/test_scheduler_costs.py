@@ -21,7 +21,7 @@ def test_interpolation_and_monotone_points():
     assert c.tokens == (1, 4, 16) and c.seconds == (0.010, 0.010, 0.030)
     assert c.step_time(10) == pytest.approx(0.020)
     assert c.step_time(28) == pytest.approx(0.050)  # past the grid: the last segment's slope
-    assert c.step_time(1) == 0.010 and c.sps(16) == pytest.approx(1 / 0.030)
+    assert c.step_time(1) == 0.010 and c.step_time(16) == pytest.approx(0.030)
     assert CostCurve((8,), (0.02,)).step_time(100) == 0.02
     assert default_grid(40) == [1, 2, 4, 8, 16, 32, 40] and default_grid(1) == [1]
     for bad in [((), ()), ((1, 1), (0.1, 0.2)), ((0,), (0.1,)), ((1,), (0.0,)), ((1, 2), (0.1,))]:

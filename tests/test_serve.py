@@ -21,11 +21,12 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dspark.api import DSparkEngine, eos_ids
+from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.serve.app import create_app
 from dspark.target.hf import HFTarget
 from dspark.target.load import smollm2_dir
+from dspark.target.text import eos_ids
 from tests.tiny import tiny_draft
 
 MODEL = "tiny"
@@ -35,7 +36,7 @@ KEY = "test-key"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3,", "Hello"]
 
 
-def tiny_engine(max_batch: int = 8) -> DSparkEngine:
+def tiny_engine(max_batch: int = 8) -> Engine:
     # A tokenizer per engine: each engine's worker thread is the only user of its tokenizer.
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def tiny_engine(max_batch: int = 8) -> DSparkEngine:
         bos_token_id=1, eos_token_id=tok.eos_token_id, pad_token_id=0,
     )
     model = LlamaForCausalLM(cfg).eval()
-    return DSparkEngine(HFTarget(model), tiny_draft(model, gamma=GAMMA), tok, eos_ids(model, tok), max_batch=max_batch)
+    return Engine(HFTarget(model), tiny_draft(model, gamma=GAMMA), tok, eos_ids(model, tok), max_batch=max_batch)
 
 
 class LiveServer:
@@ -96,12 +97,12 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def ref() -> DSparkEngine:
+def ref() -> Engine:
     """The same weights, decoded in-process: what every request must return."""
     return tiny_engine()
 
 
-def expect(ref: DSparkEngine, prompt, *, chat=False, max_tokens=16, temperature=0.0, seed=None, stop=(), **kw):
+def expect(ref: Engine, prompt, *, chat=False, max_tokens=16, temperature=0.0, seed=None, stop=(), **kw):
     ids = ref.encode(prompt, chat=chat)
     r = ref.generate(ids, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed,
                                          stop=tuple(stop), **kw))

@@ -14,19 +14,19 @@ acceptance, cache commits, scheduling and bookkeeping.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
+from dspark.engine.timing import now
 from dspark.errors import DSparkError
 
 ARM_KINDS = {
     "hf": "transformers generate",
     "lookup": "transformers prompt-lookup",
-    "nospec": "dspark no-spec",
+    "plain": "dspark plain",
     "full": "dspark full",
     "threshold": "dspark threshold",
     "adaptive": "dspark adaptive",
@@ -59,11 +59,11 @@ class Arm:
 
 
 def default_arms(concurrency: int) -> str:
-    return "hf,lookup,nospec,full,adaptive" + (f",adaptive@{concurrency}" if concurrency > 1 else "")
+    return "hf,lookup,plain,full,adaptive" + (f",adaptive@{concurrency}" if concurrency > 1 else "")
 
 
 def parse_arms(text: str) -> list[Arm]:
-    """'hf,lookup,nospec,full,adaptive,adaptive@4' -> arms (name@N = N requests decoded together)."""
+    """'hf,lookup,plain,full,adaptive,adaptive@4' -> arms (name@N = N requests decoded together)."""
     arms: list[Arm] = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -86,12 +86,6 @@ def parse_arms(text: str) -> list[Arm]:
     if not arms:
         raise DSparkError("no bench arms given")
     return arms
-
-
-def now(device) -> float:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class ForwardTimer:
@@ -154,12 +148,12 @@ class HFRunner:
 
 
 class EngineRunner:
-    def __init__(self, engine, taps: tuple[int, ...]):
-        self.engine, self.taps = engine, taps
+    """One engine arm (each arm's engine is derived from the one built engine: same loaded target)."""
+
+    def __init__(self, engine):
+        self.engine = engine
 
     def __call__(self, prompts, params):
-        # The target is shared by all engine arms: plain decoding must not pay for tapping.
-        self.engine.target.set_taps(self.taps)
         if len(prompts) == 1:
             reqs = [self.engine.generate(prompts[0], params[0])]
         else:

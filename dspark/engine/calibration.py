@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (STS) of the confidence head (spec sheet, section 6).
+"""Sequential Temperature Scaling (STS) of the confidence head (docs/DESIGN.md §6).
 
 The head's c_k = sigmoid(z_k) claims P(slot k accepted | slots < k accepted); schedulers act
 on the prefix survival a_k = prod_{i<=k} c_i. Raw heads are miscalibrated (paper: 3-8% ECE
@@ -169,7 +169,7 @@ def fit_sts(conf_logits: np.ndarray, accepted: np.ndarray, verified: np.ndarray,
 # ---- collecting records from the engine -----------------------------------------------------
 
 class StepRecorder:
-    """Engine step hook: one record per (step, request) of (raw conf logits [g], verified, accepted)."""
+    """Engine step observer: one record per (step, request) of (raw conf logits [g], verified, accepted)."""
 
     def __init__(self):
         self.request_ids: list[str] = []
@@ -177,7 +177,7 @@ class StepRecorder:
         self.verified: list[int] = []
         self.accepted: list[int] = []
 
-    def __call__(self, res, requests) -> None:
+    def observe(self, res, requests) -> None:
         if res.conf_logits is None:
             raise DSparkError("the draft has no confidence head: there is nothing to calibrate")
         z = res.conf_logits.float().cpu().tolist()
@@ -199,18 +199,14 @@ class StepRecorder:
 
 
 def record_generations(engine, prompts: list[list[int]], params: list) -> tuple[StepRecorder, list]:
-    """Run the prompts through the engine with full verification, recording every step."""
+    """Run the prompts with full verification (every slot's acceptance is observed), recording every
+    step. The recording engine is derived from `engine` (same target and draft, its own policy and
+    metrics): the caller's engine and policy are left as they were."""
     if engine.draft is None:
         raise DSparkError("calibration needs a draft (got an engine without one)")
     if engine.draft.confidence_head is None:
         raise DSparkError("the draft has no confidence head: there is nothing to calibrate")
     rec = StepRecorder()
-    saved = engine.scheduler
-    engine.scheduler = None  # full verification: every slot's acceptance is observed
-    engine.step_hooks.append(rec)
-    try:
-        reqs = engine.generate_many(prompts, params)
-    finally:
-        engine.step_hooks.remove(rec)
-        engine.scheduler = saved
-    return rec, reqs
+    recording = engine.derive()  # full verification
+    recording.observers.append(rec)
+    return rec, recording.generate_many(prompts, params)

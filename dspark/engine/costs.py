@@ -2,7 +2,7 @@
 
 The adaptive scheduler weighs expected accepted tokens against steps per second,
 SPS(B) = 1 / step_time(B). A missing or flat curve makes every extra token look free, so the
-scheduler silently verifies everything (spec sheet, section 6): the engine therefore profiles
+scheduler silently verifies everything (docs/DESIGN.md §6): the engine therefore profiles
 its own target at start-up (a few timed forwards over a grid of token counts), caches the
 result on disk, and warns loudly when the curve comes out flat.
 """
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from dspark.errors import DSparkError
+from dspark.engine.timing import now as clock
 from dspark.jsonfile import read_json, write_json
+from dspark.target.load import cache_dir
 
 log = logging.getLogger("dspark")
 
@@ -73,9 +75,6 @@ class CostCurve:
         # never below the cheapest measured step: extrapolating down to 0 tokens is not physical
         return max(ss[0], ss[i] + slope * (tokens - ts[i]))
 
-    def sps(self, tokens: int) -> float:
-        return 1.0 / self.step_time(tokens)
-
     @property
     def ratio(self) -> float:
         """step time at the largest grid point / at the smallest."""
@@ -112,12 +111,6 @@ def default_grid(max_tokens: int) -> list[int]:
     return grid + [max_tokens]
 
 
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 @torch.inference_mode()
 def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0) -> CostCurve:
     """Time target.forward of [1, T] random tokens on a scratch state (then discarded) for T in grid.
@@ -144,9 +137,9 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
     for rep in range(repeats + 1):
         pass_start = time.perf_counter()
         for t in grid:
-            t0 = _sync(dev)
+            t0 = clock(dev)
             target.forward(state, batches[t])
-            t1 = _sync(dev)
+            t1 = clock(dev)
             target.commit(state, keep_none)  # drop the pending entries: the scratch context stays as it was
             times[t].append(t1 - t0)
         now = time.perf_counter()
@@ -178,8 +171,6 @@ def curve_identity(target, grid: list[int]) -> dict:
 
 
 def cache_path(identity: dict) -> Path:
-    from dspark.target.load import cache_dir
-
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(identity["model"]).name or "model")[:60]
     return cache_dir() / "cost-curves" / f"{name}-{identity['dtype']}-{digest}.json"

@@ -11,20 +11,23 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
+from dspark.engine.detok import Detokenizer
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams, probs, sample
-from dspark.engine.step import Batch, decode_step
-from dspark.errors import RequestError
+from dspark.engine.scheduler import FullScheduler, VerifyPolicy
+from dspark.engine.step import Batch, StepResult, decode_step
+from dspark.errors import DSparkError, RequestError
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget
+from dspark.target.text import encode_prompt
 
 log = logging.getLogger("dspark")
 
-# A run "looks silently degraded" (spec sheet, section 9) when, once the first draft slot has
+# A run "looks silently degraded" (docs/DESIGN.md §9) when, once the first draft slot has
 # been verified this many times, fewer than this share of those first drafts were accepted.
 # Slot 0 rather than the mean acceptance length: a verification policy that trims (threshold,
 # adaptive) lowers the length of a healthy draft, never the acceptance of what it verifies.
@@ -50,10 +53,26 @@ class Request:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
+    detok: Detokenizer | None = None  # None: the engine has no tokenizer
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def stream_text(self) -> str:
+        """The text a stream may show now: once finished the final text (cut at a stop string),
+        before that the incremental decode less the characters a stop string could begin with."""
+        if self.finished and self.text is not None:
+            return self.text
+        self.detok.update(self.output_ids)
+        return self.detok.streamable()
+
+
+class StepObserver(Protocol):
+    """Called after every decode step with its result and the running requests in row order
+    (the verification policy is one; calibration records through another)."""
+
+    def observe(self, res: StepResult, requests: list[Request]) -> None: ...
 
 
 class Engine:
@@ -63,12 +82,12 @@ class Engine:
         draft: DSparkDraft | None = None,
         tokenizer=None,
         eos_token_ids: tuple[int, ...] = (),
-        scheduler=None,
+        policy: VerifyPolicy | None = None,
         max_batch: int = 16,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
-        self.scheduler = scheduler
+        self.policy = policy if policy is not None else FullScheduler()
         self.max_batch = max_batch
         self.gamma = draft.spec.gamma if draft is not None else 0
         if draft is not None:
@@ -78,17 +97,44 @@ class Engine:
         self.running: list[Request] = []
         self.batch: Batch | None = None
         self._warned = False
-        # Observers called after every decode step as hook(StepResult, running requests in row
-        # order): calibration records (conf_logits, accepted) through them. A scheduler with an
-        # `observe(StepResult)` method is called too (the adaptive one learns step overheads).
-        self.step_hooks: list[Callable] = []
+        # Called after the policy, after every decode step (StepObserver).
+        self.observers: list[StepObserver] = []
+        # Set by dspark.api.build_engine: the resolved EngineConfig, and lines for the user about it.
+        self.config = None
+        self.notes: list[str] = []
+
+    def derive(self, *, speculative: bool = True, policy: VerifyPolicy | None = None,
+               max_batch: int | None = None) -> "Engine":
+        """Another engine over the same loaded target and draft: nothing is loaded twice, the new
+        engine has its own requests and metrics. speculative=False: the plain-decoding twin (a
+        target view without taps, so it pays for nothing a draft would read). policy: the new
+        engine's verification policy, default full (policies keep running state: never shared)."""
+        draft = self.draft if speculative else None
+        target = self.target if draft is not None else self.target.view()
+        return Engine(target, draft, self.tokenizer, self.eos_token_ids, policy=policy,
+                      max_batch=max_batch or self.max_batch)
+
+    # ---- text ------------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool = False) -> list[int]:
+        """A string (or with chat a list of {role, content} messages) -> token ids."""
+        if self.tokenizer is None:
+            raise DSparkError("this target has no tokenizer: pass token ids")
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ---- admission -----------------------------------------------------------------------
+    def room(self, prompt_len: int) -> int:
+        """The admission rule: how many new tokens fit after a prompt of prompt_len tokens. The
+        target's context must also hold one draft block beyond the last committed token (a verify
+        forward runs anchor + gamma drafts)."""
+        return self.target.max_length - prompt_len - (self.gamma + 1)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None) -> Request:
         if not prompt_ids:
             raise RequestError("prompt is empty")
-        need = len(prompt_ids) + params.max_new_tokens + self.gamma + 1
-        if need > self.target.max_length:
+        if params.max_new_tokens > self.room(len(prompt_ids)):
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"target's context of {self.target.max_length} tokens"
@@ -99,6 +145,8 @@ class Engine:
         if request_id is not None:
             req.id = request_id
         req.metrics = SpecMetrics(self.gamma)
+        if self.tokenizer is not None:
+            req.detok = Detokenizer(self.tokenizer, params.stop)
         self.waiting.append(req)
         return req
 
@@ -177,18 +225,18 @@ class Engine:
                 req.finish_reason = "length"
                 break
         req.output_ids.extend(new)
-        if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                req.text = text[: min(hits)]
+        if p.stop and req.detok is not None:
+            req.detok.update(req.output_ids)
+            hit = req.detok.find_stop()
+            if hit is not None:
+                req.text = req.detok.text[:hit]
                 req.finish_reason = "stop"
-        if req.on_tokens is not None and new:
-            req.on_tokens(req, new)
         if req.finished:
             req.t_finish = time.perf_counter()
             if req.text is None and self.tokenizer is not None:
-                req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                req.text = self.decode(req.output_ids)  # once, in full: the reference text
+        if req.on_tokens is not None and new:
+            req.on_tokens(req, new)
 
     def reset(self) -> None:
         """Drop every request and the batch state (after a failed step its caches are suspect)."""
@@ -211,11 +259,9 @@ class Engine:
         self._admit()
         if self.batch is None:
             return []
-        res = decode_step(self.target, self.draft, self.batch, self.scheduler)
-        for hook in self.step_hooks:
-            hook(res, self.running)
-        if hasattr(self.scheduler, "observe"):
-            self.scheduler.observe(res)
+        res = decode_step(self.target, self.draft, self.batch, self.policy)
+        for observer in (self.policy, *self.observers):
+            observer.observe(res, self.running)
         finished = []
         for b, req in enumerate(self.running):
             if self.draft is not None:

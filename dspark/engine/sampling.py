@@ -1,4 +1,4 @@
-"""Logits -> probabilities, and the two acceptance rules (spec sheet, section 2).
+"""Logits -> probabilities, and the two acceptance rules (docs/DESIGN.md §2).
 
 p (target) and q (draft) always go through the same `probs` with the same parameters:
 rejection sampling is exact only when q is the distribution the draft token was drawn from.
@@ -7,7 +7,7 @@ rejection sampling is exact only when q is the distribution the draft token was 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
     stop: tuple[str, ...] = ()  # stop strings (text is cut before them)
     ignore_eos: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -1,7 +1,8 @@
 """Verification policies: how many drafted tokens each request sends to the target.
 
-A policy is a callable `(Proposal, Batch) -> n [B]` that `decode_step` calls between drafting
-and verification (docs/SCHEDULING.md explains the choices):
+A policy is a VerifyPolicy: `decode_step` asks it whether to draft at all this step
+(`should_draft`), then how many drafts of each request to verify (`verify_lengths`), and the
+engine hands it every step's result (`observe`). docs/SCHEDULING.md explains the choices:
 - `full`: n = g for every request;
 - `threshold`: cut each block before the first slot whose (calibrated) confidence c_k is
   below a threshold;
@@ -26,10 +27,6 @@ from dspark.engine.costs import CostCurve, cost_curve_for, warn_if_flat
 from dspark.errors import DSparkError
 
 POLICIES = ("full", "threshold", "adaptive")
-# How the target prices a batch: "padded" = HFTarget runs one [R, 1 + max n] block, so it
-# computes R * (1 + max n) tokens; "ragged" = an engine with varlen attention computes
-# sum(1 + n_r) (the paper's B).
-TOKEN_MODES = ("padded", "ragged")
 DEFAULT_THRESHOLD = 0.5
 EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
 SKIP_PROBE = 16  # after this many steps without drafting, draft once to re-estimate survivals
@@ -39,24 +36,13 @@ SKIP_PROBE_MAX = 128  # a probe that confirms skipping doubles the wait before t
 
 # ---- Algorithm 1 -------------------------------------------------------------------------
 
-def admission_order(surv: np.ndarray) -> list[tuple[int, int]]:
-    """(request, slot) pairs by survival descending; ties go to the earlier slot, then request.
-
-    Survivals never increase along a request, so with this tie rule every prefix of the
-    order holds a prefix of each request's slots.
-    """
-    R, g = surv.shape
-    return sorted(((r, j) for r in range(R) for j in range(g)), key=lambda rj: (-surv[rj], rj[1], rj[0]))
-
-
-def batch_tokens(n: np.ndarray, mode: str) -> int:
-    """Tokens the target computes to verify n [R] drafts per request (each request also runs its anchor)."""
-    if mode == "ragged":
-        return int(len(n) + n.sum())
+def batch_tokens(n: np.ndarray) -> int:
+    """Tokens the target computes to verify n [R] drafts per request: the target runs one padded
+    [R, 1 + max n] block (each request also runs its anchor), so R * (1 + max n)."""
     return int(len(n) * (1 + (n.max() if len(n) else 0)))
 
 
-def admit(surv: np.ndarray, sps: Callable[[int], float], *, tokens: str = "ragged", early_stop: bool = True) -> np.ndarray:
+def admit(surv: np.ndarray, sps: Callable[[int], float], *, early_stop: bool = True) -> np.ndarray:
     """Algorithm 1: survivals [R, g] (prefix survival of each drafted slot) -> verify lengths n [R].
 
     Start from the anchors alone (B = R tokens, expected committed tokens tau = R: each
@@ -68,30 +54,25 @@ def admit(surv: np.ndarray, sps: Callable[[int], float], *, tokens: str = "ragge
     confidences and so on the very draft token being verified. That biases the output
     (docs/SCHEDULING.md, tests/test_scheduler.py); it exists to show that, never to decode.
 
-    tokens="ragged": candidates are single (request, slot) pairs, B = sum(1 + n_r).
-    tokens="padded": the target computes R * (1 + max n) tokens anyway, so once one request
-    verifies depth j every other request's slot j is free; candidates are whole depths
-    j = 1..g (slot j of every request at once), which keeps the admitted set a set of
-    prefixes and reads only survivals up to the depth being decided.
+    Candidates are whole depths j = 1..g (slot j of every request at once): the target computes
+    R * (1 + max n) tokens anyway (batch_tokens), so once one request verifies depth j every
+    other request's slot j is free. The paper's per-(request, slot) candidates price
+    B = sum(1 + n_r), which only an engine with variable-length attention computes; judging a
+    padded batch that way would stop far too early (docs/SCHEDULING.md). Depths keep the
+    admitted set a set of prefixes and read only survivals up to the depth being decided.
     """
-    if tokens not in TOKEN_MODES:
-        raise DSparkError(f"unknown token mode {tokens!r} (choose from {', '.join(TOKEN_MODES)})")
     surv = np.asarray(surv, dtype=np.float64)
     R, g = surv.shape
     n = np.zeros(R, dtype=np.int64)
     if R == 0 or g == 0:
         return n
-    if tokens == "ragged":
-        steps = [((r,), j) for r, j in admission_order(surv)]
-    else:
-        steps = [(tuple(range(R)), j) for j in range(g)]
     tau, cur = float(R), n.copy()
-    best = tau * sps(batch_tokens(cur, tokens))
-    for rows, j in steps:
-        for r in rows:
+    best = tau * sps(batch_tokens(cur))
+    for j in range(g):
+        for r in range(R):
             tau += surv[r, j]
-            cur[r] = j + 1
-        theta = tau * sps(batch_tokens(cur, tokens))
+        cur[:] = j + 1
+        theta = tau * sps(batch_tokens(cur))
         if theta > best:
             best, n = theta, cur.copy()
         elif early_stop:
@@ -107,11 +88,24 @@ def threshold_lengths(conf: np.ndarray, threshold: float) -> np.ndarray:
 
 # ---- policies the engine calls ---------------------------------------------------------
 
-class _Policy:
+class VerifyPolicy:
+    """The interface decode_step and the engine call; subclasses decide `verify_lengths`."""
+
     name = "?"
 
     def __init__(self, calibration: Calibration | None = None):
         self.calibration = calibration
+
+    def should_draft(self, batch) -> bool:
+        """Before any draft exists: whether this step drafts at all (False: a plain target step)."""
+        return True
+
+    def verify_lengths(self, prop, batch) -> torch.Tensor:
+        """n [B]: how many of each request's drafted tokens the target verifies (0..g)."""
+        raise NotImplementedError
+
+    def observe(self, res, requests) -> None:
+        """After the step: its StepResult and the running requests in row order."""
 
     def confidences(self, prop) -> np.ndarray:
         """Proposal -> calibrated per-slot confidences c [B, g] (float64, CPU)."""
@@ -128,15 +122,15 @@ class _Policy:
         return f"<{self.name} verification>"
 
 
-class FullScheduler(_Policy):
+class FullScheduler(VerifyPolicy):
     name = "full"
 
-    def __call__(self, prop, batch) -> torch.Tensor:
+    def verify_lengths(self, prop, batch) -> torch.Tensor:
         B, g = prop.tokens.shape
         return torch.full((B,), g, dtype=torch.long, device=batch.anchors.device)
 
 
-class ThresholdScheduler(_Policy):
+class ThresholdScheduler(VerifyPolicy):
     name = "threshold"
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, calibration: Calibration | None = None):
@@ -145,11 +139,11 @@ class ThresholdScheduler(_Policy):
         super().__init__(calibration)
         self.threshold = float(threshold)
 
-    def __call__(self, prop, batch) -> torch.Tensor:
+    def verify_lengths(self, prop, batch) -> torch.Tensor:
         return self._lengths(threshold_lengths(self.confidences(prop), self.threshold), batch)
 
 
-class AdaptiveScheduler(_Policy):
+class AdaptiveScheduler(VerifyPolicy):
     """Algorithm 1 with SPS(B) = 1 / (overhead + scale * curve.step_time(B)).
 
     overhead = the step's time outside the target forward (draft pass, acceptance, commit),
@@ -165,12 +159,9 @@ class AdaptiveScheduler(_Policy):
 
     name = "adaptive"
 
-    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, tokens: str = "padded", learn: bool = True,
-                 skip: bool = True):
-        if tokens not in TOKEN_MODES:
-            raise DSparkError(f"unknown token mode {tokens!r} (choose from {', '.join(TOKEN_MODES)})")
+    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, learn: bool = True, skip: bool = True):
         super().__init__(calibration)
-        self.curve, self.tokens, self.learn, self.skip = curve, tokens, learn, skip
+        self.curve, self.learn, self.skip = curve, learn, skip
         self.overhead, self.scale = 0.0, 1.0
         self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
         self.survival: np.ndarray | None = None  # running mean predicted prefix survival per depth [g]
@@ -184,12 +175,12 @@ class AdaptiveScheduler(_Policy):
     def sps(self, tokens: int) -> float:
         return 1.0 / (self.overhead + self.scale * self.curve.step_time(tokens))
 
-    def __call__(self, prop, batch) -> torch.Tensor:
+    def verify_lengths(self, prop, batch) -> torch.Tensor:
         surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
         mean = surv.mean(axis=0)
         w = 1.0 if self._probing else EMA  # after many skipped steps the old estimate is stale
         self.survival = mean if self.survival is None else (1 - w) * self.survival + w * mean
-        return self._lengths(admit(surv, self.sps, tokens=self.tokens), batch)
+        return self._lengths(admit(surv, self.sps), batch)
 
     def expected_rates(self, R: int) -> tuple[float, float]:
         """(committed tokens/s drafting at the best depth, tokens/s without drafting) for R requests,
@@ -199,7 +190,7 @@ class AdaptiveScheduler(_Policy):
         for j, s in enumerate(self.expected_survival()):
             tau += R * float(s)
             n[:] = j + 1
-            best = max(best, tau * self.sps(batch_tokens(n, self.tokens)))
+            best = max(best, tau * self.sps(batch_tokens(n)))
         return best, plain
 
     def expected_survival(self) -> np.ndarray:
@@ -246,11 +237,11 @@ class AdaptiveScheduler(_Policy):
             self.realised[j] = (1 - w) * self.realised[j] + w * rate
             self.realised_n[j] += int(seen.sum())
 
-    def observe(self, res) -> None:
+    def observe(self, res, requests) -> None:
         if not self.learn or res.t_verify <= 0:
             return
         fixed = res.t_draft + res.t_other
-        predicted = self.curve.step_time(batch_tokens(res.verified.numpy(), self.tokens))
+        predicted = self.curve.step_time(batch_tokens(res.verified.numpy()))
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         w = 1.0 if self._seen == 0 else EMA
@@ -269,32 +260,26 @@ class AdaptiveScheduler(_Policy):
 
 def make_scheduler(
     name: str,
-    engine_or_target,
+    target,
     draft=None,
     *,
     threshold: float = DEFAULT_THRESHOLD,
     calibration: Calibration | str | Path | None = None,
     curve: CostCurve | str | Path | None = None,
-    tokens: str = "padded",
-    max_batch: int | None = None,
+    max_batch: int = 16,
     cache: bool = True,
     learn: bool = True,
     skip: bool = True,
-):
-    """The `--verify full|threshold|adaptive` policy for an Engine (or an HFTarget + draft).
+) -> VerifyPolicy:
+    """The `--verify full|threshold|adaptive` policy for a target and its draft.
 
     calibration: a Calibration or the path of a `dspark calibrate` file (None: raw head).
     curve (adaptive): a CostCurve or its JSON file; None profiles the target (cached on disk).
-    max_batch: sizes the profiled grid up to max_batch * (gamma + 1) tokens (default: the
-    engine's max_batch, else 16).
+    max_batch: sizes the profiled grid up to max_batch * (gamma + 1) tokens.
     skip (adaptive): skip drafting on steps where earlier steps say it costs more than it returns.
     """
     if name not in POLICIES:
         raise DSparkError(f"unknown verification policy {name!r} (choose from {', '.join(POLICIES)})")
-    target = engine_or_target
-    if hasattr(engine_or_target, "target"):  # an Engine
-        target, draft = engine_or_target.target, engine_or_target.draft
-        max_batch = max_batch or engine_or_target.max_batch
     if name == "full":
         return FullScheduler()
     if draft is None:
@@ -308,8 +293,8 @@ def make_scheduler(
     if name == "threshold":
         return ThresholdScheduler(threshold, calibration)
     if curve is None:
-        curve = cost_curve_for(target, (max_batch or 16) * (draft.spec.gamma + 1), cache=cache)
+        curve = cost_curve_for(target, max_batch * (draft.spec.gamma + 1), cache=cache)
     else:
         curve = curve if isinstance(curve, CostCurve) else CostCurve.load(curve)
         warn_if_flat(curve)
-    return AdaptiveScheduler(curve, calibration, tokens=tokens, learn=learn, skip=skip)
+    return AdaptiveScheduler(curve, calibration, learn=learn, skip=skip)

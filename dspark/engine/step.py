@@ -3,7 +3,7 @@
     anchors [B] + draft context cache
       -> draft forward on [anchor, MASK, ...]            (spec.query_slots rows)
       -> rows chosen by the layout -> Markov walk        -> drafts [B, g], q, confidences
-      -> verify lengths n [B]                            (scheduler; full = g)
+      -> verify lengths n [B]                            (the verification policy; full = g)
       -> target forward on [anchor, drafts[:n]]          -> logits, tapped hidden states
       -> accept (greedy or rejection sampling)           -> accepted a [B], next token [B]
       -> commit: target keeps anchor + a drafts; the draft context receives the taps of
@@ -14,13 +14,13 @@ skips drafting (`should_draft`), except that the draft context still receives th
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from dspark.engine.sampling import SamplingParams, greedy_accept, probs, rejection_accept, sample
+from dspark.engine.scheduler import VerifyPolicy
+from dspark.engine.timing import now
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget, TargetState
 
@@ -112,45 +112,38 @@ def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, bat
     return accepted, nxt
 
 
-def _now(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 @torch.inference_mode()
 def decode_step(
     target: HFTarget,
     draft: DSparkDraft | None,
     batch: Batch,
-    schedule: Callable[[Proposal, Batch], torch.Tensor] | None = None,
+    policy: VerifyPolicy,
 ) -> StepResult:
     dev = batch.anchors.device
     B = batch.anchors.shape[0]
-    t0 = _now(dev)
+    t0 = now(dev)
     # A policy may decide from earlier steps alone that drafting will not pay this step (its
     # cost exceeds the expected gain): then this is a plain target step, and the draft's
     # context still receives the committed position below.
-    drafting = draft is not None and getattr(schedule, "should_draft", lambda b: True)(batch)
-    if drafting:
+    if draft is not None and policy.should_draft(batch):
         prop = propose(draft, batch)
     else:
         prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
     g = prop.tokens.shape[1]
-    t1 = _now(dev)
-    n = schedule(prop, batch) if (schedule is not None and g) else torch.full((B,), g, dtype=torch.long, device=dev)
+    t1 = now(dev)
+    n = policy.verify_lengths(prop, batch) if g else torch.zeros(B, dtype=torch.long, device=dev)
     m = int(n.max()) if B else 0
     tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
-    t2 = _now(dev)
+    t2 = now(dev)
     logits, taps = target.forward(batch.target, tokens, 1 + n)
-    t3 = _now(dev)
+    t3 = now(dev)
     accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
     keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     target.commit(batch.target, keep)
-    t4 = _now(dev)
+    t4 = now(dev)
     if draft is not None:
         draft.extend_context(batch.ctx, taps, keep)
-    t5 = _now(dev)
+    t5 = now(dev)
     batch.anchors = nxt
     acc, drafts = accepted.tolist(), prop.tokens.tolist()
     committed = [drafts[b][: acc[b]] + [int(nxt[b])] for b in range(B)]

@@ -3,7 +3,7 @@
     app = create_app(engine, model_name="smollm2", api_key=None, max_queue=64)
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-The engine must have a tokenizer and encode/decode (dspark.api.DSparkEngine). Handlers never
+The engine must have a tokenizer (dspark.api.build_engine loads the target's). Handlers never
 touch the engine: they validate, submit a Job to the worker thread and await its events.
 """
 
@@ -38,8 +38,8 @@ _STATUS_LABEL = {401: "unauthorized", 429: "queue_full"}
 
 
 def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None, max_queue: int = 64) -> FastAPI:
-    if getattr(engine, "tokenizer", None) is None or not hasattr(engine, "encode"):
-        raise DSparkError("dspark serve needs an engine with a tokenizer (dspark.api.DSparkEngine)")
+    if engine.tokenizer is None:
+        raise DSparkError("dspark serve needs an engine with a tokenizer (this target has none)")
     metrics = ServerMetrics(engine.gamma)
     worker = EngineWorker(engine, metrics, max_queue)
     created = int(time.time())

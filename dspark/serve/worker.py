@@ -67,11 +67,7 @@ class Job:
         self.in_flight = False  # counts against the admission limit until closed
         self.closed = False
         self.started = False
-        self.text = ""  # output decoded so far (incrementally, see EngineWorker._detokenize)
-        self.sent = ""  # the prefix of it already handed out as Delta events
-        self.prefix_offset = self.read_offset = 0
-        # a stop string may still be completing: never hand out its possible first characters
-        self.holdback = max((len(s) for s in req.stop), default=1) - 1
+        self.sent = ""  # the text already handed out as Delta events
 
     def push(self, event) -> None:
         try:
@@ -177,8 +173,8 @@ class EngineWorker:
                 raise bad(req.prompt_param, "the prompt is empty after tokenization")
             if max(ids) >= eng.target.vocab_size:
                 raise bad("prompt", f"prompt token id {max(ids)} is outside the vocabulary [0, {eng.target.vocab_size})")
-            ctx, reserve = eng.target.max_length, eng.gamma + 1  # the engine's own admission rule
-            room = ctx - len(ids) - reserve
+            ctx, reserve = eng.target.max_length, eng.gamma + 1
+            room = eng.room(len(ids))  # the engine's own admission rule
             if room < 1:
                 raise bad(req.prompt_param, f"the prompt is {len(ids)} tokens but the model's context is {ctx} "
                           f"tokens, {reserve} of which are reserved for the draft block: no room for any output")
@@ -223,27 +219,11 @@ class EngineWorker:
         self.metrics.generation_tokens.inc(len(new))
         if r.finished:
             return  # _finish hands out the rest, cut at the stop string
-        self._detokenize(job, r.output_ids)
-        safe = len(job.text) - job.holdback
-        if safe > len(job.sent):
-            delta = job.text[len(job.sent):safe]
+        text = r.stream_text()  # the engine's incremental detokenizer (a stop string's start held back)
+        if len(text) > len(job.sent):
+            delta = text[len(job.sent):]
             job.sent += delta
             job.push(Delta(delta))
-
-    def _detokenize(self, job: Job, ids: list[int]) -> None:
-        """Extend job.text with what the newest tokens add, decoding a few tokens only.
-
-        Decoding the whole output every step costs O(length) per step. Instead decode a window
-        that starts at the tokens of the previous delta (prefix_offset) and subtract the decode
-        of its old part: a tokenizer that drops a leading space at the start of a decode does
-        so in both, so the difference is exactly the new text.
-        """
-        prefix = self.engine.decode(ids[job.prefix_offset:job.read_offset])
-        full = self.engine.decode(ids[job.prefix_offset:])
-        # a trailing U+FFFD is an incomplete multi-byte character: wait for its remaining bytes
-        if len(full) > len(prefix) and not full.endswith("\ufffd") and full.startswith(prefix):
-            job.text += full[len(prefix):]
-            job.prefix_offset, job.read_offset = job.read_offset, len(ids)
 
     def _step(self) -> None:
         eng = self.engine

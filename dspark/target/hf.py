@@ -55,6 +55,10 @@ class HFTarget:
         self._hooks = []
         self.set_taps(tap_indices)
 
+    def view(self, tap_indices: tuple[int, ...] = ()) -> "HFTarget":
+        """Another target over the same model with its own taps (a plain-decoding twin taps nothing)."""
+        return HFTarget(self.model, tap_indices)
+
     # ---- hidden-state taps -------------------------------------------------------------
     def set_taps(self, tap_indices: tuple[int, ...]) -> None:
         """Tap index i = input of decoder layer i = HF hidden_states[i] (0 = embeddings).
