@@ -37,7 +37,7 @@ def cfg_for(setup, out, **kw):
 
 
 def test_training_reduces_loss_and_the_checkpoint_is_a_working_draft(setup, capsys):
-    res = train(cfg_for(setup, "run"), progress=False)
+    res = train(cfg_for(setup, "run"), progress=False, echo=print)
     assert res.step == 24 and len(res.losses) == 24
     assert sum(res.losses[-4:]) / 4 < 0.8 * sum(res.losses[:4]) / 4
     assert res.eval["blocks"] > 0 and 1.0 <= res.eval["tau_greedy"] <= 5.0 and len(res.eval["greedy_marginal"]) == 4

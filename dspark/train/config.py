@@ -2,7 +2,7 @@
 
 Defaults suit SmolLM2-135M (30 layers, hidden 576, vocab 49152): 2 Qwen3-style layers as wide
 as the target, taps at HF indices (2, 15, 28), Markov rank 64 (rank 256 would make W1/W2
-alone 50 MB in bf16), gamma 7; DeepSpec's optimizer and loss settings (spec sheet, section 5).
+alone 50 MB in bf16), gamma 7; DeepSpec's optimizer and loss settings (docs/DESIGN.md §5).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dspark.formats.spec import MARKOV_HEAD_TYPES
+from dspark.model.factory import make_spec
 from dspark.train.errors import TrainError
 
 # May differ between a run and its resume: they do not change what is computed.
@@ -139,8 +140,6 @@ class TrainConfig:
 
 def draft_spec(cfg: TrainConfig, target_config, verifier: str | None = None):
     """The DraftSpec this run trains (Qwen3-style layers whatever the target's family)."""
-    from dspark.model.factory import make_spec  # noqa: PLC0415
-
     d = cfg.draft
     d.check(target_config.num_hidden_layers, target_config.vocab_size)
     return make_spec(

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from dspark.target.text import encode_prompt as text_ids
 from dspark.target.text import eos_ids as target_eos_ids
@@ -88,8 +89,6 @@ def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSe
     stops = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     dev = next(model.parameters()).device
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
     bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt", disable=not progress)
     with open(out, "a", encoding="utf-8") as f:
         for i in range(0, len(todo), batch_size):

@@ -1,40 +1,37 @@
 """End-to-end check of a draft through the real engine: greedy decoding of held-out prompts with
-and without speculation, same target, same run. Reports the acceptance statistics of spec
-sheet section 8, the speedup, and how many outputs equal plain decoding token for token.
+and without speculation, same target, same run. Reports the acceptance statistics of
+docs/DESIGN.md §8, the speedup, and how many outputs equal plain decoding token for token.
 """
 
 from __future__ import annotations
 
 import time
 
-from dspark.train.data import encode_prompt, eos_ids
+from tqdm.auto import tqdm
+
+from dspark.engine.engine import Engine
+from dspark.engine.sampling import SamplingParams
+from dspark.train.data import encode_prompt
 from dspark.train.prompts import Prompt
 
 
-def engine_eval(model, tokenizer, draft, prompts: list[Prompt], *, max_new_tokens: int = 128,
-                chat_template: bool = True, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    from dspark.engine.engine import Engine  # noqa: PLC0415
-    from dspark.engine.sampling import SamplingParams  # noqa: PLC0415
-    from dspark.target.hf import HFTarget  # noqa: PLC0415
-
-    stops = tuple(sorted(eos_ids(model, tokenizer)))
+def engine_eval(engine: Engine, prompts: list[Prompt], *, max_new_tokens: int = 128, chat_template: bool = True,
+                progress: bool = True) -> dict:
+    """engine: the speculative engine (dspark.api.build_engine); its plain twin decodes the same prompts."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    spec_engine = Engine(HFTarget(model), draft, tokenizer, stops)
-    plain_engine = Engine(HFTarget(model), None, tokenizer, stops)
+    plain_engine = engine.derive(speculative=False)
     same, t_spec, t_plain, n_spec, n_plain = 0, 0.0, 0.0, 0, 0
     for p in tqdm(prompts, desc="engine check", unit="prompt", disable=not progress):
-        ids = encode_prompt(tokenizer, p.text, chat_template)
+        ids = encode_prompt(engine.tokenizer, p.text, chat_template)
         t = time.perf_counter()
-        a = spec_engine.generate(ids, params)
+        a = engine.generate(ids, params)
         t_spec += time.perf_counter() - t
         t = time.perf_counter()
         b = plain_engine.generate(ids, params)
         t_plain += time.perf_counter() - t
         same += a.output_ids == b.output_ids
         n_spec, n_plain = n_spec + len(a.output_ids), n_plain + len(b.output_ids)
-    m = spec_engine.metrics
+    m = engine.metrics
     return {
         "prompts": len(prompts),
         "mean_accept_length": m.mean_accept_length,

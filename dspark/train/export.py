@@ -14,8 +14,16 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
+from dspark.formats.convert import write_deepspec, write_speculators
+from dspark.formats.load import load_spec
+from dspark.target.load import resolve_target
+from dspark.train.config import draft_spec
 from dspark.train.errors import TrainError
+from dspark.train.features import fold_tap_scale
+from dspark.train.rundir import load_state, read_run_config
+from dspark.train.vocab import t2d_mask
 
 HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
@@ -36,9 +44,6 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], vocab_size: int,
     """Trained weights -> the file's tensors: bf16 floats; fc reading raw taps when training read
     taps / tap_scale (features.tap_scale); a reduced vocabulary's d2t with its t2d mask, as
     speculators/EAGLE-3 files carry both."""
-    from dspark.train.features import fold_tap_scale  # noqa: PLC0415
-    from dspark.train.vocab import t2d_mask  # noqa: PLC0415
-
     state = dict(state)
     if tap_scale is not None:
         state["fc.weight"] = fold_tap_scale(state["fc.weight"].detach().cpu(), tap_scale)
@@ -52,8 +57,6 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], vocab_size: int,
 
 def write_draft(spec, tensors: dict, dst, fmt: str, verifier=None, *, replace: bool = False) -> Path:
     """Write to `dst` through a temporary sibling; `replace` lets a run refresh its own export."""
-    from dspark.formats.convert import write_deepspec, write_speculators  # noqa: PLC0415
-
     if fmt == "deepspec" and spec.layout != "anchor_first":
         raise TrainError(f"a {spec.layout} draft cannot be written as DeepSpec (anchor-first only): use speculators")
     dst = Path(dst)
@@ -75,8 +78,6 @@ def write_draft(spec, tensors: dict, dst, fmt: str, verifier=None, *, replace: b
 
 
 def check_written(spec, path: Path, fmt: str) -> None:
-    from dspark.formats.load import load_spec  # noqa: PLC0415
-
     back = load_spec(path)
     for name in ("layout", "gamma", "query_slots", "hidden_state_indices", "mask_token_id", "markov_rank",
                  "markov_head_type", "confidence_head", "num_layers"):
@@ -96,12 +97,6 @@ def size_mb(path: Path) -> float:
 
 def export_run(run_dir, dst, fmt: str | None = None, verifier: str | None = None) -> Path:
     """Export the latest checkpoint of a training run directory."""
-    from transformers import AutoConfig  # noqa: PLC0415
-
-    from dspark.target.load import resolve_target  # noqa: PLC0415
-    from dspark.train.config import draft_spec  # noqa: PLC0415
-    from dspark.train.trainer import load_state, read_run_config  # noqa: PLC0415
-
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
     state = load_state(run_dir)

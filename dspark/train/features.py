@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from dspark.target.hf import decoder_layers
 from dspark.train.dataset import Sequence
@@ -130,8 +131,6 @@ def build_cache(model, taps: tuple[int, ...], seqs: list[Sequence], out, *, targ
     if (out / "meta.json").exists():
         CachedFeatures(out, taps, seqs)  # raises if it does not match
         return out
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

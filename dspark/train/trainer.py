@@ -5,8 +5,8 @@ Everything random is derived from (seed, epoch, sequence index): the batch order
 and each sequence's anchors. So a resumed run replays exactly the steps an uninterrupted run
 would, and N processes see the same global batch a single process does.
 
-Run directory: train_config.json, state.pt (fp32 weights, optimizer, step, tap scale), metrics.jsonl,
-draft/ (the latest checkpoint exported in bf16, readable by `dspark inspect` and the engine).
+The run directory's layout is dspark.train.rundir. Nothing here prints: messages for the user go
+to the caller's `echo` (the command layer passes one), progress bars only when `progress`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,30 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
+from dspark.model.load import build_draft
+from dspark.target.load import load_target
 from dspark.train import distributed
 from dspark.train.config import TrainConfig, draft_spec
+from dspark.train.dataset import load_sequences
 from dspark.train.errors import TrainError
+from dspark.train.evaluate import evaluate
+from dspark.train.export import checkpoint_tensors, default_verifier, write_draft
+from dspark.train.features import (CachedFeatures, OnlineFeatures, ScaledFeatures, build_cache, cache_bytes, data_digest,
+                                   tap_scale)
 from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, sample_anchors
+from dspark.train.rundir import CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
+from dspark.train.vocab import d2t_offsets, select_draft_vocab
 
-CONFIG, STATE, METRICS, DRAFT = "train_config.json", "state.pt", "metrics.jsonl", "draft"
+Echo = Callable[[str], None]
+
+
+def _silent(_line: str) -> None:
+    pass
 
 
 @dataclass
@@ -37,20 +52,6 @@ class TrainResult:
     draft_dir: Path | None = None
     seconds: float = 0.0
     main: bool = True  # the process that reports (rank 0)
-
-
-def read_run_config(run_dir: Path) -> TrainConfig:
-    path = Path(run_dir) / CONFIG
-    if not path.exists():
-        raise TrainError(f"{run_dir} is not a training run directory (no {CONFIG})")
-    return TrainConfig.from_json(json.loads(path.read_text()))
-
-
-def load_state(run_dir: Path) -> dict:
-    path = Path(run_dir) / STATE
-    if not path.exists():
-        raise TrainError(f"{run_dir} has no checkpoint ({STATE}) yet")
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def lr_factor(total: int, warmup: float):
@@ -105,13 +106,8 @@ def _seed(*parts: int) -> int:
 class Run:
     """One training session over a run directory (fresh or resumed)."""
 
-    def __init__(self, cfg: TrainConfig, ctx: distributed.DistContext, progress: bool):
-        from dspark.model.load import build_draft  # noqa: PLC0415
-        from dspark.target.load import load_target  # noqa: PLC0415
-        from dspark.train.dataset import load_sequences  # noqa: PLC0415
-        from dspark.train.export import default_verifier  # noqa: PLC0415
-
-        self.cfg, self.ctx, self.progress = cfg, ctx, progress
+    def __init__(self, cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo: Echo = _silent):
+        self.cfg, self.ctx, self.progress, self.echo = cfg, ctx, progress, echo
         self.out = Path(cfg.out)
         self.resumed = (self.out / STATE).exists()
         if self.resumed:
@@ -122,8 +118,6 @@ class Run:
         self.model, _ = load_target(cfg.target, cfg.dtype, device=ctx.device)
         vocab = self.model.get_output_embeddings().weight.shape[0]
         self.seqs = load_sequences(cfg.data, vocab, cfg.max_seq_len)
-        from dspark.train.features import data_digest  # noqa: PLC0415
-
         self.data_digest = data_digest(self.seqs)
         self.held = load_sequences(cfg.heldout, vocab, cfg.max_seq_len) if cfg.heldout else None
         ver = default_verifier(cfg.target, self.model.config)
@@ -157,8 +151,6 @@ class Run:
         self.features = self._features()
         self.held_features = None
         if self.held is not None and ctx.main:
-            from dspark.train.features import OnlineFeatures  # noqa: PLC0415
-
             self.held_features = OnlineFeatures(self.model, self.spec.hidden_state_indices, self.held,
                                                 cfg.feature_batch_tokens)
         self.tap_scale = None
@@ -173,8 +165,6 @@ class Run:
         Frozen because the draft's states live in the target's final space (the target's head reads
         them); the rows and d2t are saved with the draft (a reduced head cannot be borrowed).
         """
-        from dspark.train.vocab import d2t_offsets, select_draft_vocab  # noqa: PLC0415
-
         V = self.spec.vocab_size
         ids = select_draft_vocab(self.seqs, V, self.spec.draft_vocab_size)
         head = self.model.get_output_embeddings().weight
@@ -185,12 +175,10 @@ class Run:
         answers = sum(int(s.loss_mask.sum()) for s in self.seqs)
         covered = sum(int(torch.isin(s.ids[s.loss_mask.bool()], ids).sum()) for s in self.seqs)
         if self.ctx.main:
-            print(f"draft vocabulary: {ids.numel()} of {V} tokens, covering {covered / max(answers, 1):.2%} "
-                  "of the training answer tokens")
+            self.echo(f"draft vocabulary: {ids.numel()} of {V} tokens, covering {covered / max(answers, 1):.2%} "
+                      "of the training answer tokens")
 
     def _features(self):
-        from dspark.train.features import CachedFeatures, OnlineFeatures, build_cache, cache_bytes  # noqa: PLC0415
-
         taps = self.spec.hidden_state_indices
         if self.cfg.features == "online":
             return OnlineFeatures(self.model, taps, self.seqs, self.cfg.feature_batch_tokens)
@@ -198,14 +186,12 @@ class Run:
         if not (path / "meta.json").exists() and self.ctx.main:
             build_cache(self.model, taps, self.seqs, path, target_name=self.cfg.target,
                         max_tokens=self.cfg.feature_batch_tokens, progress=self.progress)
-            print(f"feature cache {path}: {cache_bytes(path) / 2**20:.1f} MiB (bf16)")
+            self.echo(f"feature cache {path}: {cache_bytes(path) / 2**20:.1f} MiB (bf16)")
         distributed.barrier(self.ctx)
         return CachedFeatures(path, taps, self.seqs)
 
     def _scale_taps(self, saved: torch.Tensor | None) -> None:
         """Train on taps / per-dimension RMS (features.tap_scale); exports fold it into fc."""
-        from dspark.train.features import ScaledFeatures, tap_scale  # noqa: PLC0415
-
         if saved is None:  # the same sequences on every process: every rank gets the same scale
             saved = tap_scale(self.features, list(range(min(64, len(self.seqs)))), len(self.spec.hidden_state_indices))
         self.tap_scale = saved.float()
@@ -275,15 +261,11 @@ class Run:
     def evaluate(self) -> dict | None:
         if self.held_features is None:
             return None
-        from dspark.train.evaluate import evaluate  # noqa: PLC0415
-
         return evaluate(self.draft, self.held_features, self.held, self.lm_head, max_anchors=self.cfg.eval_max_anchors,
                         weights=self.weights, seed=self.cfg.seed, head_weight=self.head_weight)
 
     def save(self) -> Path:
         """state.pt (atomic) and draft/ (bf16 export); main process only."""
-        from dspark.train.export import checkpoint_tensors, write_draft  # noqa: PLC0415
-
         state = {"step": self.step, "total_steps": self.total, "elapsed": self.elapsed, "data_digest": self.data_digest,
                  "draft": {k: v.detach().cpu().clone() for k, v in self.draft.own_state_dict().items()},
                  "tap_scale": self.tap_scale,
@@ -300,20 +282,20 @@ class Run:
             f.write(json.dumps(record) + "\n")
 
 
-def train(cfg: TrainConfig, *, progress: bool = True) -> TrainResult:
+def train(cfg: TrainConfig, *, progress: bool = True, echo: Echo = _silent) -> TrainResult:
+    """echo: where the run's messages go (vocabulary, feature cache, evaluations, interruption);
+    with a progress bar open it should be the bar's writer (tqdm.write), not a bare print."""
     cfg.check()
     ctx = distributed.setup()
     try:
-        return _train(cfg, ctx, progress)
+        return _train(cfg, ctx, progress, echo)
     finally:
         distributed.teardown(ctx)
 
 
-def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool) -> TrainResult:
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
+def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo: Echo) -> TrainResult:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    run = Run(cfg, ctx, progress)
+    run = Run(cfg, ctx, progress, echo)
     if ctx.main:
         cfg.save(run.out / CONFIG)
     result = TrainResult(run.step, run.total)
@@ -334,7 +316,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool) -> Tr
                 if run.held is not None and (run.step % cfg.eval_every == 0 or last):
                     result.eval = run.evaluate()
                     run.log({"step": run.step, "eval": result.eval})
-                    bar.write(_eval_line(run.step, result.eval))
+                    echo(eval_line(run.step, result.eval))
                 if run.step % cfg.ckpt_every == 0 or last:
                     result.draft_dir = run.save()
             distributed.barrier(ctx)
@@ -343,7 +325,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool) -> Tr
     except KeyboardInterrupt:
         if ctx.world == 1 and run.step > result.step:
             result.draft_dir = run.save()
-            bar.write(f"interrupted: checkpoint saved at step {run.step}; rerun the same command to resume")
+            echo(f"interrupted: checkpoint saved at step {run.step}; rerun the same command to resume")
         raise
     finally:
         bar.close()
@@ -352,7 +334,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool) -> Tr
     return result
 
 
-def _eval_line(step: int, ev: dict | None) -> str:
+def eval_line(step: int, ev: dict | None) -> str:
     if not ev or not ev.get("blocks"):
         return f"step {step}: held-out set has no complete block to score"
     curve = " ".join(f"{x:.2f}" for x in ev["greedy_conditional"])
