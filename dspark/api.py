@@ -1,27 +1,55 @@
-"""The Python API: load a target and a draft into an Engine in one call.
+"""The Python API: one EngineConfig -> build_engine(config), the only place where a target, a
+draft, a verification policy and a tokenizer are put together.
 
-    from dspark.api import load_engine
+    from dspark.api import EngineConfig, build_engine
     from dspark.engine.sampling import SamplingParams
-    eng = load_engine("smollm2")                       # bundled draft, bf16
+    eng = build_engine(EngineConfig(target="smollm2"))       # bundled draft, bf16
     req = eng.generate(eng.encode("Hi!", chat=True), SamplingParams(max_new_tokens=64))
     print(req.text, req.metrics.to_dict())
+
+Every command that decodes builds its engine here from the same flags (dspark.cli.engine_flags);
+arms of a benchmark are `engine.derive(...)` of the one engine built, so nothing loads twice.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from dspark.bench.doctor import quick_check
 from dspark.engine.engine import Engine
+from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
-from dspark.target.hf import HFTarget
-from dspark.target.load import SMOLLM2, default_device, load_target, parse_dtype
-from dspark.target.text import encode_prompt, eos_ids
+from dspark.model.load import load_draft
+from dspark.target.load import SMOLLM2, auto_dtype, default_device, load_target, make_target, parse_dtype
+from dspark.target.text import eos_ids
 
 log = logging.getLogger("dspark")
 BUNDLED_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting; `dspark.cli.engine_flags` gives each one its flag (same name)."""
+
+    target: str = SMOLLM2  # an HF model directory, or "smollm2"
+    draft: str | None = None  # None: the bundled draft when the target is smollm2
+    no_spec: bool = False  # plain decoding through the same engine (no draft loaded)
+    dtype: str = "bf16"  # bf16 | fp32 | auto (bf16 where the hardware has it natively), or torch's spellings
+    device: str | None = None  # None: cuda when available, else cpu
+    runtime: str = "hf"  # target runtime: "hf" (transformers) or "native"
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)
+    verify: str = "full"  # verification policy: full | threshold | adaptive
+    threshold: float = DEFAULT_THRESHOLD  # confidence cut of `threshold`
+    calibration: str | None = None  # STS file of `dspark calibrate` (threshold, adaptive)
+    cost_curve: str | None = None  # adaptive: cost-curve JSON (None: profile the target at start-up, cached)
+    always_draft: bool = False  # adaptive: draft every step, even when earlier steps say it does not pay
+    max_batch: int = 16  # requests decoded together
+    check: bool = True  # the doctor's cheap check of the draft at load time
 
 
 def default_draft(target: str) -> Path | None:
@@ -40,48 +68,46 @@ def resolve_draft(target: str, draft: str | None, alternative: str) -> Path:
     return Path(path)
 
 
-class DSparkEngine(Engine):
-    """Engine plus tokenizer conveniences (chat template, decode)."""
+def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
+    """The config with the choices made at load time written out (device, dtype "auto", the default
+    draft), and one line per choice worth telling the user."""
+    notes = []
+    device = config.device or default_device()
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype, why = auto_dtype(device)
+        notes.append(why)
+    parse_dtype(dtype, device)  # a bad name or fp16 on CPU fails here, before anything loads
+    if config.max_batch < 1:
+        raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
+    draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
+    return replace(config, device=device, dtype=dtype, draft=draft), notes
 
-    def encode(self, prompt, chat: bool = False) -> list[int]:
-        if self.tokenizer is None:
-            raise DSparkError("this target has no tokenizer: pass token ids")
-        return encode_prompt(self.tokenizer, prompt, chat)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def load_engine(
-    target: str = SMOLLM2,
-    draft: str | None = None,
-    *,
-    no_spec: bool = False,
-    dtype: str = "bf16",
-    device: str | None = None,
-    layout: str | None = None,
-    scheduler=None,
-    max_batch: int = 16,
-    threads: int | None = None,
-    check: bool = True,
-) -> DSparkEngine:
-    """check: run the doctor's cheap empirical check once the draft is loaded and log loudly
-    what it finds (layout / taps / mask token that behave better than declared)."""
-    from dspark.model.load import load_draft
-
-    if threads:
-        torch.set_num_threads(threads)
-    device = device or default_device()
-    parse_dtype(dtype, device)
-    model, tokenizer = load_target(target, dtype, device)
-    d = None
-    if not no_spec:
-        d = load_draft(str(resolve_draft(target, draft, ", or --no-spec")), model, layout=layout)
-    engine = DSparkEngine(HFTarget(model), d, tokenizer, eos_ids(model, tokenizer), scheduler=scheduler,
-                          max_batch=max_batch)
-    if check and d is not None:
-        from dspark.bench.doctor import quick_check
-
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the target (and the draft unless no_spec), build the verification policy, check the
+    draft. The engine keeps the resolved config (`engine.config`) and what to tell the user
+    about it (`engine.notes`, e.g. which dtype "auto" chose)."""
+    config, notes = resolve(config)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, tokenizer = load_target(config.target, config.dtype, config.device)
+    target = make_target(model, config.runtime)
+    draft = None
+    if config.draft is not None:
+        draft = load_draft(config.draft, model, layout=config.layout)
+        # taps on before the policy exists: an adaptive policy times verification as the engine runs it
+        target.set_taps(draft.spec.hidden_state_indices)
+    policy = make_scheduler(config.verify, target, draft, threshold=config.threshold, calibration=config.calibration,
+                            curve=config.cost_curve, max_batch=config.max_batch, skip=not config.always_draft)
+    engine = Engine(target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch)
+    engine.config, engine.notes = config, notes
+    if config.check and draft is not None:
         for warning in quick_check(engine):
             log.warning("WARNING: draft check: %s", warning)
     return engine
+
+
+def load_engine(target: str = SMOLLM2, draft: str | None = None, **settings) -> Engine:
+    """build_engine with the settings as keywords: load_engine("smollm2", dtype="fp32")."""
+    return build_engine(EngineConfig(target=target, draft=draft, **settings))

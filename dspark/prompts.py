@@ -52,3 +52,8 @@ def read_prompt_file(path, limit: int | None = None) -> list[str | list[int]]:
     if not out:
         raise DSparkError(f"prompt file {path} holds no prompts")
     return out
+
+
+def encode_prompts(engine, prompts: list[str | list[int]], chat: bool) -> list[list[int]]:
+    """Prompts of a prompt file -> token ids (a `prompt_ids` record is used as it is)."""
+    return [p if isinstance(p, list) else engine.encode(p, chat=chat) for p in prompts]

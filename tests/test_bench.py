@@ -53,7 +53,7 @@ def test_bench_end_to_end_writes_every_output(setup, tmp_path, monkeypatch, caps
     rc = main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "draft"), "--dtype", "fp32",
                "--device", "cpu", "--dataset-dir", str(setup / "datasets"), "--prompts", str(setup / "mine.txt"),
                "--limit", "2", "--max-new-tokens", "12", "--ignore-eos",
-               "--arms", "hf,lookup,nospec,full,adaptive,full@2", "--out", str(out)])
+               "--arms", "hf,lookup,plain,full,adaptive,full@2", "--out", str(out)])
     assert rc == 0
     for name in ("results.json", "results.md", "speculation_profile.json", "acceptance_per_position.png", "speedup.png"):
         assert (out / name).stat().st_size > 0, name
@@ -73,9 +73,9 @@ def test_bench_end_to_end_writes_every_output(setup, tmp_path, monkeypatch, caps
             assert t["target_forward"] + t["draft"] + t["overhead"] == pytest.approx(t["wall"], abs=2e-3)
         assert block["arms"]["hf"]["ratio_to_baseline"] == 1.0
         # fp32: every dspark arm is lossless, token for token equal to transformers' greedy output
-        for name in ("nospec", "full", "adaptive", "full@2"):
+        for name in ("plain", "full", "adaptive", "full@2"):
             assert block["arms"][name]["same_output_as_baseline"] == 1.0, (set_name, name)
-        assert "acceptance" not in block["arms"]["nospec"]
+        assert "acceptance" not in block["arms"]["plain"]
     acc = res["sets"]["all"]["arms"]["full"]["acceptance"]
     assert 0 < acc["draft_acceptance_rate"] < 1  # both accepted and rejected drafts: the rates mean something
     assert acc["mean_accept_length"] == pytest.approx(1 + sum(acc["marginal_accept_rates"]), abs=1e-3)
@@ -107,17 +107,17 @@ def test_arms_are_interleaved_per_prompt_with_rotating_order():
         def __init__(self, name, n):
             self.name, self.prompts = name, [""] * n
 
-    arms = parse_arms("hf,nospec,full,adaptive@2")
+    arms = parse_arms("hf,plain,full,adaptive@2")
     runners = {a.name: Fake(a.name) for a in arms}
     sets = [Set("a", 3)]
     encoded = {"a": [[10], [11], [12]]}
     timer = ForwardTimer(torch.nn.Identity(), "cpu")
     chunks = interleaved(arms, runners, sets, encoded, lambda i: None, timer, "cpu")
     assert calls == [
-        ("hf", (10,)), ("nospec", (10,)), ("full", (10,)),  # prompt 0
-        ("nospec", (11,)), ("full", (11,)), ("hf", (11,)),  # prompt 1: order rotated
+        ("hf", (10,)), ("plain", (10,)), ("full", (10,)),  # prompt 0
+        ("plain", (11,)), ("full", (11,)), ("hf", (11,)),  # prompt 1: order rotated
         ("adaptive@2", (10, 11)),  # the batched arm decodes the group together
-        ("full", (12,)), ("hf", (12,)), ("nospec", (12,)),
+        ("full", (12,)), ("hf", (12,)), ("plain", (12,)),
         ("adaptive@2", (12,)),
     ]
     assert [c.indices for c in chunks if c.arm == "adaptive@2"] == [[0, 1], [2]]

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from dspark.api import EngineConfig, build_engine
 from dspark.bench.doctor import EXIT_UNHEALTHY, diagnose, quick_check
 from dspark.cli import main
 from dspark.formats.convert import write_deepspec, write_speculators
@@ -22,7 +23,8 @@ from tests.trained import MASK, TAPS
 
 
 def _run(trained, draft_dir):
-    return diagnose(trained["target"], draft_dir, dtype="fp32", device="cpu")
+    engine = build_engine(EngineConfig(target=trained["target"], no_spec=True, dtype="fp32", device="cpu", check=False))
+    return diagnose(engine, draft_dir)
 
 
 def _variant(trained, name, writer, spec):

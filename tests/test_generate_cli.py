@@ -8,7 +8,7 @@ import json
 import torch
 
 from dspark.cli import main
-from dspark.generate import _first_difference
+from dspark.engine.compare import first_difference
 from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target with SmolLM2's tokenizer + a draft)
 from tests.tiny import tiny_target
 
@@ -42,6 +42,6 @@ def test_first_difference_reports_where_outputs_part_and_the_logit_gap():
     with torch.no_grad():
         logits = model(torch.tensor([prompt + common])).logits[0, -1]
     a, b = 30, 31
-    d = _first_difference(model, prompt, common + [a, 7], common + [b, 8, 9])
+    d = first_difference(model, prompt, common + [a, 7], common + [b, 8, 9])
     assert d["token"] == 2 and abs(d["logit_gap"] - abs(float(logits[a] - logits[b]))) < 1e-3
-    assert _first_difference(model, prompt, common, common + [4]) == {"token": 2, "logit_gap": None}
+    assert first_difference(model, prompt, common, common + [4]) == {"token": 2, "logit_gap": None}

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+from dspark.engine.engine import Engine
+from dspark.engine.sampling import SamplingParams
+from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
+from dspark.errors import DSparkError
+
 ARMS = ("plain", "full", "threshold", "adaptive")
 # Short, varied chat prompts (used when no prompt file is given).
 DEFAULT_PROMPTS = (
@@ -35,33 +42,24 @@ DEFAULT_PROMPTS = (
 
 
 def bench_batching(
-    model,
-    draft,
+    engine: Engine,
     prompts: list[list[int]],
     *,
-    tokenizer=None,
-    eos_token_ids: tuple[int, ...] = (),
     concurrency=(1, 4, 8, 16),
     arms=ARMS,
     max_new_tokens: int = 64,
     requests_per_level: int = 2,
     temperature: float = 0.0,
     seed: int = 0,
-    threshold: float | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
     calibration=None,
     curve=None,
+    skip: bool = True,
     on_row=None,
     repeats: int = 1,
 ) -> list[dict]:
-    """model: the HF target model; draft: its DSparkDraft; prompts: token ids. -> one dict per (c, arm)."""
-    import torch
-
-    from dspark.engine.engine import Engine
-    from dspark.engine.sampling import SamplingParams
-    from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
-    from dspark.errors import DSparkError
-    from dspark.target.hf import HFTarget
-
+    """engine: the built engine (its target and draft serve every arm); prompts: token ids.
+    -> one dict per (concurrency, arm)."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise DSparkError(f"unknown arm(s) {unknown or arms} (choose from {', '.join(ARMS)})")
@@ -73,29 +71,28 @@ def bench_batching(
         raise DSparkError(f"repeats must be >= 1, got {repeats}")
     if requests_per_level < 1:
         raise DSparkError(f"requests_per_level must be >= 1, got {requests_per_level}")
+    draft = engine.draft
     if draft is None and any(a != "plain" for a in arms):
         raise DSparkError("speculative arms need a draft")
-    plain_target = HFTarget(model)
-    spec_target = HFTarget(model, draft.spec.hidden_state_indices) if draft is not None else None
-    threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     if "adaptive" in arms:  # profile (or load) the cost curve once, before anything is timed
-        curve = make_scheduler("adaptive", spec_target, draft, curve=curve, max_batch=max(concurrency)).curve
+        curve = make_scheduler("adaptive", engine.target, draft, curve=curve, max_batch=max(concurrency)).curve
 
-    def engine(arm: str, c: int) -> Engine:
+    def arm_engine(arm: str, c: int) -> Engine:
         if arm == "plain":
-            return Engine(plain_target, None, tokenizer, eos_token_ids, max_batch=c)
+            return engine.derive(speculative=False, max_batch=c)
         # a fresh policy per engine: the adaptive one's running timings belong to one load level
-        sched = make_scheduler(arm, spec_target, draft, threshold=threshold, calibration=calibration, curve=curve)
-        return Engine(spec_target, draft, tokenizer, eos_token_ids, scheduler=sched, max_batch=c)
+        policy = make_scheduler(arm, engine.target, draft, threshold=threshold, calibration=calibration, curve=curve,
+                                skip=skip)
+        return engine.derive(policy=policy, max_batch=c)
 
     def params(i: int, n: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed + i, ignore_eos=True)
 
     for arm in arms:  # warm-up: first forwards pay one-time allocation costs
-        engine(arm, 1).generate(prompts[0], params(0, 4))
+        arm_engine(arm, 1).generate(prompts[0], params(0, 4))
 
     def run(arm: str, c: int, work) -> tuple[float, int, object]:
-        eng = engine(arm, c)
+        eng = arm_engine(arm, c)
         reqs = [eng.add_request(p, params(i, max_new_tokens)) for i, p in enumerate(work)]
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -134,21 +131,3 @@ def bench_batching(
             if on_row is not None:
                 on_row(row)
     return rows
-
-
-def print_table(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="batched decoding (acc len = mean acceptance length, bonus included)")
-    for col in ("conc", "arm", "tok/s", "x plain", "acc len", "verif/step", "drafting", "tokens", "s"):
-        table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(str(r["concurrency"]), r["arm"], f"{r['tokens_per_s']:.1f}",
-                      "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}", f"{r['mean_accept_length']:.2f}",
-                      f"{r['verified_per_step']:.2f}", f"{r.get('drafting_steps', 0.0):.0%}", str(r["output_tokens"]),
-                      f"{r['seconds']:.2f}")
-    console = Console()
-    if not console.is_terminal:  # piped or captured: rich would squeeze the table into 80 columns
-        console = Console(width=120)
-    console.print(table)

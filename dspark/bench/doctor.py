@@ -1,6 +1,6 @@
 """`dspark doctor`: does this draft really predict this target the way its file says?
 
-The silent failures of spec sheet section 9 all load, run and accept almost nothing. Reading
+The silent failures of docs/DESIGN.md §9 all load, run and accept almost nothing. Reading
 the config cannot catch them; measuring can. The target generates a few dozen tokens itself
 (greedy), one target forward over that text gives its logits and the hidden states at every
 tap index needed, and for each *reading* of the draft (the declared one; the other block
@@ -19,12 +19,17 @@ the same (anchor, slot) pairs by a paired sign test with z >= 3 (McNemar) and by
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from dspark.target.text import encode_prompt, eos_ids
+import torch
+
+from dspark.errors import FormatError
+from dspark.formats.load import force_layout, load_spec, load_weights
+from dspark.formats.weights import WeightsMeta, iter_tensors
+from dspark.model.load import build_draft, check_compatible
+from dspark.target.text import encode_prompt
 
 EXIT_UNHEALTHY = 3
 Z_MIN = 3.0  # paired sign-test z an alternative needs to be called better
@@ -51,9 +56,6 @@ class Text:
     prompt_len: int
     argmax: object  # [T] target argmax at each position (predicts position + 1)
     taps: dict  # tap index -> [T, H] hidden state (input of that layer)
-
-
-FACTORS = ("layout", "hidden_state_indices", "mask_token_id")
 
 
 FACTORS = ("layout", "hidden_state_indices", "mask_token_id")
@@ -147,8 +149,6 @@ class Report:
 
 def prompt_ids(tokenizer, vocab: int, n: int, texts: list[str] | None = None) -> list[list[int]]:
     """Chat-formatted built-in prompts; seeded random ids for a target without a tokenizer."""
-    import torch
-
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         low = min(4, vocab - 1)  # skip the usual special ids (pad/bos/eos/unk)
@@ -162,8 +162,6 @@ def prompt_ids(tokenizer, vocab: int, n: int, texts: list[str] | None = None) ->
 
 def generate_texts(target, prompts: list[list[int]], new_tokens: int, stop_ids, tap_indices) -> list[Text]:
     """Greedy target text, then one forward over it with every tap index the readings need."""
-    import torch
-
     texts = []
     old_taps = target.tap_indices
     try:
@@ -194,8 +192,6 @@ def generate_texts(target, prompts: list[list[int]], new_tokens: int, stop_ids, 
 
 def anchors_of(text: Text, g_max: int):
     """Anchor positions whose every slot (up to g_max) lands on a generated token with a target argmax."""
-    import torch
-
     T = int(text.ids.shape[0])
     return torch.arange(text.prompt_len, max(text.prompt_len, T - g_max + 1), device=text.ids.device)
 
@@ -206,8 +202,6 @@ def draft_states(draft, taps: tuple[int, ...], mask_id: int, query_slots: int, t
     The context is the whole text's features once; each anchor's row sees only the positions
     before it (the draft's own context mask), exactly what decoding at that anchor sees.
     """
-    import torch
-
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     ids = text.ids.to(dev)
     feats = torch.cat([text.taps[i] for i in taps], dim=-1)[None].to(dev, dtype)
@@ -224,8 +218,6 @@ def read_rows(draft, spec, h, text: Text, anchors, base: dict | None = None):
     true previous tokens as Markov input instead of sampled ones. `base`: row -> lm_head(h[:, row])
     already computed (the LM head over the whole vocabulary is most of the cost).
     """
-    import torch
-
     dev = h.device
     ids = text.ids.to(dev)
     N, g, rows = anchors.shape[0], spec.gamma, spec.sampled_rows
@@ -253,8 +245,6 @@ def readings_for(spec, num_layers: int, mask_candidates: list[int], full_grid: b
     full_grid=False (the load-time check) keeps single changes plus layout x taps, the two
     misreads that come from the same format confusion.
     """
-    from dspark.formats.load import force_layout
-
     other = "bonus_anchor" if spec.layout == "anchor_first" else "anchor_first"
     layouts = [spec]
     if other == "anchor_first" or spec.block_size >= 2:
@@ -342,7 +332,7 @@ def diagnosis(declared: Reading, best: Reading, factor: str) -> str:
     if factor == "layout":
         return (f"{_says(d)} {_PRETTY[d.layout]} but the weights behave like {_PRETTY[a.layout]}: {nums}; "
                 f"teacher-forced acceptance length {declared.accept_length:.2f} vs {best.accept_length:.2f}. "
-                f"Force it with --layout {a.layout} or fix the layout keys of config.json (spec sheet section 3)")
+                f"Force it with --layout {a.layout} or fix the layout keys of config.json (docs/DESIGN.md §3)")
     if factor == "hidden_state_indices":
         return (f"{_says(d)} hidden_state_indices {list(d.hidden_state_indices)} but the weights behave like "
                 f"{list(a.hidden_state_indices)} (shifted by {best.shift:+d}: DeepSpec target_layer_ids t are "
@@ -353,8 +343,6 @@ def diagnosis(declared: Reading, best: Reading, factor: str) -> str:
 def measure(target, draft, tokenizer, *, prompts: list[list[int]], new_tokens: int, stop_ids, extra_masks=(),
             report: Report | None = None, full_grid: bool = True) -> Report:
     """Generate, measure every reading, and explain a declared reading that is clearly worse."""
-    import torch
-
     spec = draft.spec
     report = report or Report("", spec.path or "", spec)
     cands = mask_candidates(spec, tokenizer, target.config, target.vocab_size, extra_masks)
@@ -407,13 +395,6 @@ def _group(readings: list[Reading]) -> dict:
 
 def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check], dict | None]:
     """Vocabulary, dtype and finiteness of the stored weights. Returns (checks, tensors or None)."""
-    import torch
-
-    from dspark.errors import FormatError
-    from dspark.formats.load import load_weights
-    from dspark.formats.weights import WeightsMeta, iter_tensors
-    from dspark.model.load import check_compatible
-
     checks: list[Check] = []
     vocab = target_model.get_output_embeddings().weight.shape[0]
     try:
@@ -430,8 +411,6 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
     if spec.verifier:
         checks.append(Check("verifier", "ok", f"the draft names its verifier {spec.verifier!r} (not compared: "
                                               "names differ between hubs and local copies)"))
-
-    from pathlib import Path
 
     meta = WeightsMeta.from_dir(Path(spec.path)) if spec.path else None
     if meta is None:
@@ -478,29 +457,24 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
 
 # ---- entry points ------------------------------------------------------------------------------
 
-def diagnose(target_name: str, draft_path: str, *, dtype: str = "bf16", device: str | None = None,
-             new_tokens: int = 32, n_prompts: int = 3, prompts: list[str] | None = None,
-             extra_masks=()) -> Report:
-    """The full doctor: static checks, then every reading measured on target-generated text."""
-    from dspark.formats.load import load_spec
-    from dspark.model.load import build_draft
-    from dspark.target.hf import HFTarget
-    from dspark.target.load import default_device, load_target, parse_dtype
+def diagnose(engine, draft_path: str, *, new_tokens: int = 32, n_prompts: int = 3, prompts: list[str] | None = None,
+             extra_masks=(), layout: str | None = None) -> Report:
+    """The full doctor: static checks, then every reading measured on target-generated text.
 
-    device = device or default_device()
-    run_dtype = parse_dtype(dtype, device)
-    model, tokenizer = load_target(target_name, dtype, device)
-    spec = load_spec(draft_path, check_values=False)  # values are checked below, and reported
-    report = Report(target_name, str(draft_path), spec)
-    checks, tensors = static_checks(spec, model, tokenizer, run_dtype)
+    engine: a target-only engine (dspark.api.build_engine with no_spec): the draft is built here,
+    from a spec read without value checks, because a broken draft is what the doctor reports on.
+    layout: force the declared reading's layout (as --layout does for decoding)."""
+    target, tokenizer = engine.target, engine.tokenizer
+    spec = load_spec(draft_path, layout=layout, check_values=False)  # values are checked below, and reported
+    report = Report(engine.config.target if engine.config is not None else "", str(draft_path), spec)
+    checks, tensors = static_checks(spec, target.model, tokenizer, target.dtype)
     report.checks = checks
     if tensors is None or any(c.status == "fail" for c in checks if c.name in ("vocabulary", "dtype")):
         return report  # a draft that cannot be built for this target is not measured
-    draft = build_draft(spec, model, tensors)
-    target = HFTarget(model)
+    draft = build_draft(spec, target.model, tensors)
     ids = prompt_ids(tokenizer, target.vocab_size, n_prompts, prompts)
     return measure(target, draft, tokenizer, prompts=ids, new_tokens=new_tokens,
-                   stop_ids=eos_ids(model, tokenizer), extra_masks=extra_masks, report=report)
+                   stop_ids=engine.eos_token_ids, extra_masks=extra_masks, report=report)
 
 
 def quick_check(engine, *, new_tokens: int = 16, prompt: str | list[int] | None = None) -> list[str]:
@@ -510,8 +484,6 @@ def quick_check(engine, *, new_tokens: int = 16, prompt: str | list[int] | None 
     draft forwards: single changes of layout / taps / mask plus layout x taps. Leaves the
     engine as it found it (its target's taps are restored).
     """
-    import torch
-
     draft = engine.draft
     if draft is None:
         return []
@@ -532,90 +504,3 @@ def quick_check(engine, *, new_tokens: int = 16, prompt: str | list[int] | None 
     out += [f"{d} (run `dspark doctor` for the full check)" for d in report.diagnoses]
     out += report.warnings
     return out
-
-
-def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2", help="HF model directory, or 'smollm2' (default)")
-    p.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target and draft dtype")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--tokens", type=int, default=32, help="tokens the target generates per prompt (default 32)")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="a prompt to generate from instead of the built-in ones (repeatable)")
-    p.add_argument("--mask-candidates", default="", help="comma-separated extra mask token ids to try")
-    p.add_argument("--strict", action="store_true", help="exit 3 on warnings too")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-
-
-def run_doctor(args) -> int:
-    import torch
-
-    from dspark.errors import DSparkError
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.tokens < 2:
-        raise DSparkError("--tokens must be >= 2")
-    try:
-        extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
-    except ValueError:
-        raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
-    from dspark.api import resolve_draft
-
-    report = diagnose(args.target, str(resolve_draft(args.target, args.draft, "")), dtype=args.dtype, device=args.device, new_tokens=args.tokens,
-                      prompts=args.prompt, n_prompts=len(args.prompt) if args.prompt else 3, extra_masks=extra)
-    if args.json:
-        print(json.dumps(report.to_json(args.strict), indent=2))
-    else:
-        print_report(report)
-    return report.exit_code(args.strict)
-
-
-def print_report(report: Report) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text as RText
-
-    console = Console()
-    d = report.declared
-    console.print(RText(f"dspark doctor: draft {report.draft} on target {report.target}", style="bold"))
-    console.print(RText(f"declared: {d.format}, {_PRETTY[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
-                        f"hidden_state_indices {list(d.hidden_state_indices)}, mask_token_id {d.mask_token_id}"))
-    ct = Table(title="static checks")
-    for col in ("check", "status", "detail"):
-        ct.add_column(col)
-    colors = {"ok": "green", "warn": "yellow", "fail": "red"}
-    for c in report.checks:
-        ct.add_row(c.name, RText(c.status, style=colors[c.status]), RText(c.detail))
-    console.print(ct)
-    if report.readings:
-        t = report.texts
-        rt = Table(title=f"teacher-forced agreement with the target ({t['generated_tokens']} generated tokens, "
-                         f"{t['anchors']} anchors; tau = greedy acceptance length on this text)")
-        rt.add_column("reading", no_wrap=True)
-        rt.add_column("agree", justify="right")
-        rt.add_column("per slot", no_wrap=True)
-        rt.add_column("tau", justify="right")
-        rt.add_column("vs declared")
-        # The table shows the declared reading, each single change, and the explaining reading;
-        # --json lists every combination.
-        shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best]
-        for r in shown:
-            c = report.comparisons.get(r.name)
-            vs = "-" if c is None else f"z {c['z']:+.1f}" + (" BETTER" if c["better"] else "")
-            rt.add_row(r.name, f"{r.agreement:.2f}", " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), f"{r.accept_length:.2f}",
-                       RText(vs, style="red" if c and c["better"] else ""))
-        console.print(rt)
-    for w in report.warnings:
-        console.print(RText("warning: ", style="yellow") + RText(w))
-    for dgn in report.diagnoses:
-        console.print(RText("UNHEALTHY: ", style="bold red") + RText(dgn))
-    if report.healthy and report.readings and not report.warnings:
-        console.print(RText("healthy: the declared reading is the best one tried", style="bold green"))
-    elif report.healthy and report.readings:
-        console.print(RText("no misreading found, but see the warnings above", style="yellow"))
-    elif report.healthy:
-        console.print(RText("no static check failed, but nothing was measured", style="yellow"))
-    elif not report.diagnoses:
-        console.print(RText("UNHEALTHY: a static check failed (see above)", style="bold red"))

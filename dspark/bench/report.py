@@ -26,7 +26,7 @@ def markdown(results: dict) -> str:
         "",
         f"Ratio = tokens/s over `{base}` on the same prompts. Overhead = wall time minus target and draft "
         "forward passes (budget: under 10% for dspark arms). Same = share of prompts whose output equals the "
-        "baseline's token for token (bf16 may flip near-ties, see spec sheet section 10).",
+        "baseline's token for token (bf16 may flip near-ties, see docs/DESIGN.md §10).",
         "",
         "| set | arm | tokens/s | ratio | mean acc. len | draft acc. rate | target | draft | overhead | same |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -82,6 +82,8 @@ def markdown(results: dict) -> str:
 
 
 def plots(results: dict, out: Path) -> list[Path]:
+    # Imported here, on purpose: the backend must be chosen before pyplot loads, and choosing it is
+    # process-wide; only a command that writes plots should make that choice (and pay the import).
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server or in CI

@@ -4,7 +4,6 @@
 
 Writes under --out: results.json (everything), results.md (tables), acceptance_per_position.png,
 speedup.png and speculation_profile.json (validated; from the `full` arm when it runs).
-Heavy imports stay inside the functions: `dspark --help` must stay fast.
 """
 
 from __future__ import annotations
@@ -12,26 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
-from dspark.target.text import encode_prompt, eos_ids
+from dspark.api import build_engine
+from dspark.bench.machine import load_average, machine_info
+from dspark.bench.profile import ProfileError, build_profile, checkpoint_id, write_profile
+from dspark.bench.prompts import load_sets
+from dspark.bench.report import markdown, plots
+from dspark.bench.runner import (EngineRunner, ForwardTimer, HFRunner, aggregate, default_arms, interleaved, parse_arms,
+                                 sampling_params)
+from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
+from dspark.engine.scheduler import make_scheduler
+from dspark.errors import DSparkError
+from dspark.target.load import SMOLLM2
 
 DEFAULT_CONCURRENCY = 4
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from dspark.generate import LAYOUTS
-
-    p.add_argument("--target", default="smollm2", help="HF model directory, or 'smollm2' (default)")
-    p.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target and draft dtype")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--layout", choices=LAYOUTS, default=None, help="force the draft's block layout (diagnosis only)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_flags(p)
     p.add_argument("--dataset-dir", default=None,
                    help="folder of {\"turns\": [...]} JSONL sets (gsm8k, math500, aime25, humaneval, mbpp)")
     p.add_argument("--sets", default=None,
@@ -49,8 +50,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
                    help=f"requests decoded together by the batched adaptive arm (default {DEFAULT_CONCURRENCY})")
     p.add_argument("--arms", default=None,
-                   help="comma-separated arms among hf, lookup, nospec, full, threshold, adaptive; NAME@N decodes N "
-                        "requests together (default: hf,lookup,nospec,full,adaptive,adaptive@CONCURRENCY)")
+                   help="comma-separated arms among hf, lookup, plain, full, threshold, adaptive; NAME@N decodes N "
+                        "requests together (default: hf,lookup,plain,full,adaptive,adaptive@CONCURRENCY); the arms "
+                        "take the place of --verify, and --threshold, --calibration, --cost-curve, --always-draft "
+                        "configure theirs")
     p.add_argument("--baseline", default="hf", help="arm that ratios are taken against (default hf)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the lookup arm")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every arm")
@@ -58,8 +61,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args) -> None:
-    from dspark.errors import DSparkError
-
     if args.limit < 1:
         raise DSparkError("--limit must be >= 1")
     if args.max_new_tokens < 1:
@@ -76,7 +77,9 @@ def reproduce_command(args) -> str:
     if args.draft:
         parts += ["--draft", args.draft]
     parts += ["--dtype", args.dtype]
-    for flag in ("device", "layout", "threads", "dataset_dir", "sets"):
+    if args.runtime != "hf":
+        parts += ["--runtime", args.runtime]
+    for flag in ("device", "layout", "threads", "calibration", "cost_curve", "dataset_dir", "sets"):
         v = getattr(args, flag)
         if v is not None:
             parts += [f"--{flag.replace('_', '-')}", str(v)]
@@ -86,7 +89,9 @@ def reproduce_command(args) -> str:
     if args.temperature:
         parts += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p),
                   "--seed", str(args.seed)]
-    for flag in ("ignore_eos", "no_chat", "no_warmup"):
+    if args.threshold != 0.5:
+        parts += ["--threshold", str(args.threshold)]
+    for flag in ("always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
         if getattr(args, flag):
             parts.append(f"--{flag.replace('_', '-')}")
     parts += ["--concurrency", str(args.concurrency), "--arms", args.arms_resolved, "--baseline", args.baseline,
@@ -94,128 +99,73 @@ def reproduce_command(args) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def machine_info(device: str) -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-        "gpu": torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "load_average_start": _load(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    return info
-
-
-def _load() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def _target_id(target: str) -> str:
-    from dspark.bench.profile import checkpoint_id
-    from dspark.target.load import SMOLLM2
-
     return "HuggingFaceTB/SmolLM2-135M-Instruct" if target == SMOLLM2 else checkpoint_id(target)
 
 
-def build_runners(arms, model, tokenizer, draft, lookup_tokens: int):
-    """One runner per arm, all on the same model object (and one shared HFTarget)."""
-    from dspark.api import DSparkEngine
-    from dspark.bench.runner import EngineRunner, HFRunner
-    from dspark.errors import DSparkError
-    from dspark.target.hf import HFTarget
-
-    eos = eos_ids(model, tokenizer)
+def build_runners(arms, engine, args) -> dict:
+    """One runner per arm, all on the built engine's loaded target: transformers arms call its
+    model, dspark arms are engines derived from it (plain, or the draft with the arm's policy)."""
+    model, tokenizer = engine.target.model, engine.tokenizer
+    eos = engine.eos_token_ids
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    target = HFTarget(model)
     runners = {}
     for arm in arms:
         if arm.kind in ("hf", "lookup"):
-            runners[arm.name] = HFRunner(model, eos, pad, lookup_tokens if arm.kind == "lookup" else None)
-            continue
-        d = draft if arm.speculative else None
-        engine = DSparkEngine(target, d, tokenizer, eos, max_batch=arm.concurrency)
-        if arm.kind in ("threshold", "adaptive"):
-            try:
-                from dspark.engine.scheduler import make_scheduler
-            except ImportError as exc:
-                raise DSparkError(f"arm {arm.name} needs dspark.engine.scheduler ({exc}); drop it with --arms") from None
-            engine.scheduler = make_scheduler(arm.kind, engine)
-        runners[arm.name] = EngineRunner(engine, d.spec.hidden_state_indices if d is not None else ())
+            runners[arm.name] = HFRunner(model, eos, pad, args.lookup_tokens if arm.kind == "lookup" else None)
+        elif not arm.speculative:
+            runners[arm.name] = EngineRunner(engine.derive(speculative=False, max_batch=arm.concurrency))
+        else:
+            policy = make_scheduler(arm.kind, engine.target, engine.draft, threshold=args.threshold,
+                                    calibration=args.calibration, curve=args.cost_curve, max_batch=arm.concurrency,
+                                    skip=not args.always_draft)
+            runners[arm.name] = EngineRunner(engine.derive(policy=policy, max_batch=arm.concurrency))
     return runners
 
 
-def run_bench(args) -> int:
-    import torch
-
-    from dspark.api import resolve_draft
-    from dspark.bench.prompts import load_sets
-    from dspark.bench.runner import aggregate, default_arms, interleaved, parse_arms, sampling_params, ForwardTimer
-    from dspark.errors import DSparkError
-    from dspark.target.load import default_device, load_target, parse_dtype
-
+def run(args) -> int:
     _check_args(args)
     args.arms_resolved = args.arms or default_arms(args.concurrency)
     arms = parse_arms(args.arms_resolved)
     names = [a.name for a in arms]
     if args.baseline not in names:
         raise DSparkError(f"--baseline {args.baseline!r} is not among the arms {names}")
+    speculative = any(a.speculative for a in arms)
+    if args.no_spec and speculative:
+        raise DSparkError("--no-spec leaves only the arms without a draft (hf, lookup, plain): drop the others from --arms")
+    if args.verify != "full":
+        raise DSparkError(f"bench runs the policies its arms name: add {args.verify} to --arms")
     sets = load_sets(args.dataset_dir, args.sets.split(",") if args.sets else None, args.prompts, args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or default_device()
-    parse_dtype(args.dtype, device)
-    model, tokenizer = load_target(args.target, args.dtype, device)
+    engine = build_engine(engine_config(args, no_spec=not speculative, max_batch=max(a.concurrency for a in arms)))
+    print_notes(engine)
+    config, tokenizer, draft = engine.config, engine.tokenizer, engine.draft
     if tokenizer is None:
         raise DSparkError(f"target {args.target!r} has no tokenizer: bench feeds text prompts")
-    draft, draft_path = None, None
-    if any(a.speculative for a in arms):
-        from dspark.model.load import load_draft
-
-        draft_path = resolve_draft(args.target, args.draft, ", or only plain arms")
-        draft = load_draft(str(draft_path), model, layout=args.layout)
+    draft_path = config.draft
+    args = replace_namespace(args, dtype=config.dtype)  # "auto" written out: results name the dtype that ran
+    device = config.device
     machine = machine_info(device)
     load = machine["load_average_start"]
     if load and os.cpu_count() and load[0] > 0.5 * os.cpu_count():
         print(f"note: load average {load[0]} on {os.cpu_count()} cores before the run: other work shares this "
               "machine, tokens/s will be noisy (ratios suffer less: arms are interleaved)", file=sys.stderr)
-    runners = build_runners(arms, model, tokenizer, draft, args.lookup_tokens)
+    runners = build_runners(arms, engine, args)
 
     chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
     if not args.no_chat and not chat:
         print("note: the target's tokenizer has no chat template: prompts are fed raw", file=sys.stderr)
-    encoder = next((r.engine for r in runners.values() if hasattr(r, "engine")), None)
-    encoded = {ps.name: [_encode(tokenizer, encoder, t, chat) for t in ps.prompts] for ps in sets}
+    encoded = {ps.name: [engine.encode(t, chat=chat) for t in ps.prompts] for ps in sets}
     params_for = sampling_params(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.ignore_eos)
 
+    model = engine.target.model
     timer = ForwardTimer(model, device)
     try:
         if not args.no_warmup:
             # First calls allocate caches and pick kernels: keep that out of every arm's numbers.
-            from dataclasses import replace
-
             first = encoded[sets[0].name][0]
             warm = replace(params_for(0), max_new_tokens=min(8, args.max_new_tokens))
             for arm in arms:
@@ -226,8 +176,7 @@ def run_bench(args) -> int:
         chunks = interleaved(arms, runners, sets, encoded, params_for, timer, device, progress=_progress)
     finally:
         timer.close()
-    machine["load_average_end"] = _load()
-
+    machine["load_average_end"] = load_average()
     table = aggregate(chunks, arms, [s.name for s in sets])
     profile_arm = _profile_arm(arms)
     results = {
@@ -256,8 +205,6 @@ def run_bench(args) -> int:
     files = {"results_json": out / "results.json", "results_md": out / "results.md"}
     refused = None
     if profile_arm is not None:
-        from dspark.bench.profile import ProfileError
-
         if table["all"][profile_arm.name].metrics is None or table["all"][profile_arm.name].metrics.steps == 0:
             results["profile_skipped"] = f"arm {profile_arm.name} made no verify step (every request ended at prefill)"
             print(f"note: no speculation profile: {results['profile_skipped']}", file=sys.stderr)
@@ -267,8 +214,6 @@ def run_bench(args) -> int:
             except ProfileError as exc:
                 # keep the measurements (they show what went wrong), then fail the command
                 refused, results["profile_error"] = exc, str(exc)
-    from dspark.bench.report import markdown, plots
-
     for p in plots(results, out):
         files[p.stem] = p
     results["files"] = {k: str(v) for k, v in files.items()}
@@ -280,12 +225,6 @@ def run_bench(args) -> int:
     if refused is not None:
         raise refused
     return 0
-
-
-def _encode(tokenizer, engine, text: str, chat: bool) -> list[int]:
-    if engine is not None:
-        return engine.encode(text, chat=chat)
-    return encode_prompt(tokenizer, text, chat)
 
 
 def _progress(chunk) -> None:
@@ -304,8 +243,6 @@ def _profile_arm(arms):
 
 
 def _write_profile(args, table, arm, draft, draft_path, machine, sets, out: Path, chat: bool) -> Path:
-    from dspark.bench.profile import build_profile, checkpoint_id, write_profile
-
     overall = table["all"][arm.name]
     spec = draft.spec
     profile = build_profile(
@@ -328,3 +265,7 @@ def _write_profile(args, table, arm, draft, draft_path, machine, sets, out: Path
         },
     )
     return write_profile(profile, out / "speculation_profile.json")
+
+
+def replace_namespace(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})

@@ -1,30 +1,28 @@
-"""`dspark inspect` and `dspark convert`.
-
-Imports of torch, safetensors and rich stay inside the functions: building the parser for
-`dspark --help` imports this module and must stay fast.
-"""
+"""`dspark inspect`: any DSpark draft read into one normalized description (a table or JSON)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-LAYOUT_CHOICES = ("anchor_first", "bonus_anchor")
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dspark.formats.load import LAYOUTS, load_spec
 
 
-def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="draft checkpoint directory (config.json [+ model.safetensors]) or a config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument(
         "--layout",
-        choices=LAYOUT_CHOICES,
+        choices=LAYOUTS,
         help="force the block-slot layout (experts only: a wrong layout runs and accepts almost nothing)",
     )
 
 
-def run_inspect(args: argparse.Namespace) -> int:
-    from dspark.formats.load import load_spec  # noqa: PLC0415
-
+def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.path, layout=args.layout)
     if args.json:
         print(json.dumps(spec.to_json(), indent=2))
@@ -33,32 +31,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_convert_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="draft checkpoint to read")
-    p.add_argument("dst", help="new (or empty) directory to write")
-    p.add_argument("--to", required=True, choices=("speculators", "deepspec"), help="family to write")
-    p.add_argument("--layout", choices=LAYOUT_CHOICES, help="force the source layout (experts only)")
-    p.add_argument("--verifier", help="verifier name or path to record in a speculators config")
-
-
-def run_convert(args: argparse.Namespace) -> int:
-    from dspark.formats.convert import convert  # noqa: PLC0415
-
-    out = convert(args.src, args.dst, args.to, layout=args.layout, verifier=args.verifier)
-    print(
-        f"wrote {out.format} draft to {args.dst}: {out.layout} (gamma {out.gamma}, "
-        f"block_size {out.block_size}, hidden_state_indices {list(out.hidden_state_indices)})"
-    )
-    for warning in out.warnings:
-        print(f"warning: {warning}")
-    return 0
-
-
 def _print_table(description: dict) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-    from rich.text import Text  # noqa: PLC0415
-
     # Text, not markup: values and warnings contain brackets that rich would parse as styles.
 
     table = Table(title="DSpark draft", show_header=False)

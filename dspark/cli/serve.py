@@ -1,8 +1,4 @@
-"""`dspark serve`: flags, engine construction, uvicorn.
-
-FastAPI, uvicorn and torch are imported inside run_serve: building the parser for
-`dspark --help` imports this module and must stay fast.
-"""
+"""`dspark serve`: flags, the engine, uvicorn."""
 
 from __future__ import annotations
 
@@ -12,21 +8,23 @@ import logging
 import os
 from pathlib import Path
 
+import uvicorn
+
+from dspark.api import build_engine
+from dspark.cli.engine_flags import add_engine_flags, engine_config
 from dspark.errors import DSparkError
+from dspark.serve.app import create_app
 
 log = logging.getLogger("dspark")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from dspark.generate import add_engine_arguments
-
-    add_engine_arguments(p)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $DSPARK_API_KEY)")
     p.add_argument("--model-name", default=None, help="model id clients send and /v1/models lists (default: the target)")
-    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a batch slot; beyond that: HTTP 429 (default 64)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -36,16 +34,14 @@ def served_name(target: str) -> str:
     return Path(target).name if os.sep in target or Path(target).is_dir() else target
 
 
-def build_engine(args):
-    from dspark import generate
-
+def _check_flags(args) -> None:
+    """Before anything loads: a typo must not cost a model load."""
     if args.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise DSparkError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise DSparkError(f"--port must be in 1..65535, got {args.port}")
-    return generate.build_engine(args, max_batch=args.max_batch)
 
 
 def _is_loopback(host: str) -> bool:
@@ -55,13 +51,12 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from dspark.serve.app import create_app
-
+def run(args: argparse.Namespace) -> int:
+    _check_flags(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = build_engine(args)
+    engine = build_engine(engine_config(args))
+    for note in engine.notes:
+        log.info("dspark serve: %s", note)
     name = args.model_name or served_name(args.target)
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
     if not _is_loopback(args.host) and not args.api_key:

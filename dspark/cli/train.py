@@ -1,16 +1,35 @@
 """`dspark train {data,features,fit,export,eval,all}`: the training pipeline on the command line.
 
 `dspark train all --target smollm2 --out runs/smollm2` runs every stage, each resumable:
-rerunning the same command continues where it stopped. Heavy imports stay inside functions.
+rerunning the same command continues where it stopped. `train eval` decodes, so it takes the
+engine flags of every decoding command and builds its engine through dspark.api.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from dspark.api import EngineConfig, build_engine
+from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
+from dspark.formats.load import LAYOUTS
+from dspark.model.factory import default_taps
+from dspark.target.load import load_target
+from dspark.train.config import DraftOptions, TrainConfig
+from dspark.train.data import GenSettings, generate_shard
+from dspark.train.dataset import load_sequences
+from dspark.train.e2e import engine_eval
+from dspark.train.errors import TrainError
+from dspark.train.export import export_run, size_mb
+from dspark.train.features import build_cache, cache_bytes
+from dspark.train.prompts import load_prompts
+from dspark.train.trainer import eval_line, train
 
 STAGES = ("data", "features", "fit", "export", "eval", "all")
 
@@ -40,7 +59,7 @@ def _data_args(p, prefix: str = "") -> None:
 def _draft_args(p) -> None:
     g = p.add_argument_group("draft architecture")
     g.add_argument("--gamma", type=int, default=7, help="draft tokens per step")
-    g.add_argument("--layout", default="anchor_first", choices=("anchor_first", "bonus_anchor"))
+    g.add_argument("--layout", default="anchor_first", choices=LAYOUTS)
     g.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     g.add_argument("--taps", type=_int_tuple, default=None, help="HF hidden_states indices, e.g. 2,15,28")
@@ -83,7 +102,7 @@ def _fit_args(p) -> None:
     g.add_argument("--verifier", default=None, help="verifier name recorded in speculators configs")
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="stage", required=True)
     p = sub.add_parser("data", help="self-distillation: the target answers a prompt set")
     _target_args(p)
@@ -117,8 +136,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default=None)
 
     p = sub.add_parser("eval", help="greedy decoding through the engine, with and without the draft")
-    _target_args(p)
-    p.add_argument("--draft", required=True)
+    add_engine_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--prompts", default="heldout")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -139,11 +158,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     _fit_args(p)
 
 
-def run_train(args) -> int:
-    import os  # noqa: PLC0415
-
-    from dspark.train.errors import TrainError  # noqa: PLC0415
-
+def run(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.stage != "fit":
         raise TrainError(f"`dspark train {args.stage}` runs in one process; only `fit` is data-parallel under torchrun")
     return {"data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "all": _all}[args.stage](args)
@@ -153,24 +168,16 @@ def run_train(args) -> int:
 
 
 def _load(args):
-    from dspark.target.load import load_target  # noqa: PLC0415
-
     return load_target(args.target, args.dtype)
 
 
 def _prompts(source: str, limit: int | None):
-    from dspark.train.errors import TrainError  # noqa: PLC0415
-    from dspark.train.prompts import load_prompts  # noqa: PLC0415
-
     if limit is not None and limit < 1:
         raise TrainError(f"--limit must be >= 1, got {limit}")
     return load_prompts(source)[:limit]
 
 
 def _gen(model, tok, args, prompts: str, out, seed: int) -> None:
-    from dspark.train.data import GenSettings, generate_shard  # noqa: PLC0415
-    from dspark.train.errors import TrainError  # noqa: PLC0415
-
     if tok is None:
         raise TrainError(f"target {args.target!r} has no tokenizer: self-distillation needs one")
     s = GenSettings(args.max_new_tokens, args.temperature, args.top_p, seed, not args.no_chat_template)
@@ -187,10 +194,6 @@ def _data(args) -> int:
 
 
 def _features(args) -> int:
-    from dspark.model.factory import default_taps  # noqa: PLC0415
-    from dspark.train.dataset import load_sequences  # noqa: PLC0415
-    from dspark.train.features import build_cache, cache_bytes  # noqa: PLC0415
-
     model, _ = _load(args)
     taps = args.taps or default_taps(model.config.num_hidden_layers, args.n_taps)
     seqs = load_sequences(args.data, model.get_output_embeddings().weight.shape[0], args.max_seq_len)
@@ -201,8 +204,6 @@ def _features(args) -> int:
 
 
 def _config(args, data: str, heldout: str | None, features: str, out: str):
-    from dspark.train.config import DraftOptions, TrainConfig  # noqa: PLC0415
-
     d = DraftOptions(gamma=args.gamma, layout=args.layout, num_layers=args.layers, intermediate_size=args.intermediate_size,
                      taps=args.taps, n_taps=args.n_taps, markov_rank=args.markov_rank, markov_head_type=args.markov_type,
                      confidence_head=not args.no_confidence_head, mask_token_id=args.mask_token_id,
@@ -218,28 +219,23 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
 
 
 def _report_fit(res) -> None:
-    from dspark.train.trainer import _eval_line  # noqa: PLC0415
-
     if not res.main:
         return
     first = f"{res.losses[0]:.4f} -> " if res.losses else ""
     last = f"{res.losses[-1]:.4f}" if res.losses else "(nothing left to train)"
     print(f"trained to step {res.step}/{res.total_steps} in {res.seconds / 60:.1f} min; loss {first}{last}")
     if res.eval:
-        print(_eval_line(res.step, res.eval))
+        print(eval_line(res.step, res.eval))
     print(f"checkpoint: {res.draft_dir}")
 
 
 def _fit(args) -> int:
-    from dspark.train.trainer import train  # noqa: PLC0415
-
-    _report_fit(train(_config(args, args.data, args.heldout, args.features, args.out), progress=not args.quiet))
+    cfg = _config(args, args.data, args.heldout, args.features, args.out)
+    _report_fit(train(cfg, progress=not args.quiet, echo=tqdm.write))
     return 0
 
 
 def _export(args) -> int:
-    from dspark.train.export import export_run, size_mb  # noqa: PLC0415
-
     out = export_run(args.run, args.out, args.format, args.verifier)
     print(f"{args.format} draft written to {out} ({size_mb(out):.1f} MiB)")
     return 0
@@ -257,23 +253,17 @@ def _print_eval(res: dict, as_json: bool) -> None:
 
 
 def _eval(args) -> int:
-    from dspark.model.load import load_draft  # noqa: PLC0415
-    from dspark.train.e2e import engine_eval  # noqa: PLC0415
-
-    model, tok = _load(args)
-    draft = load_draft(args.draft, model)
-    res = engine_eval(model, tok, draft, _prompts(args.prompts, args.limit), max_new_tokens=args.max_new_tokens,
+    if args.no_spec:
+        raise TrainError("train eval compares a draft with plain decoding: drop --no-spec")
+    engine = build_engine(engine_config(args))
+    print_notes(engine)
+    res = engine_eval(engine, _prompts(args.prompts, args.limit), max_new_tokens=args.max_new_tokens,
                       chat_template=not args.no_chat_template, progress=not args.quiet)
     _print_eval(res, args.json)
     return 0
 
 
 def _all(args) -> int:
-    from dspark.model.load import load_draft  # noqa: PLC0415
-    from dspark.train.e2e import engine_eval  # noqa: PLC0415
-    from dspark.train.export import export_run, size_mb  # noqa: PLC0415
-    from dspark.train.trainer import train  # noqa: PLC0415
-
     t0 = time.perf_counter()
     root = Path(args.out)
     data, held = root / "data" / "train.jsonl", root / "data" / "heldout.jsonl"
@@ -284,7 +274,7 @@ def _all(args) -> int:
     del model  # the trainer loads its own copy
     print("[2/4] training" + (" (online features)" if args.online else " (features cached in bf16)"))
     cfg = _config(args, str(data), str(held), "online" if args.online else str(root / "features"), str(root / "run"))
-    res = train(cfg, progress=not args.quiet)
+    res = train(cfg, progress=not args.quiet, echo=tqdm.write)
     _report_fit(res)
     print("[3/4] export")
     # DeepSpec files are anchor-first and have no d2t: a reduced vocabulary is speculators-only
@@ -295,10 +285,11 @@ def _all(args) -> int:
         export_run(root / "run", dst, fmt, args.verifier)
         print(f"  {fmt}: {dst} ({size_mb(dst):.1f} MiB)")
     print("[4/4] engine check on held-out prompts")
-    model, tok = _load(args)
-    draft = load_draft(str(root / "run" / "draft"), model)
+    # as before this command had engine flags: no load-time check (training just measured the draft)
+    engine = build_engine(EngineConfig(target=args.target, draft=str(root / "run" / "draft"), dtype=args.dtype,
+                                       check=False))
     prompts = _prompts(args.heldout_prompts, None)[: args.eval_prompts]
-    res = engine_eval(model, tok, draft, prompts, max_new_tokens=args.eval_max_new_tokens,
+    res = engine_eval(engine, prompts, max_new_tokens=args.eval_max_new_tokens,
                       chat_template=not args.no_chat_template, progress=not args.quiet)
     (root / "engine_eval.json").write_text(json.dumps(res, indent=2) + "\n")
     _print_eval(res, False)

@@ -10,7 +10,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from dspark.errors import FormatError
+from dspark.formats.load import load_spec, load_weights, locate, read_config
 from dspark.formats.spec import DraftSpec
 from dspark.formats.weights import WeightsMeta, check_finite, check_shapes, check_vocab_maps
 
@@ -24,8 +27,6 @@ def convert(src, dst, to: str, *, layout: str | None = None, verifier=None) -> D
 
     Returns the description of the written checkpoint, read back from disk.
     """
-    from dspark.formats.load import load_spec, load_weights, locate, read_config  # noqa: PLC0415
-
     if to not in TARGETS:
         raise FormatError(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
     dst = Path(dst)
@@ -229,8 +230,6 @@ def _dtype_name(tensors: dict) -> str:
 
 
 def _write(dst, config: dict, tensors: dict) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from dspark.errors import FormatError
+from dspark.formats.load import load_spec, load_weights
 from dspark.formats.spec import DraftSpec
 from dspark.model.draft import DSparkDraft
 
@@ -49,8 +50,6 @@ def build_draft(spec: DraftSpec, target_model, tensors: dict | None = None, dtyp
 
 
 def load_draft(path: str, target_model, layout: str | None = None, dtype=None) -> DSparkDraft:
-    from dspark.formats.load import load_spec, load_weights
-
     spec = load_spec(path, layout=layout, check_values=False)  # load_weights checks values once
     for w in spec.warnings:
         log.warning("WARNING: draft %s: %s", path, w)

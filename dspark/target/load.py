@@ -7,30 +7,79 @@ fetched from a hub.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark.errors import DSparkError
+from dspark.target.hf import HFTarget
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
+# What the command line offers (`--dtype`): the short names, torch's spellings, and "auto".
+# fp16 stays out: CPUs do not run it (parse_dtype says so), and no GPU path is tested with it.
+DTYPE_CHOICES = ("bf16", "fp32", "auto", "bfloat16", "float32")
+RUNTIMES = ("hf", "native")
+
+
+def cpu_bf16_feature() -> str | None:
+    """The CPU feature that makes bf16 matmuls native here (None: bf16 would be emulated, slower than fp32)."""
+    try:
+        flags = set()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        flags = set()
+    if "amx_bf16" in flags:
+        return "AMX-BF16"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    # without /proc/cpuinfo (macOS, containers that hide it) torch's own dispatch level tells
+    if torch.backends.cpu.get_cpu_capability() == "AVX512_BF16":
+        return "AVX512-BF16"
+    return None
+
+
+def auto_dtype(device: str) -> tuple[str, str]:
+    """dtype "auto": bf16 where the hardware computes it natively, fp32 otherwise -> (name, one-line reason)."""
+    if str(device).startswith("cuda"):
+        return "bf16", "dtype auto -> bf16 (CUDA device)"
+    feature = cpu_bf16_feature()
+    if feature is not None:
+        return "bf16", f"dtype auto -> bf16 (CPU has {feature})"
+    return "fp32", "dtype auto -> fp32 (this CPU has no native bf16: AVX512-BF16 or AMX)"
 
 
 def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(name, torch.dtype):
         dtype = name
+    elif name == "auto":
+        dtype = DTYPES[auto_dtype(device)[0]]
     elif name in DTYPES:
         dtype = DTYPES[name]
     else:
-        raise DSparkError(f"unknown dtype {name!r} (choose fp32 or bf16)")
+        raise DSparkError(f"unknown dtype {name!r} (choose {', '.join(DTYPE_CHOICES)})")
     if dtype == torch.float16 and str(device).startswith("cpu"):
         raise DSparkError("fp16 is not supported on CPU (use bf16 or fp32)")
     return dtype
+
+
+def make_target(model, runtime: str = "hf"):
+    """The target runtime that serves `model`: the one place a runtime name becomes a target object."""
+    if runtime == "hf":
+        return HFTarget(model)
+    if runtime == "native":
+        raise DSparkError("native runtime not available in this build (use --runtime hf)")
+    raise DSparkError(f"unknown target runtime {runtime!r} (choose {', '.join(RUNTIMES)})")
 
 
 def default_device() -> str:
@@ -56,10 +105,6 @@ def smollm2_dir() -> Path:
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
-    import fcntl
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / (out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel first uses (test workers) convert once
@@ -74,8 +119,6 @@ def smollm2_dir() -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if out.exists():  # a half-written copy from an interrupted run
-            import shutil
-
             shutil.rmtree(out)
         os.replace(tmp, out)
     return out
@@ -92,8 +135,6 @@ def resolve_target(name_or_path: str) -> Path:
 
 def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
     """-> (model, tokenizer or None)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device = device or default_device()
     path = resolve_target(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device)).to(device).eval()

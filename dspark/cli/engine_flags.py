@@ -1,0 +1,56 @@
+"""The flags of EngineConfig, shared by every command that decodes (generate, serve, bench,
+bench-batch, calibrate, doctor, train eval): one definition, so a flag works everywhere."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from dspark.api import EngineConfig
+from dspark.engine.scheduler import DEFAULT_THRESHOLD, POLICIES
+from dspark.formats.load import LAYOUTS
+from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, dtype: str = "bf16") -> None:
+    """dtype: the command's default (training-side commands keep theirs)."""
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--target", default=SMOLLM2, help="HF model directory, or 'smollm2' (default)")
+    g.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
+    g.add_argument("--no-spec", action="store_true", help="plain target decoding through the same code path")
+    g.add_argument("--dtype", default=dtype, choices=DTYPE_CHOICES,
+                   help=f"target and draft dtype (default {dtype}; auto: bf16 where the hardware has it natively)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--runtime", default=d.runtime, choices=RUNTIMES, help="target runtime (default hf: transformers)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="force a block layout against the file (experts and diagnosis; warns loudly)")
+    g.add_argument("--verify", choices=POLICIES, default=d.verify, help="verification policy (default full)")
+    g.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"confidence cut of --verify threshold (default {DEFAULT_THRESHOLD})")
+    g.add_argument("--calibration", default=None, help="STS file written by `dspark calibrate` (threshold, adaptive)")
+    g.add_argument("--cost-curve", default=None,
+                   help="--verify adaptive: cost-curve JSON (default: profile the target at start-up, cached)")
+    g.add_argument("--always-draft", action="store_true",
+                   help="--verify adaptive: draft every step, even when earlier steps say it does not pay")
+    g.add_argument("--max-batch", type=int, default=d.max_batch, help=f"requests decoded together (default {d.max_batch})")
+    g.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig the flags describe; `overrides` are settings the command fixes itself."""
+    config = EngineConfig(
+        target=args.target, draft=args.draft, no_spec=args.no_spec, dtype=args.dtype, device=args.device,
+        runtime=args.runtime, threads=args.threads, layout=args.layout, verify=args.verify, threshold=args.threshold,
+        calibration=args.calibration, cost_curve=args.cost_curve, always_draft=args.always_draft,
+        max_batch=args.max_batch, check=not args.no_check,
+    )
+    return replace(config, **overrides)
+
+
+def print_notes(engine) -> None:
+    """What build_engine chose for the user (dtype auto, ...): one line each, on stderr."""
+    for note in engine.notes:
+        print(note, file=sys.stderr)
