@@ -1,0 +1,219 @@
+"""The shape of the house, read from the source (ast, nothing imported): no import circles
+(function-level imports count too), the library never imports the command layer nor prints,
+and every decoding command takes the shared engine flags."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dspark.api import EngineConfig
+from dspark.cli import build_parser
+from dspark.cli.engine_flags import engine_config
+
+ROOT = Path(__file__).resolve().parents[1] / "dspark"
+CLI = "dspark.cli"
+# Output a library may produce: progress bars its caller turns on (progress=True) go through
+# tqdm; everything else is returned, raised, logged, or handed to a callback the caller passes.
+PRINTING_CALLS = {"print", "pprint", "breakpoint"}
+PRINTING_MODULES = {"rich", "pprint"}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def parse_package(root: Path = ROOT) -> dict[str, ast.Module]:
+    return {module_name(p, root): ast.parse(p.read_text(encoding="utf-8"), str(p)) for p in sorted(root.rglob("*.py"))}
+
+
+def imported_modules(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """Every dspark module `name` imports, at any depth of the file (functions included).
+    `from pkg import mod` counts as importing pkg.mod when that is a module."""
+    package = name if name in known and any(k.startswith(name + ".") for k in known) else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "dspark")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "dspark":
+                continue
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known)
+    return {m for m in out if m in known and m != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None (depth-first search, white/grey/black)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def import_graph(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """A package's __init__ runs before any of its modules: importing dspark.a.b imports dspark.a too."""
+    known = set(trees)
+    graph = {}
+    for name, tree in trees.items():
+        deps = imported_modules(name, tree, known)
+        for d in list(deps):
+            parts = d.split(".")
+            deps.update(".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in known)
+        graph[name] = {d for d in deps if d != name}
+    return graph
+
+
+def library_problems(trees: dict[str, ast.Module]) -> list[str]:
+    problems = []
+    known = set(trees)
+    for name, tree in trees.items():
+        if name == CLI or name.startswith(CLI + ".") or name == "dspark.__main__":
+            continue
+        for dep in imported_modules(name, tree, known):
+            if dep == CLI or dep.startswith(CLI + "."):
+                problems.append(f"{name} imports the command layer ({dep})")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PRINTING_CALLS:
+                problems.append(f"{name}:{node.lineno} calls {node.func.id}()")
+            if isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "sys":
+                problems.append(f"{name}:{node.lineno} writes to sys.{node.attr}")
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            for m in mods:
+                top = m.split(".")[0]
+                if top in PRINTING_MODULES:
+                    problems.append(f"{name}:{node.lineno} imports {m} (printing belongs to dspark.cli)")
+                if top == "argparse":
+                    problems.append(f"{name}:{node.lineno} imports argparse (flags belong to dspark.cli)")
+    return problems
+
+
+# ---- the checks on the real package ------------------------------------------------------------
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph(parse_package())
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_library_neither_imports_the_command_layer_nor_prints():
+    assert library_problems(parse_package()) == []
+
+
+def test_below_the_api_nothing_imports_the_api():
+    """Arrows point down: the api assembles engines from the packages, never the reverse."""
+    trees = parse_package()
+    graph = import_graph(trees)
+    up = {n for n, deps in graph.items() if "dspark.api" in deps and not n.startswith(CLI)}
+    assert up == set(), up
+
+
+# ---- the checks can fail: the same functions on small packages with the faults in them ---------
+
+def _write(root: Path, files: dict[str, str]) -> dict[str, ast.Module]:
+    for rel, text in files.items():
+        path = root / "dspark" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return parse_package(root / "dspark")
+
+
+def test_a_circle_hidden_in_a_function_is_found(tmp_path):
+    trees = _write(tmp_path, {
+        "__init__.py": "", "api.py": "from dspark.bench import doctor\n",
+        "bench/__init__.py": "", "bench/doctor.py": "def f():\n    from dspark.api import resolve_draft\n",
+    })
+    assert find_cycle(import_graph(trees)) == ["dspark.api", "dspark.bench.doctor", "dspark.api"]
+
+
+def test_a_circle_through_from_package_import_module_is_found(tmp_path):
+    trees = _write(tmp_path, {
+        "__init__.py": "", "train/__init__.py": "",
+        "train/trainer.py": "from dspark.train import export\n",
+        "train/export.py": "def g():\n    from dspark.train.trainer import load_state\n",
+    })
+    assert find_cycle(import_graph(trees)) is not None
+
+
+def test_printing_and_upward_imports_in_the_library_are_found(tmp_path):
+    trees = _write(tmp_path, {
+        "__init__.py": "", "cli/__init__.py": "print('fine here')\n", "engine/__init__.py": "",
+        "engine/a.py": "import sys\nfrom dspark.cli import main\ndef f():\n    print('x')\n    sys.stderr.write('y')\n",
+        "engine/b.py": "def g():\n    from rich.console import Console\n    import argparse\n",
+    })
+    found = library_problems(trees)
+    assert any("imports the command layer" in p for p in found)
+    assert any("calls print()" in p for p in found) and any("sys.stderr" in p for p in found)
+    assert any("imports rich" in p for p in found) and any("imports argparse" in p for p in found)
+    assert not any(p.startswith("dspark.cli") for p in found)
+
+
+# ---- every decoding command takes the shared engine flags ---------------------------------------
+
+DECODING = {
+    "generate": ["--prompt", "hi"],
+    "serve": [],
+    "bench": ["--out", "o"],
+    "bench-batch": [],
+    "calibrate": ["--prompts", "p.jsonl", "--out", "c.json"],
+    "doctor": [],
+    "train eval": [],
+}
+ENGINE_FLAGS = ["--target", "T", "--draft", "D", "--no-spec", "--dtype", "float32", "--device", "cpu",
+                "--runtime", "native", "--threads", "2", "--layout", "bonus_anchor", "--verify", "adaptive",
+                "--threshold", "0.3", "--calibration", "cal.json", "--cost-curve", "curve.json", "--always-draft",
+                "--max-batch", "3", "--no-check"]
+WANT = EngineConfig(target="T", draft="D", no_spec=True, dtype="float32", device="cpu", runtime="native", threads=2,
+                    layout="bonus_anchor", verify="adaptive", threshold=0.3, calibration="cal.json",
+                    cost_curve="curve.json", always_draft=True, max_batch=3, check=False)
+
+
+@pytest.mark.parametrize("command", list(DECODING))
+def test_every_decoding_command_parses_the_engine_flags(command):
+    words = command.split()
+    args = build_parser(words[0]).parse_args(words + DECODING[command] + ENGINE_FLAGS)
+    assert engine_config(args) == WANT
+
+
+@pytest.mark.parametrize("command", list(DECODING))
+def test_engine_flag_defaults_are_the_engine_config_defaults(command):
+    words = command.split()
+    args = build_parser(words[0]).parse_args(words + DECODING[command])
+    assert engine_config(args) == EngineConfig()
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16", "fp32", "float32"])
+def test_dtype_spellings_are_accepted_and_float16_is_not(dtype, capsys):
+    assert build_parser("generate").parse_args(["generate", "--prompt", "x", "--dtype", dtype]).dtype == dtype
+    with pytest.raises(SystemExit):
+        build_parser("generate").parse_args(["generate", "--prompt", "x", "--dtype", "float16"])
