@@ -1,6 +1,6 @@
 """Config builders and tiny checkpoints for the format tests.
 
-Golden configs carry the values of real published heads (spec sheet sections 3-4); the tiny
+Golden configs carry the values of real published heads (docs/DESIGN.md §3-§4); the tiny
 ones are small enough that a checkpoint with weights costs milliseconds.
 """
 

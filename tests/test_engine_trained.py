@@ -1,5 +1,5 @@
 """Issue 3 with a draft that really predicts its target (tests/trained.py): lossless greedy
-output, and the misreads of spec sheet section 9 visibly lower acceptance in the engine."""
+output, and the misreads of docs/DESIGN.md §9 visibly lower acceptance in the engine."""
 
 from dataclasses import replace
 

@@ -1,5 +1,5 @@
 """Files written by the real speculators library are read correctly, and files dspark writes
-load back in it (spec sheet section 3: the flag true, false, and absent)."""
+load back in it (docs/DESIGN.md §3: the flag true, false, and absent)."""
 
 import json
 

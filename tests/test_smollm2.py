@@ -43,7 +43,7 @@ def test_greedy_equals_plain_decoding_fp32(fp32_engine):
 
 
 def test_bf16_commits_only_target_argmax_within_a_small_gap():
-    """bf16 contract (spec sheet, section 10): every committed token is the target's argmax,
+    """bf16 contract (docs/DESIGN.md §10): every committed token is the target's argmax,
     up to a small logit gap, when the whole output is re-scored in one fp32 pass."""
     eng = load_engine("smollm2", dtype="bf16", device="cpu")
     ref = load_engine("smollm2", no_spec=True, dtype="fp32", device="cpu").target.model

@@ -1,4 +1,4 @@
-"""Speculative-decoding counters (spec sheet, section 8).
+"""Speculative-decoding counters (docs/DESIGN.md §8).
 
 Drafted, verified and accepted tokens are kept apart so that verifying fewer drafts
 (threshold / adaptive schedulers) never inflates an acceptance rate.

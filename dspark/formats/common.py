@@ -140,7 +140,7 @@ def rope_from(cfg: dict, prefix: str, warnings: list[str]) -> tuple[float, dict 
         )
     theta = theta_new if theta_new is not None else theta_old
     if theta is None:
-        # A wrong RoPE base loads and runs but accepts little (spec sheet, section 9): say so.
+        # A wrong RoPE base loads and runs but accepts little (docs/DESIGN.md §9): say so.
         theta = 10_000.0
         warnings.append(f"{key_path(prefix, 'rope_theta')} absent: using the transformers default 10000.0")
     extra = None

@@ -1,5 +1,5 @@
 """DeepSeek-V4 bundled DSpark drafts: `dspark_*` keys inside the target's own config and
-the draft weights under `mtp.*` (spec sheet section 3).
+the draft weights under `mtp.*` (docs/DESIGN.md §3).
 
 Recognized so that users get a precise refusal instead of a misread: the draft layers are
 MoE blocks with hyper-connections and MLA attention, which dspark's backbone does not build.

@@ -1,4 +1,4 @@
-"""DeepSpec-native DSpark drafts (DeepSeek's reference trainer), spec sheet sections 3-4.
+"""DeepSpec-native DSpark drafts (DeepSeek's reference trainer), docs/DESIGN.md §3-§4.
 
 config.json is the target's HF config with the draft keys added at top level. The layout is
 anchor-first by construction; `target_layer_ids` t means HF hidden_states[t + 1].

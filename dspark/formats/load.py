@@ -41,7 +41,7 @@ def load_spec(path, layout: str | None = None, *, check_values: bool = True) -> 
 
 
 def load_weights(spec_or_path) -> dict:
-    """All draft tensors under the normalized names of spec sheet section 4 (no `model.` prefix).
+    """All draft tensors under the normalized names of docs/DESIGN.md §4 (no `model.` prefix).
 
     Target-owned copies (verifier_lm_head, verifier_norm) are dropped; NaN/inf is a FormatError.
     """

@@ -1,4 +1,4 @@
-"""The one normalized description of a DSpark draft (spec sheet, sections 3 and 4).
+"""The one normalized description of a DSpark draft (docs/DESIGN.md §3 and §4).
 
 Every reader in this package maps its family onto DraftSpec; nothing downstream
 (model, engine, training) ever looks at a raw config again.

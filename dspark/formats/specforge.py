@@ -1,5 +1,5 @@
 """SpecForge DSpark exports: a Qwen3 config with a nested `dflash_config` whose
-`projector_type` is "dspark" (spec sheet section 3).
+`projector_type` is "dspark" (docs/DESIGN.md §3).
 
 SpecForge drafts the DFlash way: row 0 holds the anchor and rows 1..block_size-1 are
 sampled (bonus-anchor). `dflash_config.target_layer_ids` t means HF hidden_states[t + 1].

@@ -1,4 +1,4 @@
-"""speculators-format DSpark drafts (`speculators_model_type: "dspark"`), spec sheet sections 3-4.
+"""speculators-format DSpark drafts (`speculators_model_type: "dspark"`), docs/DESIGN.md §3-§4.
 
 The layout is the one thing engines get silently wrong here, so it is decided from every
 signal in the file and any disagreement between them is refused rather than guessed.

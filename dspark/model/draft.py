@@ -1,4 +1,4 @@
-"""DSparkDraft: the draft network of any DraftSpec (spec sheet, sections 1 and 4).
+"""DSparkDraft: the draft network of any DraftSpec (docs/DESIGN.md §1 and §4).
 
 Shapes: B requests, S = spec.query_slots block rows, T context positions, H draft hidden,
 V target vocabulary, Vd draft vocabulary. Context entry j of a row sits at absolute position

@@ -1,4 +1,4 @@
-"""Markov heads (vanilla / gated / rnn) and the confidence head (spec sheet, section 1).
+"""Markov heads (vanilla / gated / rnn) and the confidence head (docs/DESIGN.md §1).
 
 Row k's logits are U_k + W2 @ f(W1[x_{k-1}], ...). Training walks a block with the true
 previous tokens (teacher forcing, `block_bias`); decoding walks it one row at a time with

@@ -1,4 +1,4 @@
-"""Draft decoder layer with KV injection (spec sheet, section 1).
+"""Draft decoder layer with KV injection (docs/DESIGN.md §1).
 
 Queries come from the block only; keys/values are [k/v_proj(context) ; k/v_proj(block)].
 The context keys are computed once per committed position and cached (ContextKV), so a

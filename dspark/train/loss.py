@@ -1,4 +1,4 @@
-"""The DeepSpec objective (spec sheet, section 5) for both checkpoint layouts.
+"""The DeepSpec objective (docs/DESIGN.md §5) for both checkpoint layouts.
 
 Draft slot i = 0..gamma-1 of an anchor at absolute position a predicts token a+1+i; its
 target distribution is the target's softmax at position a+i (T=1) and its teacher-forced
