@@ -164,6 +164,15 @@ def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0 answers written" in out and "4 of 4 prompts already done" in out and "nothing left to train" in out
 
+    # `train eval` decodes through build_engine with the shared engine flags
+    evaluate = ["train", "eval", "--target", str(tmp_path / "target"), "--draft", str(root / "run" / "draft"),
+                "--dtype", "float32", "--device", "cpu", "--prompts", str(tmp_path / "held.txt"), "--max-new-tokens",
+                "10", "--max-batch", "2", "--quiet", "--json"]
+    assert main(evaluate) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["prompts"] == 2 and res["outputs_equal_plain"] == 2 and res["verify_steps"] >= 1
+    assert main(evaluate[:-1] + ["--no-spec"]) == 2  # nothing to compare without a draft
+
 
 def test_cli_all_with_a_reduced_vocabulary_exports_speculators_only(tmp_path, capsys):
     from dspark.cli import main

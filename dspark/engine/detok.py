@@ -17,6 +17,7 @@ class Detokenizer:
         self.text = ""  # complete characters decoded so far
         self.prefix_offset = self.read_offset = 0
         self._searched = 0  # stop strings cannot start before this character any more
+        self._stop_at: int | None = None
         # a stop string may still be completing: streaming never hands out its possible first characters
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
 
@@ -39,11 +40,12 @@ class Detokenizer:
     def find_stop(self) -> int | None:
         """Index in `text` of the earliest stop string, or None. Only the new text (plus the
         characters a stop string could straddle) is searched, so a long output costs nothing extra."""
-        start = self._searched
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        self._searched = max(0, len(self.text) - self.holdback)
-        return min(hits) if hits else None
+        if self._stop_at is None:
+            hits = [i for s in self.stop if (i := self.text.find(s, self._searched)) >= 0]
+            self._searched = max(0, len(self.text) - self.holdback)
+            self._stop_at = min(hits) if hits else None
+        return self._stop_at
 
     def streamable(self) -> str:
         """The text that can be shown while decoding goes on (a stop string's possible start held back)."""
-        return self.text[: len(self.text) - self.holdback] if self.holdback else self.text
+        return self.text[: max(0, len(self.text) - self.holdback)]

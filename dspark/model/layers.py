@@ -1,7 +1,7 @@
 """Draft decoder layer with KV injection (docs/DESIGN.md §1).
 
 Queries come from the block only; keys/values are [k/v_proj(context) ; k/v_proj(block)].
-The context keys are computed once per committed position and cached (ContextKV), so a
+The context keys are computed once per committed position and cached (LayerKV, in the draft's ContextCache), so a
 decode step costs one pass over the block rows, whatever the context length.
 """
 

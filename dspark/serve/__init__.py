@@ -4,7 +4,6 @@
     worker.py      the one thread that owns the Engine; commands in, tokens out
     prometheus.py  the /metrics registry (one per app)
     app.py         FastAPI routes: create_app(engine, ...)
-    commands.py    CLI flags and uvicorn start-up
 
-Nothing heavy is imported here: `dspark --help` imports the command module only.
+Its flags and the uvicorn start-up are the command layer's (dspark/cli/serve.py).
 """
