@@ -217,3 +217,18 @@ def test_dtype_spellings_are_accepted_and_float16_is_not(dtype, capsys):
     assert build_parser("generate").parse_args(["generate", "--prompt", "x", "--dtype", dtype]).dtype == dtype
     with pytest.raises(SystemExit):
         build_parser("generate").parse_args(["generate", "--prompt", "x", "--dtype", "float16"])
+
+
+@pytest.mark.parametrize("command,extra,message", [
+    ("bench", ["--out", "o", "--max-batch", "4"], "drop --max-batch"),
+    ("bench", ["--out", "o", "--verify", "threshold"], "add threshold to --arms"),
+    ("bench-batch", ["--max-batch", "4"], "drop --max-batch"),
+    ("bench-batch", ["--verify", "adaptive"], "--arms plain,adaptive"),
+    ("calibrate", ["--prompts", "p", "--out", "o", "--max-batch", "4"], "drop --max-batch"),
+    ("doctor", ["--no-spec"], "drop --no-spec"),
+])
+def test_a_flag_a_command_cannot_honour_is_refused_before_loading(command, extra, message, capsys):
+    from dspark.cli import main
+
+    assert main([command, "--target", "/nonexistent", *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -23,8 +23,8 @@ from dspark.bench.prompts import load_sets
 from dspark.bench.report import markdown, plots
 from dspark.bench.runner import (EngineRunner, ForwardTimer, HFRunner, aggregate, default_arms, interleaved, parse_arms,
                                  sampling_params)
-from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
-from dspark.engine.scheduler import make_scheduler
+from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes, refuse_max_batch
+from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
 from dspark.target.load import SMOLLM2
 
@@ -89,7 +89,7 @@ def reproduce_command(args) -> str:
     if args.temperature:
         parts += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p),
                   "--seed", str(args.seed)]
-    if args.threshold != 0.5:
+    if args.threshold != DEFAULT_THRESHOLD:
         parts += ["--threshold", str(args.threshold)]
     for flag in ("always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
         if getattr(args, flag):
@@ -136,6 +136,7 @@ def run(args) -> int:
         raise DSparkError("--no-spec leaves only the arms without a draft (hf, lookup, plain): drop the others from --arms")
     if args.verify != "full":
         raise DSparkError(f"bench runs the policies its arms name: add {args.verify} to --arms")
+    refuse_max_batch(args, "bench", "the arms (NAME@N)")
     sets = load_sets(args.dataset_dir, args.sets.split(",") if args.sets else None, args.prompts, args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +147,7 @@ def run(args) -> int:
     if tokenizer is None:
         raise DSparkError(f"target {args.target!r} has no tokenizer: bench feeds text prompts")
     draft_path = config.draft
-    args = replace_namespace(args, dtype=config.dtype)  # "auto" written out: results name the dtype that ran
+    args.dtype = config.dtype  # "auto" written out: results name the dtype that ran
     device = config.device
     machine = machine_info(device)
     load = machine["load_average_start"]
@@ -266,6 +267,3 @@ def _write_profile(args, table, arm, draft, draft_path, machine, sets, out: Path
     )
     return write_profile(profile, out / "speculation_profile.json")
 
-
-def replace_namespace(args: argparse.Namespace, **changes) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), **changes})

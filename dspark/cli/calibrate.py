@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark.api import build_engine
-from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
+from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes, refuse_max_batch
 from dspark.engine.calibration import Calibration, fit_sts, position_metrics, record_generations
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise DSparkError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
     if args.concurrency < 1:
         raise DSparkError(f"--concurrency must be >= 1, got {args.concurrency}")
+    refuse_max_batch(args, "calibrate", "--concurrency")
     prompts = read_prompt_file(args.prompts, args.limit)
     # recording always verifies every draft (record_generations): --verify does not change what is fitted
     engine = build_engine(engine_config(args, max_batch=args.concurrency))

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from dspark.api import EngineConfig
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, POLICIES
+from dspark.errors import DSparkError
 from dspark.formats.load import LAYOUTS
 from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
 
@@ -48,6 +49,12 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_batch=args.max_batch, check=not args.no_check,
     )
     return replace(config, **overrides)
+
+
+def refuse_max_batch(args: argparse.Namespace, command: str, instead: str) -> None:
+    """For commands whose own flags size the batch: a --max-batch they would ignore is an error."""
+    if args.max_batch != EngineConfig().max_batch:
+        raise DSparkError(f"{command} decodes as many requests together as {instead} says: drop --max-batch")
 
 
 def print_notes(engine) -> None:
