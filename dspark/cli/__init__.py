@@ -1,5 +1,7 @@
-"""`dspark` command line: the command layer. All argparse and all printing live in this package,
-one module per command; each builds its engine through dspark.api and calls the library.
+"""dspark: lossless DSpark speculative decoding, draft tools and measurements.
+
+The command layer: all argparse and all printing live in this package, one module per command;
+each builds its engine through dspark.api and calls the library.
 
 Every DSparkError becomes one line on stderr and exit code 2 (no traceback).
 """
