@@ -33,7 +33,8 @@ BUNDLED_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every engine setting; `dspark.cli.engine_flags` gives each one its flag (same name)."""
+    """Every engine setting; `dspark.cli.engine_flags` gives each one its flag (the same name with
+    dashes; `check` is `--no-check`)."""
 
     target: str = SMOLLM2  # an HF model directory, or "smollm2"
     draft: str | None = None  # None: the bundled draft when the target is smollm2

@@ -14,15 +14,14 @@ from dspark.formats.load import LAYOUTS
 from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
 
 
-def add_engine_flags(p: argparse.ArgumentParser, *, dtype: str = "bf16") -> None:
-    """dtype: the command's default (training-side commands keep theirs)."""
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--target", default=SMOLLM2, help="HF model directory, or 'smollm2' (default)")
     g.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
     g.add_argument("--no-spec", action="store_true", help="plain target decoding through the same code path")
-    g.add_argument("--dtype", default=dtype, choices=DTYPE_CHOICES,
-                   help=f"target and draft dtype (default {dtype}; auto: bf16 where the hardware has it natively)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
+                   help=f"target and draft dtype (default {d.dtype}; auto: bf16 where the hardware has it natively)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--runtime", default=d.runtime, choices=RUNTIMES, help="target runtime (default hf: transformers)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
