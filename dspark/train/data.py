@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,12 +32,18 @@ class GenSettings:
     top_p: float = 1.0
     seed: int = 0
     chat_template: bool = True
+    top_k: int = 0  # 0: no top-k cut (DeepSpec regenerates with T 0.7, top-p 0.8, top-k 20)
+    samples: int = 1  # answers per prompt; sample k > 0 is keyed "<prompt key>#k"
 
     def check(self) -> None:
         if self.max_new_tokens < 2:
             raise TrainError(f"--max-new-tokens must be >= 2, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise TrainError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {self.temperature}, {self.top_p}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise TrainError(f"need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0, got {self.temperature}, "
+                             f"{self.top_p}, {self.top_k}")
+        if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
+            raise TrainError(f"--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all "
+                             f"the same), got {self.samples}")
 
 
 @dataclass
@@ -46,6 +53,11 @@ class GenStats:
     written: int
     tokens: int  # answer tokens written now
     truncated: int  # answers cut by max_new_tokens (no end-of-turn token)
+    seconds: float = 0.0  # generation wall time of this call
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
@@ -83,24 +95,28 @@ def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSe
     _check_meta(out, {"target": target_name, "vocab_size": vocab, **asdict(settings)})
     prompts = dedupe(prompts)
     done = {r.get("key") for r in read_records(out, repair=True)}
-    todo = [p for p in prompts if p.key not in done]
-    stats = GenStats(len(prompts), len(prompts) - len(todo), 0, 0, 0)
+    jobs = [(p, sample_key(p.key, k)) for p in prompts for k in range(settings.samples)]
+    todo = [(p, key) for p, key in jobs if key not in done]
+    # similar lengths batch together: less left padding (the order is fixed, so a resume forms the same batches)
+    todo.sort(key=lambda job: len(job[0].text))
+    stats = GenStats(len(jobs), len(jobs) - len(todo), 0, 0, 0)
     stops = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     dev = next(model.parameters()).device
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt", disable=not progress)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="self-distillation", unit="answer", disable=not progress)
     with open(out, "a", encoding="utf-8") as f:
         for i in range(0, len(todo), batch_size):
             batch = todo[i : i + batch_size]
-            encoded = [encode_prompt(tokenizer, p.text, settings.chat_template) for p in batch]
-            # Seeded per batch from its first prompt. Batches are written whole, so a run resumed with the same
+            encoded = [encode_prompt(tokenizer, p.text, settings.chat_template) for p, _ in batch]
+            # Seeded per batch from its first job. Batches are written whole, so a run resumed with the same
             # prompts and batch size forms the same batches and samples what an uninterrupted run would.
-            torch.manual_seed(settings.seed * 1_000_003 + zlib.crc32(batch[0].key.encode()))
+            torch.manual_seed(settings.seed * 1_000_003 + zlib.crc32(batch[0][1].encode()))
             answers = _generate(model, encoded, settings, pad, stops, dev)
-            for p, prompt_ids, (answer, finish) in zip(batch, encoded, answers):
-                rec = {"key": p.key, "prompt": p.text, "category": p.category, "ids": prompt_ids + answer,
+            for (p, key), prompt_ids, (answer, finish) in zip(batch, encoded, answers):
+                rec = {"key": key, "prompt": p.text, "category": p.category, "ids": prompt_ids + answer,
                        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer), "prompt_len": len(prompt_ids),
                        "finish": finish}
                 f.write(json.dumps(rec) + "\n")
@@ -110,9 +126,15 @@ def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSe
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(batch))
-            bar.set_postfix(tokens=stats.tokens)
+            stats.seconds = time.perf_counter() - t0
+            bar.set_postfix(tokens=stats.tokens, tok_s=f"{stats.tokens_per_s:.0f}")
     bar.close()
+    stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def sample_key(key: str, k: int) -> str:
+    return key if k == 0 else f"{key}#{k}"
 
 
 @torch.inference_mode()
@@ -120,7 +142,7 @@ def _generate(model, encoded: list[list[int]], s: GenSettings, pad: int, stops: 
     width = max(len(e) for e in encoded)
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=dev)
     attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=dev)
-    kw = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0) if s.temperature > 0 else dict(do_sample=False)
+    kw = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k) if s.temperature > 0 else dict(do_sample=False)
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=s.max_new_tokens, pad_token_id=pad,
                          eos_token_id=sorted(stops), **kw)
     answers = []
