@@ -22,6 +22,8 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
     assert out["speculative"] and out["dtype"] == "fp32" and out["generated_tokens"] >= 1
     assert out["plain"]["same_output"] is True and "first_difference" not in out["plain"]  # fp32: token for token
     assert out["speedup"] == round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
+    assert out["compare_rounds"] == 2  # warmed up, then the arms' order alternates over two rounds
+    assert main(args + ["--compare-rounds", "0"]) == 2 and "--compare-rounds" in capsys.readouterr().err
     m = out["metrics"]
     assert m["mean_accept_length"] == round(1 + sum(m["marginal_accept_rates"]), 4)
 

@@ -59,11 +59,13 @@ def test_generation_resumes_skips_done_prompts_and_repairs_a_torn_line(tmp_path)
 
 
 def test_sampled_generation_is_reproducible_per_batch(tmp_path):
+    """A run interrupted after a batch and resumed writes what an uninterrupted run writes."""
     model, tok = tiny_target(), char_tokenizer()
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    full, first_batch = [PROMPTS[0], PROMPTS[1], PROMPTS[3], Prompt("Say yes.")], [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    full = [PROMPTS[0], PROMPTS[1], PROMPTS[3], Prompt("Say yes.")]
     _gen(model, tok, a, full, temperature=1.0)
-    _gen(model, tok, b, first_batch, temperature=1.0)  # stopped after its first batch of 3 ...
+    b.write_text("".join(line + "\n" for line in a.read_text().splitlines()[:3]))  # stopped after its first batch
+    (tmp_path / "b.jsonl.meta.json").write_text((tmp_path / "a.jsonl.meta.json").read_text())
     _gen(model, tok, b, full, temperature=1.0)  # ... and resumed
     assert sorted(a.read_text().splitlines()) == sorted(b.read_text().splitlines())
 
@@ -162,7 +164,7 @@ def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
     assert json.loads((root / "engine_eval.json").read_text())["outputs_equal_plain"] == 2
     assert main(args) == 0  # everything done: nothing regenerated, nothing retrained
     out = capsys.readouterr().out
-    assert "0 answers written" in out and "4 of 4 prompts already done" in out and "nothing left to train" in out
+    assert "0 answers written" in out and "4 of 4 answers already done" in out and "nothing left to train" in out
 
     # `train eval` decodes through build_engine with the shared engine flags
     evaluate = ["train", "eval", "--target", str(tmp_path / "target"), "--draft", str(root / "run" / "draft"),

@@ -18,6 +18,7 @@ from dspark.api import build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.engine.compare import first_difference
 from dspark.engine.sampling import SamplingParams
+from dspark.errors import DSparkError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
@@ -30,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: text and all metrics")
     p.add_argument("--compare", action="store_true", help="also decode without speculation and print the speedup")
+    p.add_argument("--compare-rounds", type=int, default=2,
+                   help="--compare: measured rounds after a warm-up of both arms, the arms' order alternating")
 
 
 def _streamer():
@@ -46,15 +49,28 @@ def _streamer():
     return on_tokens
 
 
+def _timed(engine, ids, params, on_tokens=None):
+    t0 = time.perf_counter()
+    req = engine.generate(ids, params, on_tokens=on_tokens)
+    return req, time.perf_counter() - t0
+
+
 def run(args) -> int:
+    if args.compare_rounds < 1:
+        raise DSparkError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
     engine = build_engine(engine_config(args))
     print_notes(engine)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     ids = engine.encode(args.prompt, chat=args.chat)
-    t0 = time.perf_counter()
-    req = engine.generate(ids, params, on_tokens=None if args.json else _streamer())
-    elapsed = time.perf_counter() - t0
+    compare = args.compare and engine.draft is not None
+    plain = engine.derive(speculative=False) if compare else None
+    if compare:  # both arms warmed up (allocator, kernels, caches) before anything is timed
+        warm = SamplingParams(max_new_tokens=min(16, args.max_new_tokens), temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        engine.generate(ids, warm)
+        plain.generate(ids, warm)
+    req, elapsed = _timed(engine, ids, params, None if args.json else _streamer())
     out = {
         "text": req.text if req.text is not None else engine.decode(req.output_ids),
         "prompt_tokens": len(ids),
@@ -68,13 +84,23 @@ def run(args) -> int:
     if engine.draft is not None:
         out["layout"] = engine.draft.spec.layout
         out["metrics"] = req.metrics.to_dict()
-    if args.compare and engine.draft is not None:
-        plain = engine.derive(speculative=False)
-        t0 = time.perf_counter()
-        base = plain.generate(ids, params)
-        base_s = time.perf_counter() - t0
+    if compare:
+        # rounds alternate the arms' order (spec, plain | plain, spec | ...): neither arm always runs
+        # second on a warmer machine; tokens/s over all rounds of an arm
+        base, base_s = _timed(plain, ids, params)
+        spec_tok, spec_s, plain_tok = len(req.output_ids), elapsed, len(base.output_ids)
+        for r in range(1, args.compare_rounds):
+            arms = [(plain, False), (engine, True)] if r % 2 else [(engine, True), (plain, False)]
+            for eng, is_spec in arms:
+                again, secs = _timed(eng, ids, params)
+                if is_spec:
+                    spec_tok, spec_s = spec_tok + len(again.output_ids), spec_s + secs
+                else:
+                    plain_tok, base_s = plain_tok + len(again.output_ids), base_s + secs
+        out["tokens_per_second"] = round(spec_tok / spec_s, 2)
+        out["compare_rounds"] = args.compare_rounds
         out["plain"] = {"generated_tokens": len(base.output_ids), "seconds": round(base_s, 4),
-                        "tokens_per_second": round(len(base.output_ids) / base_s, 2),
+                        "tokens_per_second": round(plain_tok / base_s, 2),
                         "same_output": base.output_ids == req.output_ids}
         if not out["plain"]["same_output"] and params.greedy:
             out["plain"]["first_difference"] = first_difference(engine.target.model, ids, req.output_ids,

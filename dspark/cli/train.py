@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import time
@@ -20,18 +21,21 @@ from dspark.api import EngineConfig, build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.formats.load import LAYOUTS
 from dspark.model.factory import default_taps
-from dspark.target.load import load_target
+from dspark.target.load import load_target, resolve_target_file
 from dspark.train.config import DraftOptions, TrainConfig
-from dspark.train.data import GenSettings, generate_shard
+from dspark.train.data import GenSettings, eos_ids, generate_shard
 from dspark.train.dataset import load_sequences
 from dspark.train.e2e import engine_eval
 from dspark.train.errors import TrainError
 from dspark.train.export import export_run, size_mb
 from dspark.train.features import build_cache, cache_bytes
-from dspark.train.prompts import load_prompts
+from dspark.train.magpie import PromptSampling, protected_shingles, write_prompts
+from dspark.train.prompts import bundled_path, load_prompts
+from dspark.train.store import pack
 from dspark.train.trainer import eval_line, train
 
-STAGES = ("data", "features", "fit", "export", "eval", "all")
+STAGES = ("prompts", "data", "pack", "features", "fit", "export", "eval", "all")
+
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -51,7 +55,13 @@ def _data_args(p, prefix: str = "") -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--gen-batch-size", type=int, default=8, help="prompts generated together (left padded)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (DeepSpec regenerates with 20)")
+    p.add_argument("--samples", type=int, default=1, help="sampled answers per prompt (needs --temperature > 0)")
+    p.add_argument("--gen-batch-size", type=int, default=8, help="answers generated together")
+    p.add_argument("--generator", default="engine", choices=("engine", "hf"),
+                   help="engine: dspark's batched plain decoding (continuous batching, per-answer seeds); "
+                        "hf: transformers generate in left-padded batches (large GPU batches)")
+    p.add_argument("--runtime", default="hf", choices=("hf", "native"), help="target runtime of --generator engine")
     p.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (base models)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each set")
 
@@ -93,6 +103,12 @@ def _fit_args(p) -> None:
     g.add_argument("--head-dtype", default="bf16", choices=("bf16", "fp32"),
                    help="precision of the frozen LM head's matmul in training")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--data-tokens", type=int, default=None,
+                   help="train on a seeded subset of about N answer tokens (data-scaling curves)")
+    g.add_argument("--init", default=None,
+                   help="warm start from this draft (same architecture; its draft vocabulary is kept)")
+    g.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: stop this session after training that long (checkpoint saved; rerun to continue)")
     g.add_argument("--eval-every", type=int, default=100)
     g.add_argument("--eval-max-anchors", type=int, default=64)
     g.add_argument("--ckpt-every", type=int, default=100)
@@ -104,6 +120,27 @@ def _fit_args(p) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="stage", required=True)
+    p = sub.add_parser("prompts", help="the target writes user prompts itself (Magpie), filtered")
+    _target_args(p)
+    p.add_argument("--n", type=int, required=True, help="prompts to keep")
+    p.add_argument("--out", required=True, help=".jsonl to append to (resumable)")
+    p.add_argument("--protect", action="append", default=None,
+                   help="prompt file or folder of .jsonl sets no kept prompt may share an 8-word span with "
+                        "(repeatable; the bundled held-out set is always protected)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length cap of a sampled prompt")
+    p.add_argument("--gen-batch-size", type=int, default=64)
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="give up after this many batches (default: enough for a 25%% keep rate)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("pack", help="store JSONL shards compactly (compressed token ids + manifest)")
+    p.add_argument("shards", nargs="+", help="shards written by `dspark train data`")
+    p.add_argument("--out", required=True, help="directory for tokens.npz and manifest.json")
+    p.add_argument("--target", default="smollm2", help="recorded with the hash of its weights file")
+    p.add_argument("--note", default="")
+
     p = sub.add_parser("data", help="self-distillation: the target answers a prompt set")
     _target_args(p)
     p.add_argument("--prompts", default="train", help="'train', 'heldout' or a .jsonl/.txt file")
@@ -161,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.stage != "fit":
         raise TrainError(f"`dspark train {args.stage}` runs in one process; only `fit` is data-parallel under torchrun")
-    return {"data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "all": _all}[args.stage](args)
+    return {"prompts": _prompts_stage, "pack": _pack, "data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "all": _all}[args.stage](args)
 
 
 # ---------------------------------------------------------------- stages
@@ -177,19 +214,64 @@ def _prompts(source: str, limit: int | None):
     return load_prompts(source)[:limit]
 
 
-def _gen(model, tok, args, prompts: str, out, seed: int) -> None:
+def _generator(args):
+    """(model, tokenizer, engine or None) for the data stage."""
+    if args.generator == "hf":
+        return (*_load(args), None)
+    engine = build_engine(EngineConfig(target=args.target, dtype=args.dtype, no_spec=True, runtime=args.runtime,
+                                       check=False, max_batch=args.gen_batch_size))
+    print_notes(engine)
+    return engine.target.model, engine.tokenizer, engine
+
+
+def _gen(model, tok, args, prompts: str, out, seed: int, engine=None) -> None:
     if tok is None:
         raise TrainError(f"target {args.target!r} has no tokenizer: self-distillation needs one")
-    s = GenSettings(args.max_new_tokens, args.temperature, args.top_p, seed, not args.no_chat_template)
+    s = GenSettings(args.max_new_tokens, args.temperature, args.top_p, seed, not args.no_chat_template,
+                    top_k=args.top_k, samples=args.samples)
     st = generate_shard(model, tok, _prompts(prompts, args.limit), out, s, target_name=args.target,
-                        batch_size=args.gen_batch_size, progress=not args.quiet)
-    print(f"{out}: {st.written} answers written ({st.tokens} tokens, {st.truncated} cut at --max-new-tokens), "
-          f"{st.skipped} of {st.total} prompts already done")
+                        batch_size=args.gen_batch_size, progress=not args.quiet, engine=engine)
+    print(f"{out}: {st.written} answers written ({st.tokens} tokens, {st.truncated} cut at --max-new-tokens) "
+          f"at {st.tokens_per_s:.1f} answer tokens/s (batch {args.gen_batch_size}); "
+          f"{st.skipped} of {st.total} answers already done")
+
+
+def _prompts_stage(args) -> int:
+    if args.n < 1 or args.gen_batch_size < 1:
+        raise TrainError(f"--n and --gen-batch-size must be >= 1, got {args.n}, {args.gen_batch_size}")
+    model, tok = _load(args)
+    if tok is None:
+        raise TrainError(f"target {args.target!r} has no tokenizer: it cannot write prompts")
+    protected = protected_shingles([bundled_path("heldout"), *(Path(p) for p in args.protect or [])])
+    s = PromptSampling(args.temperature, args.top_p, args.max_new_tokens, args.gen_batch_size, args.seed)
+    t = time.perf_counter()
+    bound = args.max_batches or max(10, math.ceil(4 * args.n / args.gen_batch_size))
+    rep = write_prompts(model, tok, args.n, args.out, sampling=s, stops=eos_ids(model, tok), protected=protected,
+                        max_batches=bound, progress=not args.quiet)
+    d = rep.to_dict()
+    have = sum(1 for line in Path(args.out).read_text().splitlines() if line.strip()) if Path(args.out).exists() else 0
+    print(f"{args.out}: kept {d['kept']} of {d['sampled']} sampled prompts in {time.perf_counter() - t:.0f} s; "
+          f"the file holds {have} of the {args.n} asked for")
+    print("  rejected: " + (", ".join(f"{k} {v}" for k, v in d["rejected"].items()) or "none"))
+    print("  categories: " + (", ".join(f"{k} {v}" for k, v in d["categories"].items()) or "none"))
+    if have < args.n:
+        raise TrainError(f"stopped after {bound} batches with {have} of {args.n} prompts: this target rarely writes a "
+                         "usable user turn (see the rejections above); rerun to continue or raise --max-batches")
+    return 0
+
+
+def _pack(args) -> int:
+    target_file, template = resolve_target_file(args.target)
+    m = pack(args.shards, args.out, target_file=target_file, chat_template=template, note=args.note)
+    c = m["counts"]
+    print(f"{args.out}: {c['sequences']} sequences, {c['answer_tokens']} answer tokens "
+          f"({c['cut_at_length']} cut at the length cap), {sum(f.stat().st_size for f in Path(args.out).iterdir()) / 2**20:.2f} MiB")
+    return 0
 
 
 def _data(args) -> int:
-    model, tok = _load(args)
-    _gen(model, tok, args, args.prompts, args.out, args.seed)
+    model, tok, engine = _generator(args)
+    _gen(model, tok, args, args.prompts, args.out, args.seed, engine)
     return 0
 
 
@@ -215,7 +297,8 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
                        l1_weight=args.l1_weight, conf_weight=args.conf_weight, tap_scale=not args.no_tap_scale, head_dtype=args.head_dtype,
                        max_seq_len=args.max_seq_len, seed=args.seed,
                        eval_every=args.eval_every, eval_max_anchors=args.eval_max_anchors, ckpt_every=args.ckpt_every,
-                       feature_batch_tokens=args.feature_batch_tokens, export_format=args.format, verifier=args.verifier)
+                       feature_batch_tokens=args.feature_batch_tokens, export_format=args.format, verifier=args.verifier,
+                       data_tokens=args.data_tokens, time_budget=args.time_budget, init=args.init)
 
 
 def _report_fit(res) -> None:
@@ -227,6 +310,9 @@ def _report_fit(res) -> None:
     if res.eval:
         print(eval_line(res.step, res.eval))
     print(f"checkpoint: {res.draft_dir}")
+    if res.best:
+        print(f"best held-out acceptance: tau_greedy {res.best['tau_greedy']:.3f} at step {res.best['step']} "
+              f"-> {Path(res.draft_dir).parent / 'best'}")
 
 
 def _fit(args) -> int:
@@ -267,11 +353,11 @@ def _all(args) -> int:
     t0 = time.perf_counter()
     root = Path(args.out)
     data, held = root / "data" / "train.jsonl", root / "data" / "heldout.jsonl"
-    model, tok = _load(args)
+    model, tok, engine = _generator(args)
     print("[1/4] self-distillation data")
-    _gen(model, tok, args, args.train_prompts, data, args.data_seed)
-    _gen(model, tok, args, args.heldout_prompts, held, args.data_seed)
-    del model  # the trainer loads its own copy
+    _gen(model, tok, args, args.train_prompts, data, args.data_seed, engine)
+    _gen(model, tok, args, args.heldout_prompts, held, args.data_seed, engine)
+    del model, engine  # the trainer loads its own copy
     print("[2/4] training" + (" (online features)" if args.online else " (features cached in bf16)"))
     cfg = _config(args, str(data), str(held), "online" if args.online else str(root / "features"), str(root / "run"))
     res = train(cfg, progress=not args.quiet, echo=tqdm.write)

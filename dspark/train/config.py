@@ -18,7 +18,7 @@ from dspark.train.errors import TrainError
 
 # May differ between a run and its resume: they do not change what is computed.
 RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "out", "features",
-                     "heldout", "export_format", "verifier"}
+                     "heldout", "export_format", "verifier", "time_budget"}
 
 
 @dataclass
@@ -89,6 +89,9 @@ class TrainConfig:
     feature_batch_tokens: int = 4096
     export_format: str = "speculators"
     verifier: str | None = None  # recorded in exported speculators configs; default from the target
+    data_tokens: int | None = None  # train on a seeded subset of about this many answer tokens (scaling curves)
+    init: str | None = None  # warm start: a draft (directory) of this architecture; its vocabulary is kept
+    time_budget: float | None = None  # seconds: stop (and save) once a session has trained this long
 
     def check(self) -> None:
         positive = {"batch_size": self.batch_size, "lr": self.lr, "decay": self.decay, "max_seq_len": self.max_seq_len,
@@ -97,6 +100,10 @@ class TrainConfig:
         for name, v in positive.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+        if self.data_tokens is not None and self.data_tokens < 1:
+            raise TrainError(f"--data-tokens must be >= 1, got {self.data_tokens}")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise TrainError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
         if self.steps is not None and self.steps < 1:
             raise TrainError(f"--steps must be >= 1, got {self.steps}")
         if self.max_anchors is not None and self.max_anchors < 1:

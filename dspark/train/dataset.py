@@ -6,13 +6,19 @@ on the target's answer (end-of-turn token included: the draft must learn to pred
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dspark.train.errors import TrainError
+
+# packed data sets (written by store.pack): token ids as compressed integer arrays + a manifest
+FORMAT = "dspark-selfdistill/1"
+MANIFEST, TOKENS = "manifest.json", "tokens.npz"
 
 
 @dataclass
@@ -47,11 +53,16 @@ def read_records(path: Path, repair: bool = False) -> list[dict]:
 
 
 def load_sequences(path, vocab_size: int | None = None, max_len: int | None = None) -> list[Sequence]:
+    """A JSONL shard or a packed data set (a directory with manifest.json, see store.py)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir() and (path / "manifest.json").is_file():
+        records = read_packed(path)
+    elif path.is_file():
+        records = read_records(path)
+    else:
         raise TrainError(f"training data {path} does not exist (run `dspark train data` first)")
     seqs = []
-    for n, rec in enumerate(read_records(path), 1):
+    for n, rec in enumerate(records, 1):
         ids, mask = rec.get("ids"), rec.get("loss_mask")
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
             raise TrainError(f"{path} record {n}: needs lists \"ids\" and \"loss_mask\" of equal length")
@@ -68,3 +79,57 @@ def load_sequences(path, vocab_size: int | None = None, max_len: int | None = No
     if not any(s.loss_mask[1:].sum() >= 2 for s in seqs):
         raise TrainError(f"{path}: no sequence has an answer of 2+ tokens: nothing to train on")
     return seqs
+
+
+def token_subset(seqs: list[Sequence], answer_tokens: int, seed: int) -> list[Sequence]:
+    """A seeded random subset holding about `answer_tokens` answer tokens (whole sequences, at least one)."""
+    g = torch.Generator().manual_seed(seed)
+    out, total = [], 0
+    for i in torch.randperm(len(seqs), generator=g).tolist():
+        if out and total >= answer_tokens:
+            break
+        out.append(seqs[i])
+        total += int(seqs[i].loss_mask.sum())
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_packed(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path) -> dict:
+    path = Path(path)
+    if not is_packed(path):
+        raise TrainError(f"{path} is not a packed data set (no {MANIFEST})")
+    m = json.loads((path / MANIFEST).read_text())
+    if m.get("format") != FORMAT:
+        raise TrainError(f"{path}: format {m.get('format')!r}, this dspark reads {FORMAT!r}")
+    return m
+
+
+def read_packed(path) -> list[dict]:
+    """Records in the shard form (`key`, `ids`, `loss_mask`, `prompt_len`, `finish`, `category`)."""
+    path = Path(path)
+    m = read_manifest(path)
+    if sha256_file(path / TOKENS) != m["tokens_sha256"]:
+        raise TrainError(f"{path / TOKENS} does not match its manifest (corrupt or replaced)")
+    with np.load(path / TOKENS) as z:
+        ids, off, plen = z["ids"].astype(np.int64), z["offsets"], z["prompt_len"]
+        finish, cat, keys = z["finish"], z["category"], z["keys"]
+    out = []
+    for i in range(len(plen)):
+        seq = ids[off[i] : off[i + 1]].tolist()
+        p = int(plen[i])
+        out.append({"key": str(keys[i]), "ids": seq, "loss_mask": [0] * p + [1] * (len(seq) - p), "prompt_len": p,
+                    "finish": "stop" if finish[i] else "length", "category": m["categories"][int(cat[i])]})
+    return out
+
+

@@ -7,6 +7,7 @@ The paper's evaluation sets (GSM8K, MATH500, ...) must never be used here.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from dataclasses import dataclass
@@ -35,15 +36,18 @@ def bundled_path(name: str) -> Path:
 
 
 def load_prompts(source: str) -> list[Prompt]:
-    """`train` / `heldout`, a .jsonl file with a "prompt" field per line, or a .txt file (one per line)."""
+    """`train` / `heldout`, a .jsonl(.gz) file with a "prompt" field per line, or a .txt(.gz) file (one per line)."""
     path = bundled_path(source) if source in BUNDLED else Path(source)
     if not path.is_file():
         raise TrainError(f"prompt set {source!r}: no such file (bundled sets: {', '.join(BUNDLED)})")
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    packed = path.suffix == ".gz"  # prompt sets kept in the repository are gzipped (.jsonl.gz)
+    text = gzip.decompress(path.read_bytes()).decode("utf-8") if packed else path.read_text(encoding="utf-8")
+    kind = Path(path.stem).suffix if packed else path.suffix
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        if kind == ".jsonl":
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -4,6 +4,7 @@
     state.pt           fp32 draft weights, optimizer, scheduler, step, tap scale, data digest
     metrics.jsonl      one record per step, plus one per held-out evaluation
     draft/             the latest checkpoint exported in bf16 (read by `dspark inspect` and the engine)
+    best/, best.json   the checkpoint with the best held-out greedy acceptance so far, and its figures
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from dspark.train.config import TrainConfig
 from dspark.train.errors import TrainError
 
-CONFIG, STATE, METRICS, DRAFT = "train_config.json", "state.pt", "metrics.jsonl", "draft"
+CONFIG, STATE, METRICS, DRAFT, BEST = "train_config.json", "state.pt", "metrics.jsonl", "draft", "best"
 
 
 def read_run_config(run_dir: Path) -> TrainConfig:

@@ -22,18 +22,19 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from dspark.formats.load import load_spec, load_weights
 from dspark.model.load import build_draft
 from dspark.target.load import load_target
 from dspark.train import distributed
 from dspark.train.config import TrainConfig, draft_spec
-from dspark.train.dataset import load_sequences
+from dspark.train.dataset import load_sequences, token_subset
 from dspark.train.errors import TrainError
 from dspark.train.evaluate import evaluate
 from dspark.train.export import checkpoint_tensors, default_verifier, write_draft
 from dspark.train.features import (CachedFeatures, OnlineFeatures, ScaledFeatures, build_cache, cache_bytes, data_digest,
                                    tap_scale)
 from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, sample_anchors
-from dspark.train.rundir import CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
+from dspark.train.rundir import BEST, CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
 from dspark.train.vocab import d2t_offsets, select_draft_vocab
 
 Echo = Callable[[str], None]
@@ -50,6 +51,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # per step run in this session
     eval: dict | None = None
     draft_dir: Path | None = None
+    best: dict | None = None  # {"step", "tau_greedy"} of the checkpoint kept in <out>/best
+    stopped_early: bool = False  # the time budget ended the session before the last step
     seconds: float = 0.0
     main: bool = True  # the process that reports (rank 0)
 
@@ -118,6 +121,8 @@ class Run:
         self.model, _ = load_target(cfg.target, cfg.dtype, device=ctx.device)
         vocab = self.model.get_output_embeddings().weight.shape[0]
         self.seqs = load_sequences(cfg.data, vocab, cfg.max_seq_len)
+        if cfg.data_tokens is not None:
+            self.seqs = token_subset(self.seqs, cfg.data_tokens, cfg.seed)
         self.data_digest = data_digest(self.seqs)
         self.held = load_sequences(cfg.heldout, vocab, cfg.max_seq_len) if cfg.heldout else None
         ver = default_verifier(cfg.target, self.model.config)
@@ -128,8 +133,11 @@ class Run:
         self.draft = build_draft(self.spec, self.model, dtype=torch.float32)
         init_weights(self.draft, cfg.seed)
         init_output_norm(self.draft, self.model)
-        if self.spec.has_d2t:
+        warm = self._load_init() if cfg.init and not self.resumed else None
+        if self.spec.has_d2t and warm is None:
             self._reduce_vocab()
+        elif self.spec.has_d2t:
+            self.draft.lm_head.weight.requires_grad_(False)
         self.draft.train()
         self.lm_head = self.model.get_output_embeddings()
         w = self.draft.lm_head.weight
@@ -157,8 +165,37 @@ class Run:
         # a checkpoint from before tap scaling existed holds weights for raw taps: keep it that way
         if cfg.tap_scale and (saved is None or saved.get("tap_scale") is not None):
             self._scale_taps(None if saved is None else saved["tap_scale"])
+        if warm is not None and self.tap_scale is not None:
+            # the file's fc reads raw taps (the scale is folded in at export): unfold it for scaled taps
+            with torch.no_grad():
+                self.draft.fc.weight.mul_(self.tap_scale.to(self.draft.fc.weight.device)[None, :])
 
     # ---- pieces --------------------------------------------------------------------------
+    def _load_init(self) -> dict:
+        """Warm start: the weights of an existing draft of the same architecture (its d2t vocabulary too)."""
+        spec = load_spec(self.cfg.init)
+        keys = ("layout", "gamma", "num_layers", "markov_rank", "markov_head_type", "hidden_state_indices",
+                "draft_vocab_size", "vocab_size", "mask_token_id", "confidence_head", "confidence_head_with_markov")
+        diff = {k: (getattr(spec, k, None), getattr(self.spec, k, None)) for k in keys
+                if getattr(spec, k, None) != getattr(self.spec, k, None)}
+        if diff:
+            raise TrainError(f"--init {self.cfg.init} does not fit this run's draft {diff} (file, run): "
+                             "choose matching --layers/--markov-rank/--taps/--draft-vocab/...")
+        tensors = load_weights(spec)
+        own = self.draft.own_state_dict()
+        missing = sorted(set(own) - set(tensors))
+        if missing:
+            raise TrainError(f"--init {self.cfg.init} lacks weights {missing[:4]}")
+        with torch.no_grad():
+            for k, v in own.items():
+                if tuple(tensors[k].shape) != tuple(v.shape):
+                    raise TrainError(f"--init {self.cfg.init}: {k} has shape {tuple(tensors[k].shape)}, "
+                                     f"this draft {tuple(v.shape)}")
+                v.copy_(tensors[k].to(v.dtype))
+        if self.ctx.main:
+            self.echo(f"warm start from {self.cfg.init}")
+        return tensors
+
     def _reduce_vocab(self) -> None:
         """Draft vocabulary from the training answers; its head = the target's rows, frozen.
 
@@ -277,6 +314,20 @@ class Run:
         return write_draft(self.spec, tensors, self.out / DRAFT, self.cfg.export_format,
                            self.verifier, replace=True)
 
+    def save_best(self, ev: dict | None) -> dict | None:
+        """Keep the checkpoint with the best held-out greedy acceptance in <out>/best (main process)."""
+        if not ev or not ev.get("blocks"):
+            return None
+        path = self.out / (BEST + ".json")
+        best = json.loads(path.read_text()) if path.exists() else None
+        if best is not None and best["tau_greedy"] >= ev["tau_greedy"]:
+            return best
+        tensors = checkpoint_tensors(self.draft.own_state_dict(), self.spec.vocab_size, self.tap_scale)
+        write_draft(self.spec, tensors, self.out / BEST, self.cfg.export_format, self.verifier, replace=True)
+        best = {"step": self.step, "tau_greedy": ev["tau_greedy"], "greedy_conditional": ev["greedy_conditional"]}
+        path.write_text(json.dumps(best) + "\n")
+        return best
+
     def log(self, record: dict) -> None:
         with open(self.out / METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -300,7 +351,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
         cfg.save(run.out / CONFIG)
     result = TrainResult(run.step, run.total)
     bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not (progress and ctx.main))
-    t0 = time.perf_counter()
+    t0 = session_start = time.perf_counter()
     try:
         while run.step < run.total:
             rec = run.train_step(run.step)
@@ -317,11 +368,27 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
                     result.eval = run.evaluate()
                     run.log({"step": run.step, "eval": result.eval})
                     echo(eval_line(run.step, result.eval))
+                    result.best = run.save_best(result.eval) or result.best
                 if run.step % cfg.ckpt_every == 0 or last:
                     result.draft_dir = run.save()
             distributed.barrier(ctx)
             now = time.perf_counter()  # evaluation and checkpoints count toward the wall time too
+            session = now - session_start
             run.elapsed, t0 = run.elapsed + now - t0, now
+            # every rank counts the same steps; rank 0's clock decides, so all ranks stop at the same step
+            (over,) = distributed.all_sum(ctx, [float(cfg.time_budget is not None and session >= cfg.time_budget
+                                                      and ctx.main)])
+            if over and run.step < run.total:
+                if ctx.main:
+                    if run.held is not None and run.step % cfg.eval_every:
+                        result.eval = run.evaluate()
+                        run.log({"step": run.step, "eval": result.eval})
+                        result.best = run.save_best(result.eval) or result.best
+                    result.draft_dir = run.save()
+                    echo(f"time budget of {cfg.time_budget:.0f} s reached at step {run.step}/{run.total}: "
+                              "checkpoint saved; rerun the same command to continue")
+                result.stopped_early = True
+                break
     except KeyboardInterrupt:
         if ctx.world == 1 and run.step > result.step:
             result.draft_dir = run.save()
