@@ -43,11 +43,15 @@ SCALES = {
 }
 
 
-def sh(cmd: list[str], log: Path, timeout: float | None = None, env=None) -> subprocess.Popen:
+def sh(cmd: list[str], log: Path, share: int = 1) -> subprocess.Popen:
+    """Start a stage process. share: how many processes run side by side; each gets its slice of the
+    CPU threads (on the first H200 run five processes of 16 threads each on 16 cores crawled)."""
     f = open(log, "a")
     f.write("$ " + " ".join(cmd) + "\n")
     f.flush()
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or os.environ.copy(), cwd=ROOT)
+    threads = str(max(1, (os.cpu_count() or 1) // share))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
 def wait_all(procs: list[subprocess.Popen], deadline: float | None = None) -> list[int]:
@@ -154,13 +158,15 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
     sampled = ["--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
     procs, shards = [], []
     held = out / "heldout.jsonl"
-    procs.append(sh(dspark("data", *common, "--prompts", "heldout", "--out", str(held), *gen), logs / "heldout.log"))
+    n_data = 1 + 2 * c["procs"]
+    procs.append(sh(dspark("data", *common, "--prompts", "heldout", "--out", str(held), *gen), logs / "heldout.log",
+                    n_data))
     for i, part in enumerate(parts):
         for kind, extra in (("greedy", []), ("sampled", sampled)):
             shard = out / f"data.{kind}.{i}.jsonl"
             shards.append(shard)
             procs.append(sh(dspark("data", *common, "--prompts", str(part), "--out", str(shard), "--seed", str(i),
-                                   *gen, *extra), logs / f"data.{kind}.{i}.log"))
+                                   *gen, *extra), logs / f"data.{kind}.{i}.log", n_data))
     codes = wait_all(procs, deadline)
     counts = {s.name: count_answer_tokens(s) for s in shards}
     answer_tokens = sum(tok for _, tok in counts.values())
@@ -213,7 +219,8 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
         steps = max(20, int(rate * share * c["fit_s"]))
         extra = ["--data-tokens", str(subset)] if subset else []
         procs.append(sh(dspark("fit", *common, *fit, "--layers", str(layers), "--markov-rank", str(rank),
-                               "--steps", str(steps), *extra, "--out", str(out / "runs" / name)), logs / f"fit.{name}.log"))
+                               "--steps", str(steps), *extra, "--out", str(out / "runs" / name)), logs / f"fit.{name}.log",
+                        len(runs)))
     codes = wait_all(procs, time.time() + c["fit_s"] + 120)
     results = {}
     for name in runs:
