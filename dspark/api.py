@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -66,7 +67,9 @@ def load_engine(
     check: bool = True,
 ) -> DSparkEngine:
     """check: run the doctor's cheap empirical check once the draft is loaded and log loudly
-    what it finds (layout / taps / mask token that behave better than declared)."""
+    what it finds (layout / taps / mask token that behave better than declared). It costs about
+    as much as decoding 128 tokens, more (up to 1536 tokens) only while another reading could
+    still be better (dspark.bench.doctor.QUICK_BUDGET)."""
     from dspark.model.load import load_draft
 
     if threads:
@@ -82,6 +85,10 @@ def load_engine(
     if check and d is not None:
         from dspark.bench.doctor import quick_check
 
-        for warning in quick_check(engine):
+        t0 = time.perf_counter()
+        warnings = quick_check(engine)
+        cost = f"load-time draft check: {time.perf_counter() - t0:.1f} s (disable: --no-check, check=False)"
+        for warning in warnings:
             log.warning("WARNING: draft check: %s", warning)
+        (log.warning if warnings else log.info)(cost)
     return engine

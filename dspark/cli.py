@@ -20,7 +20,7 @@ COMMANDS = {
     "bench-batch": ("dspark.engine.commands", "bench_batch", "batched decoding: plain vs full/threshold/adaptive"),
     "generate": ("dspark.generate", "generate", "generate text with speculative decoding"),
     "bench": ("dspark.bench.command", "bench", "measure transformers and dspark arms side by side"),
-    "doctor": ("dspark.bench.doctor", "doctor", "check empirically that a draft predicts its target as its file says"),
+    "doctor": ("dspark.bench.doctor_report", "doctor", "check empirically that a draft predicts its target as its file says"),
     "serve": ("dspark.serve.commands", "serve", "OpenAI-compatible HTTP server with speculative-decoding metrics"),
 }
 

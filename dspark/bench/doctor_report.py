@@ -1,0 +1,123 @@
+"""`dspark doctor`: flags and printing (the check itself is dspark.bench.doctor).
+
+Exit codes: 0 healthy (every other reading is excluded from being 10% better), 3 a misread
+or a failed static check (and, with --strict, any warning), 4 undecided (the token bound was
+reached before the comparison was decisive: rerun with a larger --max-tokens), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text as RText
+
+from dspark.api import resolve_draft
+from dspark.bench.doctor import _PRETTY, Budget, Report, diagnose
+from dspark.errors import DSparkError
+from dspark.prompts import read_prompt_file
+
+
+def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
+    b = Budget()
+    p.add_argument("--target", default="smollm2", help="HF model directory, or 'smollm2' (default)")
+    p.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target and draft dtype")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--tokens", type=int, default=b.tokens, help=f"tokens the target writes per text (default {b.tokens})")
+    p.add_argument("--prompts-first", type=int, default=b.prompts,
+                   help=f"texts in the first round; each later round doubles the text (default {b.prompts})")
+    p.add_argument("--max-tokens", type=int, default=b.max_tokens,
+                   help=f"bound on the text generated while the comparison is undecided (default {b.max_tokens})")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="a prompt to generate from before the built-in ones (repeatable)")
+    p.add_argument("--prompts", default=None, help="a prompt file (.jsonl or .txt) used before the built-in prompts")
+    p.add_argument("--mask-candidates", default="", help="comma-separated extra mask token ids to try")
+    p.add_argument("--strict", action="store_true", help="exit 3 on warnings too")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def run_doctor(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.tokens < 2:
+        raise DSparkError("--tokens must be >= 2")
+    if args.prompts_first < 1 or args.max_tokens < args.tokens:
+        raise DSparkError("--prompts-first must be >= 1 and --max-tokens >= --tokens")
+    try:
+        extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
+    except ValueError:
+        raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
+    prompts = list(args.prompt or []) + (read_prompt_file(args.prompts) if args.prompts else [])
+    report = diagnose(args.target, str(resolve_draft(args.target, args.draft, "")), dtype=args.dtype,
+                      device=args.device, prompts=prompts or None, extra_masks=extra,
+                      budget=Budget(prompts=args.prompts_first, tokens=args.tokens, max_tokens=args.max_tokens))
+    if args.json:
+        print(json.dumps(report.to_json(args.strict), indent=2))
+    else:
+        print_report(report)
+    return report.exit_code(args.strict)
+
+
+def _cmp_cell(c) -> RText:
+    if c is None:
+        return RText("-")
+    text = f"{c.gain:+.0%} z {c.z:+.1f}"
+    style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
+    return RText(f"{text} {c.status}", style=style)
+
+
+def print_report(report: Report) -> None:
+    console = Console()
+    d = report.declared
+    console.print(RText(f"dspark doctor: draft {report.draft} on target {report.target}", style="bold"))
+    console.print(RText(f"declared: {d.format}, {_PRETTY[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
+                        f"block_size {d.block_size}, hidden_state_indices {list(d.hidden_state_indices)}, "
+                        f"mask_token_id {d.mask_token_id}"))
+    ct = Table(title="static checks")
+    for col in ("check", "status", "detail"):
+        ct.add_column(col)
+    colors = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in report.checks:
+        ct.add_row(c.name, RText(c.status, style=colors[c.status]), RText(c.detail))
+    console.print(ct)
+    if report.measured:
+        t, th = report.texts, report.thresholds
+        rt = Table(title=f"greedy acceptance on the target's own text ({t['generated_tokens']} generated tokens, "
+                         f"{t['prompts']} texts, {t['anchors']} anchors, {len(report.rounds)} rounds; "
+                         f"better = {th['min_gain']:.0%} more tokens per step at z >= {th['z_better']:.2f})")
+        rt.add_column("reading", no_wrap=True)
+        rt.add_column("anchors", justify="right")
+        rt.add_column("tau", justify="right")
+        rt.add_column("per slot", no_wrap=True)
+        rt.add_column("vs declared")
+        # The declared reading, each single change, open ones and the explaining reading; --json lists all.
+        shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best
+                 or r.name in report.undecided]
+        for r in shown:
+            c = report.comparisons.get(r.name)
+            rt.add_row(r.name, str(r.anchors), f"{r.accept_length:.2f}",
+                       " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), _cmp_cell(c))
+        console.print(rt)
+    for w in report.warnings:
+        console.print(RText("warning: ", style="yellow") + RText(w))
+    for dgn in report.diagnoses:
+        console.print(RText("UNHEALTHY: ", style="bold red") + RText(dgn))
+    v = report.verdict
+    if v == "healthy":
+        extra = "" if not report.warnings else ", but see the warnings above"
+        console.print(RText(f"healthy: no other reading gives {report.thresholds['min_gain']:.0%} more tokens per step "
+                            f"({report.texts['anchors']} anchors, {report.seconds:.0f} s){extra}", style="bold green"))
+    elif v == "undecided":
+        rows = [f"{n} ({report.comparisons[n].gain:+.0%}, z {report.comparisons[n].z:+.1f})" for n in report.undecided]
+        console.print(RText(f"undecided after {report.texts['generated_tokens']} generated tokens: "
+                            f"{', '.join(rows)} neither clearly better nor excluded; rerun with a larger --max-tokens",
+                            style="bold yellow"))
+    elif v == "not measured":
+        console.print(RText("undecided: no static check failed, but nothing was measured", style="bold yellow"))
+    elif v == "unhealthy":
+        console.print(RText("UNHEALTHY: a static check failed (see above)", style="bold red"))
