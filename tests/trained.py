@@ -40,7 +40,7 @@ def _train_target(steps: int = 140):
     return model.eval()
 
 
-def _train_draft(model, steps: int = 240):
+def _train_draft(model, steps: int = 240, layout: str = "anchor_first"):
     from dspark.model.factory import make_spec
     from dspark.model.load import build_draft
     from dspark.train.dataset import Sequence
@@ -55,7 +55,7 @@ def _train_draft(model, steps: int = 240):
     mask = torch.zeros(out.shape[1], dtype=torch.bool)
     mask[8:] = True
     seqs = [Sequence(str(i), ids, mask) for i, ids in enumerate(out)]
-    spec = make_spec(model.config, gamma=4, layout="anchor_first", num_layers=1, taps=TAPS, markov_rank=16,
+    spec = make_spec(model.config, gamma=4, layout=layout, num_layers=1, taps=TAPS, markov_rank=16,
                      mask_token_id=MASK, intermediate_size=128)
     draft = build_draft(spec, model, dtype=torch.float32)
     init_weights(draft, 0)

@@ -53,7 +53,6 @@ EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNDECIDED = 0, 3, 4
 MIN_GAIN = 0.03  # an alternative reading "better" gives this much more tokens per step (tau) ...
 ALPHA = 0.01  # ... at this one-sided level, shared by every alternative and every look; and a
 # reading is "not better" when a MIN_GAIN advantage is excluded at ALPHA shared by the looks
-QUIET_Z = 1.0  # load time: stop early once every open alternative is excluded at this z
 LOW_FIRST_SLOT = 0.05  # first-slot acceptance below this under every reading: barely predicts this target
 EMBED_COSINE_MIN = 0.9  # a draft's own embed_tokens copy should be the target's
 MAX_MASK_ALTERNATIVES = 3
@@ -76,7 +75,7 @@ class Budget:
     prompts: int = 4  # texts in the first round (then 2x, 4x, ... the first round)
     tokens: int = 64  # tokens the target writes per text
     max_tokens: int = 3072  # bound on the generated tokens over all rounds
-    stop_when_quiet: bool = False  # load time: stop once every open alternative has z_margin >= QUIET_Z
+    stop_when_quiet: bool = False  # load time: stop once no open alternative leads by MIN_GAIN
 
     def rounds(self) -> list[int]:
         """Texts per round; the number of rounds is the number of looks the test pays for."""
@@ -550,7 +549,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
                 break  # otherwise more text decides which changes are needed
         if not open_:
             break
-        if budget.stop_when_quiet and all(report.comparisons[r.name].z_margin >= QUIET_Z for r in open_):
+        if budget.stop_when_quiet and all(report.comparisons[r.name].gain < rule.min_gain for r in open_):
             break
     report.measured = declared.anchors > 0
     report.texts = {"prompts": n_texts, "generated_tokens": generated, "anchors": declared.anchors}
@@ -665,9 +664,9 @@ def diagnose(target_name: str, draft_path: str, *, dtype: str = "bf16", device: 
     return check_engine(engine, prompts=prompts, budget=budget, extra_masks=extra_masks, report=report)
 
 
-# Load time: two prompts of 64 tokens; more text (doubling) only while some alternative is not yet
-# excluded at z QUIET_Z, up to 1536 tokens.
-QUICK_BUDGET = Budget(prompts=2, tokens=64, max_tokens=1536, stop_when_quiet=True)
+# Load time: four prompts of 64 tokens; more text (doubling) only while some open alternative
+# leads the declared reading by MIN_GAIN, up to the doctor's bound.
+QUICK_BUDGET = Budget(prompts=4, tokens=64, max_tokens=3072, stop_when_quiet=True)
 
 
 def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int] | None = None) -> list[str]:
