@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.bench.doctor import quick_check
 from dspark.engine.engine import Engine
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
@@ -83,8 +84,6 @@ def load_engine(
     engine = DSparkEngine(HFTarget(model), d, tokenizer, eos_ids(model, tokenizer), scheduler=scheduler,
                           max_batch=max_batch)
     if check and d is not None:
-        from dspark.bench.doctor import quick_check
-
         t0 = time.perf_counter()
         warnings = quick_check(engine)
         cost = f"load-time draft check: {time.perf_counter() - t0:.1f} s (disable: --no-check, check=False)"
