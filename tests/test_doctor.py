@@ -21,7 +21,7 @@ from dspark.bench.doctor import (EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget, accepte
 from dspark.cli import main
 from dspark.engine.sampling import SamplingParams
 from dspark.formats.convert import write_deepspec, write_speculators
-from dspark.formats.load import force_layout, load_spec
+from dspark.formats.load import force_layout
 from dspark.model.load import build_draft, load_draft
 from tests.tiny import engine_for
 from tests.trained import MASK, TAPS

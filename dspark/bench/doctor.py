@@ -610,7 +610,7 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
         checks.append(Check("dtype", "warn" if len(kinds) > 1 else "ok", f"stored {', '.join(kinds)}, run in {run}{note}"))
     try:
         tensors = load_weights(spec)
-    except FormatError as exc:
+    except FormatError:
         bad = []
         for name, t in iter_tensors(meta):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
