@@ -23,6 +23,8 @@ from dspark.prompts import read_prompt_file
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
     b = Budget()
+    p.epilog = ("exit status: 0 healthy, 3 misread (or a failed static check; any warning with --strict), "
+                "4 undecided within --max-tokens, 2 bad input")
     p.add_argument("--target", default="smollm2", help="HF model directory, or 'smollm2' (default)")
     p.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target and draft dtype")
