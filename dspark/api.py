@@ -14,6 +14,7 @@ arms of a benchmark are `engine.derive(...)` of the one engine built, so nothing
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -104,8 +105,14 @@ def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch)
     engine.config, engine.notes = config, notes
     if config.check and draft is not None:
-        for warning in quick_check(engine):
+        # the doctor's statistic on a short sample (dspark.bench.doctor.QUICK_BUDGET): about as much as
+        # decoding 256 tokens, more only while another reading of the file could still be better
+        t0 = time.perf_counter()
+        warnings = quick_check(engine)
+        cost = f"load-time draft check: {time.perf_counter() - t0:.1f} s (disable: --no-check, check=False)"
+        for warning in warnings:
             log.warning("WARNING: draft check: %s", warning)
+        (log.warning if warnings else log.info)(cost)
     return engine
 
 

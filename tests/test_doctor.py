@@ -1,7 +1,9 @@
-"""Issue 7: `dspark doctor` calls a correct draft healthy and names what is wrong with a misread one.
+"""Issues 7 and 14: `dspark doctor` calls a correct draft healthy and names what is wrong with a
+misread one, weak drafts included; too little text is "undecided", never "healthy".
 
-The doctor needs a draft that really predicts its target: the `trained` fixture of
-tests/trained.py (a tiny target that learnt a pattern, a draft trained on its answers).
+The doctor needs drafts that really predict their target: the `trained` fixture of
+tests/trained.py (a tiny target that learnt a pattern, a strong draft trained on its answers
+and a weak one, acceptance length about 1.5).
 """
 
 from __future__ import annotations
@@ -11,28 +13,32 @@ import os
 import shutil
 from dataclasses import replace
 
+import pytest
 import torch
 
 from dspark.api import EngineConfig, build_engine
-from dspark.bench.doctor import EXIT_UNHEALTHY, diagnose, quick_check
+from dspark.bench.doctor import (EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget, accepted_drafts, context_for, diagnose,
+                                 generate_texts, layout_readings, quick_check)
 from dspark.cli import main
+from dspark.engine.sampling import SamplingParams
 from dspark.formats.convert import write_deepspec, write_speculators
-from dspark.formats.load import force_layout, load_spec
+from dspark.formats.load import force_layout
+from dspark.model.load import build_draft, load_draft
 from tests.tiny import engine_for
 from tests.trained import MASK, TAPS
 
 
-def _run(trained, draft_dir):
-    engine = build_engine(EngineConfig(target=trained["target"], no_spec=True, dtype="fp32", device="cpu", check=False))
-    return diagnose(engine, draft_dir)
+def _run(trained, draft_dir, **kw):
+    engine = build_engine(EngineConfig(target=trained["target"], dtype="fp32", device="cpu", no_spec=True, check=False))
+    return diagnose(engine, draft_dir, **kw)
 
 
-def _variant(trained, name, writer, spec):
-    """A copy of the trained draft whose config says `spec` (written once, atomically: xdist workers share it)."""
-    path = trained["root"] / name
+def _variant(trained, name, writer, spec, strength="healthy"):
+    """A copy of a trained draft whose config says `spec` (written once, atomically: xdist workers share it)."""
+    path = trained["root"] / f"{strength}-{name}"
     if not path.exists():
-        tmp = trained["root"] / f"{name}.tmp{os.getpid()}"
-        writer(spec, trained["tensors"], tmp)
+        tmp = trained["root"] / f"{strength}-{name}.tmp{os.getpid()}"
+        writer(spec, trained["tensors" if strength == "healthy" else "weak_tensors"], tmp)
         try:
             os.rename(tmp, path)
         except OSError:  # another worker got there first
@@ -40,75 +46,97 @@ def _variant(trained, name, writer, spec):
     return str(path)
 
 
-def test_correct_checkpoint_is_healthy(trained):
-    report = _run(trained, trained["healthy"])
-    assert report.healthy and report.exit_code() == 0 and not report.diagnoses
+def _spec(trained, strength):
+    return trained["spec" if strength == "healthy" else "weak_spec"]
+
+
+# The lies of issue 14: the layout flipped with block_size adjusted (the file stays consistent),
+# the layout flag alone flipped (block_size kept), taps shifted by one, a wrong mask token.
+LIES = {
+    "flipped": (write_speculators, lambda s: layout_readings(s)[1][0],
+                "the file says bonus-anchor (gamma 4, block_size 5) but the weights behave like anchor-first "
+                "(gamma 4, block_size 4)", "set sample_from_anchor: true, block_size: 4 and speculative_tokens: 4"),
+    "flag": (write_speculators, lambda s: force_layout(s, "bonus_anchor"),
+             "the file says bonus-anchor (gamma 3, block_size 4) but the weights behave like anchor-first",
+             "set sample_from_anchor: true"),
+    "taps": (write_deepspec, lambda s: replace(s, hidden_state_indices=tuple(i - 1 for i in TAPS)),
+             "the file says target_layer_ids [-1, 0] but the weights behave like [0, 1]", "set target_layer_ids: [0, 1]"),
+    "mask": (write_deepspec, lambda s: replace(s, mask_token_id=2),
+             f"the file says mask_token_id 2 but the weights behave like mask_token_id {MASK}",
+             f"set mask_token_id: {MASK}"),
+}
+
+
+@pytest.mark.parametrize("strength", ["healthy", "weak"])
+def test_correct_checkpoint_is_healthy(trained, strength):
+    report = _run(trained, trained[strength])
+    assert report.verdict == "healthy" and report.exit_code() == 0 and not report.diagnoses, report.to_json()
     declared = report.readings[0]
-    assert declared.name == "declared" and declared.agreement > 0.4
+    tau = declared.accept_length
+    assert declared.name == "declared" and (tau > 1.6 if strength == "healthy" else 1.2 <= tau <= 1.6), tau
     names = {r.name for r in report.readings}
-    # every alternative reading was measured, and each is clearly worse than the declared one
-    assert {"bonus-anchor", "taps-1", "mask=0", "mask=2", "bonus-anchor taps-1 mask=2"} <= names
-    for r in report.readings[1:]:
-        assert r.agreement < declared.agreement - 0.2, r.name
-        assert not report.comparisons[r.name]["better"]
+    assert {"bonus-anchor", "bonus-anchor(block_size 4)", "taps-1", "mask=0", "mask=2",
+            "bonus-anchor taps-1 mask=2"} <= names
+    # every alternative reading was measured and excluded from being MIN_GAIN better
+    assert all(c.status == "not better" for c in report.comparisons.values())
     assert all(c.status == "ok" for c in report.checks), report.checks
 
 
-def test_flipped_layout_is_diagnosed(trained):
-    path = _variant(trained, "flipped", write_speculators, force_layout(trained["spec"], "bonus_anchor"))
-    assert load_spec(path).layout == "bonus_anchor"  # the file really says bonus-anchor
+@pytest.mark.parametrize("strength", ["healthy", "weak"])
+@pytest.mark.parametrize("lie", list(LIES))
+def test_lies_are_diagnosed_naming_the_key(trained, strength, lie):
+    writer, make, says, fix = LIES[lie]
+    path = _variant(trained, lie, writer, make(_spec(trained, strength)), strength)
     report = _run(trained, path)
-    assert report.exit_code() == EXIT_UNHEALTHY and len(report.diagnoses) == 1
+    assert report.verdict == "misread" and report.exit_code() == EXIT_UNHEALTHY, report.to_json()
+    assert len(report.diagnoses) == 1, report.diagnoses
     msg = report.diagnoses[0]
-    assert msg.startswith("the file says bonus-anchor but the weights behave like anchor-first: per-slot agreement")
-    assert report.best.name == "anchor-first"
-    declared, best = report.readings[0].agreement, report.best.agreement
-    assert f"{declared:.2f} vs {best:.2f}" in msg and best > declared + 0.4
-
-
-def test_shifted_layer_ids_are_diagnosed(trained):
-    shifted = replace(trained["spec"], hidden_state_indices=tuple(i - 1 for i in TAPS))
-    report = _run(trained, _variant(trained, "shifted", write_deepspec, shifted))
-    assert report.exit_code() == EXIT_UNHEALTHY and len(report.diagnoses) == 1
-    assert "the file says hidden_state_indices [0, 1] but the weights behave like [1, 2] (shifted by +1" \
-        in report.diagnoses[0]
-
-
-def test_wrong_mask_id_is_diagnosed(trained):
-    # eos as the mask: a plausible slip; the doctor tries the config's special ids and finds 1
-    report = _run(trained, _variant(trained, "mask", write_deepspec, replace(trained["spec"], mask_token_id=2)))
-    assert report.exit_code() == EXIT_UNHEALTHY and len(report.diagnoses) == 1
-    assert report.diagnoses[0].startswith(
-        f"the file says mask_token_id 2 but the weights behave like mask_token_id {MASK}: per-slot agreement")
+    assert says in msg and fix in msg, msg
+    c = report.comparisons[report.best.name]
+    assert c.status == "better" and c.gain >= report.thresholds["min_gain"] and c.z >= report.thresholds["z_better"]
+    assert f"{c.tau_declared:.2f} -> {c.tau_alt:.2f} tokens per step" in msg
 
 
 def test_two_misreads_at_once_are_both_named(trained):
-    """Wrong layout and shifted taps: every single change still scores ~0, only the combination recovers."""
-    both = replace(force_layout(trained["spec"], "bonus_anchor"), hidden_state_indices=tuple(i - 1 for i in TAPS))
+    """Wrong layout and shifted taps: every single change scores low, only the combination recovers."""
+    both = replace(layout_readings(trained["spec"])[1][0], hidden_state_indices=tuple(i - 1 for i in TAPS))
     report = _run(trained, _variant(trained, "both", write_speculators, both))
-    singles = [r for r in report.readings if len(r.factors) == 1]
-    assert max(r.agreement for r in singles) < 0.1
-    assert report.best.name == "anchor-first taps+1" and len(report.diagnoses) == 2
-    assert "bonus-anchor but the weights behave like anchor-first" in report.diagnoses[0]
-    assert "hidden_state_indices [0, 1] but the weights behave like [1, 2]" in report.diagnoses[1]
+    assert report.best.name == "anchor-first taps+1" and len(report.diagnoses) == 2, report.diagnoses
+    assert "bonus-anchor (gamma 4, block_size 5) but the weights behave like anchor-first" in report.diagnoses[0]
+    assert "aux_hidden_state_layer_ids [0, 1] but the weights behave like [1, 2]" in report.diagnoses[1]
+
+
+def test_too_little_text_is_undecided_never_healthy(trained, capsys):
+    """The weak healthy draft on 16 tokens: nothing is excluded yet, so the verdict is undecided."""
+    report = _run(trained, trained["weak"], budget=Budget(prompts=1, tokens=16, max_tokens=16))
+    assert report.verdict == "undecided" and report.exit_code() == EXIT_UNDECIDED and report.undecided
+    assert not report.diagnoses
+    rc = main(["doctor", "--target", trained["target"], "--draft", trained["weak"], "--dtype", "fp32", "--device",
+               "cpu", "--prompts-first", "1", "--tokens", "16", "--max-tokens", "16"])
+    text = capsys.readouterr().out
+    assert rc == EXIT_UNDECIDED and "undecided after" in text and "healthy" not in text
+    # the same draft with the default budget is decided healthy
+    assert _run(trained, trained["weak"]).verdict == "healthy"
 
 
 def test_cli_json_and_table(trained, capsys):
-    flipped = _variant(trained, "flipped", write_speculators, force_layout(trained["spec"], "bonus_anchor"))
+    flipped = _variant(trained, "flipped", write_speculators, LIES["flipped"][1](trained["spec"]))
     rc = main(["doctor", "--target", trained["target"], "--draft", flipped, "--dtype", "fp32", "--device", "cpu",
-               "--tokens", "24", "--json"])
+               "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == EXIT_UNHEALTHY and out["exit_code"] == rc and out["healthy"] is False
-    assert out["declared"]["layout"] == "bonus_anchor"
+    assert rc == EXIT_UNHEALTHY and out["exit_code"] == rc and out["verdict"] == "misread"
+    assert out["declared"]["layout"] == "bonus_anchor" and out["explained_by"] == "anchor-first"
     best = next(r for r in out["readings"] if r["name"] == "anchor-first")
-    assert best["vs_declared"]["better"] and best["agreement"] > out["readings"][0]["agreement"]
+    assert best["vs_declared"]["status"] == "better" and best["accept_length"] > out["readings"][0]["accept_length"]
+    assert out["rounds"] and out["thresholds"]["min_gain"] == 0.03
     rc = main(["doctor", "--target", trained["target"], "--draft", trained["healthy"], "--dtype", "fp32",
-               "--device", "cpu", "--tokens", "24"])
+               "--device", "cpu"])
     text = capsys.readouterr().out
-    assert rc == 0 and "healthy: the declared reading is the best one tried" in text and "taps-1" in text
+    assert rc == 0 and "healthy: no other reading gives 3% more tokens per step" in text and "taps-1" in text
     # without --draft only smollm2 has a default (the bundled draft); any other target must name one
     assert main(["doctor", "--target", trained["target"], "--device", "cpu"]) == 2
     assert "no draft given" in capsys.readouterr().err
+    assert main(["doctor", "--target", trained["target"], "--draft", flipped, "--max-tokens", "1"]) == 2
 
 
 def test_nan_and_quantised_weights_fail_the_static_checks(trained):
@@ -128,15 +156,41 @@ def test_nan_and_quantised_weights_fail_the_static_checks(trained):
         assert report.exit_code() == EXIT_UNHEALTHY and not report.readings  # not measured: it cannot be trusted
 
 
-def test_quick_check_warns_on_a_misread_draft_and_restores_the_engine(trained):
-    from dspark.model.load import load_draft
-
+@pytest.mark.parametrize("strength", ["healthy", "weak"])
+def test_quick_check_warns_on_a_layout_lie_and_restores_the_engine(trained, strength):
     model = trained["model"]
-    flipped = _variant(trained, "flipped", write_speculators, force_layout(trained["spec"], "bonus_anchor"))
+    flipped = _variant(trained, "flipped", write_speculators, LIES["flipped"][1](_spec(trained, strength)), strength)
     engine = engine_for(model, load_draft(flipped, model), eos_token_ids=(2,))
     warnings = quick_check(engine)
-    assert len(warnings) == 1 and "bonus-anchor but the weights behave like anchor-first" in warnings[0]
+    assert len(warnings) == 1 and warnings[0].startswith("LIKELY MISREAD: the file says bonus-anchor"), warnings
+    assert "sample_from_anchor: true" in warnings[0]
     assert engine.target.tap_indices == TAPS  # the engine's taps are back
-    healthy = engine_for(model, load_draft(trained["healthy"], model), eos_token_ids=(2,))
+    healthy = engine_for(model, load_draft(trained[strength], model), eos_token_ids=(2,))
     assert quick_check(healthy) == []
     assert quick_check(engine_for(model, None)) == []  # no draft: nothing to check
+
+
+def test_measured_acceptance_is_the_engines(trained):
+    """The doctor's per-anchor acceptance is what the engine's own speculative steps accept: run
+    the engine (fp32, greedy) and compare at every anchor it verified."""
+    model = trained["model"]
+    draft = build_draft(trained["weak_spec"], model, trained["weak_tensors"])
+    engine = engine_for(model, draft, eos_token_ids=(2,))
+    steps = []
+    class Recorder:  # a StepObserver
+        def observe(self, res, running):
+            steps.append(int(res.accepted[0]))
+
+    engine.observers.append(Recorder())
+    prompt = torch.randint(4, 64, (8,), generator=torch.Generator().manual_seed(5)).tolist()
+    req = engine.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    text = generate_texts(engine.target, None, (), [prompt], 48, TAPS)[0]
+    assert text.ids[len(prompt):].tolist() == req.output_ids  # the engine's plain decoding, same text
+    L = accepted_drafts(draft, draft.spec, text, draft.spec.gamma, context_for(draft, draft.spec, text))
+    pos, measured = 0, []  # anchor index of each engine step: the first generated token, then after each commit
+    for a in steps:
+        if pos >= L.numel():
+            break
+        measured.append(int(L[pos]))
+        pos += a + 1
+    assert measured == steps[: len(measured)] and len(measured) >= 10 and sum(measured) > 0

@@ -3,7 +3,7 @@
 - the target (2 layers) learns to continue a period-5 pattern of its prompt: its next token
   depends on the context, not on the last token alone (a random tiny target loops on one
   token, which every draft reading predicts alike);
-- the draft is fitted with the training pipeline's own pieces (dspark.train.loss: make_blocks,
+- the draft (and a weak one, fewer steps) is fitted with the training pipeline's own pieces (dspark.train.loss: make_blocks,
   draft_rows, loss_sums; dspark.train.trainer.init_weights) on the target's greedy answers to
   random prompts, anchor-first, taps (1, 2), mask token 1.
 The `trained` fixture (session scope, shared by xdist workers through a file lock) is
@@ -22,6 +22,7 @@ from dspark.formats.load import load_spec
 from tests.tiny import tiny_target
 
 PERIOD, VOCAB, MASK, TAPS = 5, 64, 1, (1, 2)
+WEAK_STEPS = 90  # draft training steps of the weak draft (the healthy one: 240)
 
 
 def _train_target(steps: int = 140):
@@ -39,7 +40,7 @@ def _train_target(steps: int = 140):
     return model.eval()
 
 
-def _train_draft(model, steps: int = 240):
+def _train_draft(model, steps: int = 240, layout: str = "anchor_first"):
     from dspark.model.factory import make_spec
     from dspark.model.load import build_draft
     from dspark.train.dataset import Sequence
@@ -54,7 +55,7 @@ def _train_draft(model, steps: int = 240):
     mask = torch.zeros(out.shape[1], dtype=torch.bool)
     mask[8:] = True
     seqs = [Sequence(str(i), ids, mask) for i, ids in enumerate(out)]
-    spec = make_spec(model.config, gamma=4, layout="anchor_first", num_layers=1, taps=TAPS, markov_rank=16,
+    spec = make_spec(model.config, gamma=4, layout=layout, num_layers=1, taps=TAPS, markov_rank=16,
                      mask_token_id=MASK, intermediate_size=128)
     draft = build_draft(spec, model, dtype=torch.float32)
     init_weights(draft, 0)
@@ -96,12 +97,17 @@ def trained(tmp_path_factory):
     root.mkdir(exist_ok=True)
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "healthy" / "config.json").exists():
+        if not (root / "weak" / "config.json").exists():
             model = _train_target()
             draft = _train_draft(model)
             model.save_pretrained(root / "target")
             write_deepspec(draft.spec, draft.own_state_dict(), root / "healthy")
+            # a weak draft of the same target (acceptance length about 1.5, as first CPU drafts are)
+            weak = _train_draft(model, steps=WEAK_STEPS)
+            write_deepspec(weak.spec, weak.own_state_dict(), root / "weak")
     model = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
     spec = load_spec(root / "healthy")
+    weak = load_spec(root / "weak")
     return {"root": root, "target": str(root / "target"), "healthy": str(root / "healthy"), "spec": spec,
-            "tensors": load_weights(spec), "model": model}
+            "tensors": load_weights(spec), "model": model, "weak": str(root / "weak"), "weak_spec": weak,
+            "weak_tensors": load_weights(weak)}

@@ -1,4 +1,9 @@
-"""`dspark doctor`: the doctor's check (dspark.bench.doctor) on the command line, and its report."""
+"""`dspark doctor`: the doctor's check (dspark.bench.doctor) on the command line, and its report.
+
+Exit codes: 0 healthy (every other reading is excluded from being 3% better), 3 a misread or a
+failed static check (and, with --strict, any warning), 4 undecided (the token bound was reached
+before the comparison was decisive: rerun with a larger --max-tokens), 2 bad input.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,25 @@ from rich.table import Table
 from rich.text import Text as RText
 
 from dspark.api import build_engine, resolve_draft
-from dspark.bench.doctor import _PRETTY, Report, diagnose
+from dspark.bench.doctor import _PRETTY, Budget, Report, diagnose
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.errors import DSparkError
+from dspark.prompts import read_prompt_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    b = Budget()
+    p.epilog = ("exit status: 0 healthy, 3 misread (or a failed static check; any warning with --strict), "
+                "4 undecided within --max-tokens, 2 bad input")
     add_engine_flags(p)
-    p.add_argument("--tokens", type=int, default=32, help="tokens the target generates per prompt (default 32)")
+    p.add_argument("--tokens", type=int, default=b.tokens, help=f"tokens the target writes per text (default {b.tokens})")
+    p.add_argument("--prompts-first", type=int, default=b.prompts,
+                   help=f"texts in the first round; each later round doubles the text (default {b.prompts})")
+    p.add_argument("--max-tokens", type=int, default=b.max_tokens,
+                   help=f"bound on the text generated while the comparison is undecided (default {b.max_tokens})")
     p.add_argument("--prompt", action="append", default=None,
-                   help="a prompt to generate from instead of the built-in ones (repeatable)")
+                   help="a prompt to generate from before the built-in ones (repeatable)")
+    p.add_argument("--prompts", default=None, help="a prompt file (.jsonl or .txt) used before the built-in prompts")
     p.add_argument("--mask-candidates", default="", help="comma-separated extra mask token ids to try")
     p.add_argument("--strict", action="store_true", help="exit 3 on warnings too")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -28,19 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.tokens < 2:
         raise DSparkError("--tokens must be >= 2")
+    if args.prompts_first < 1 or args.max_tokens < args.tokens:
+        raise DSparkError("--prompts-first must be >= 1 and --max-tokens >= --tokens")
     try:
         extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
     except ValueError:
         raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
     if args.no_spec:
         raise DSparkError("the doctor examines a draft: drop --no-spec")
+    prompts = list(args.prompt or []) + (read_prompt_file(args.prompts) if args.prompts else [])
     # The doctor builds the draft itself (from a spec it may find broken): the engine brings the
     # target, tokenizer and settings; --layout forces the declared reading the doctor starts from.
     draft = resolve_draft(args.target, args.draft, "")
     engine = build_engine(engine_config(args, no_spec=True, check=False))
     print_notes(engine)
-    report = diagnose(engine, str(draft), new_tokens=args.tokens, prompts=args.prompt,
-                      n_prompts=len(args.prompt) if args.prompt else 3, extra_masks=extra, layout=args.layout)
+    report = diagnose(engine, str(draft), prompts=prompts or None, extra_masks=extra, layout=args.layout,
+                      budget=Budget(prompts=args.prompts_first, tokens=args.tokens, max_tokens=args.max_tokens))
     if args.json:
         print(json.dumps(report.to_json(args.strict), indent=2))
     else:
@@ -48,12 +65,21 @@ def run(args) -> int:
     return report.exit_code(args.strict)
 
 
+def _cmp_cell(c) -> RText:
+    if c is None:
+        return RText("-")
+    text = f"{c.gain:+.0%} z {c.z:+.1f}"
+    style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
+    return RText(f"{text} {c.status}", style=style)
+
+
 def print_report(report: Report) -> None:
     console = Console()
     d = report.declared
     console.print(RText(f"dspark doctor: draft {report.draft} on target {report.target}", style="bold"))
     console.print(RText(f"declared: {d.format}, {_PRETTY[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
-                        f"hidden_state_indices {list(d.hidden_state_indices)}, mask_token_id {d.mask_token_id}"))
+                        f"block_size {d.block_size}, hidden_state_indices {list(d.hidden_state_indices)}, "
+                        f"mask_token_id {d.mask_token_id}"))
     ct = Table(title="static checks")
     for col in ("check", "status", "detail"):
         ct.add_column(col)
@@ -61,33 +87,39 @@ def print_report(report: Report) -> None:
     for c in report.checks:
         ct.add_row(c.name, RText(c.status, style=colors[c.status]), RText(c.detail))
     console.print(ct)
-    if report.readings:
-        t = report.texts
-        rt = Table(title=f"teacher-forced agreement with the target ({t['generated_tokens']} generated tokens, "
-                         f"{t['anchors']} anchors; tau = greedy acceptance length on this text)")
+    if report.measured:
+        t, th = report.texts, report.thresholds
+        rt = Table(title=f"greedy acceptance on the target's own text ({t['generated_tokens']} generated tokens, "
+                         f"{t['prompts']} texts, {t['anchors']} anchors, {len(report.rounds)} rounds; "
+                         f"better = {th['min_gain']:.0%} more tokens per step at z >= {th['z_better']:.2f})")
         rt.add_column("reading", no_wrap=True)
-        rt.add_column("agree", justify="right")
-        rt.add_column("per slot", no_wrap=True)
+        rt.add_column("anchors", justify="right")
         rt.add_column("tau", justify="right")
+        rt.add_column("per slot", no_wrap=True)
         rt.add_column("vs declared")
-        # The table shows the declared reading, each single change, and the explaining reading;
-        # --json lists every combination.
-        shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best]
+        # The declared reading, each single change, open ones and the explaining reading; --json lists all.
+        shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best
+                 or r.name in report.undecided]
         for r in shown:
             c = report.comparisons.get(r.name)
-            vs = "-" if c is None else f"z {c['z']:+.1f}" + (" BETTER" if c["better"] else "")
-            rt.add_row(r.name, f"{r.agreement:.2f}", " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), f"{r.accept_length:.2f}",
-                       RText(vs, style="red" if c and c["better"] else ""))
+            rt.add_row(r.name, str(r.anchors), f"{r.accept_length:.2f}",
+                       " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), _cmp_cell(c))
         console.print(rt)
     for w in report.warnings:
         console.print(RText("warning: ", style="yellow") + RText(w))
     for dgn in report.diagnoses:
         console.print(RText("UNHEALTHY: ", style="bold red") + RText(dgn))
-    if report.healthy and report.readings and not report.warnings:
-        console.print(RText("healthy: the declared reading is the best one tried", style="bold green"))
-    elif report.healthy and report.readings:
-        console.print(RText("no misreading found, but see the warnings above", style="yellow"))
-    elif report.healthy:
-        console.print(RText("no static check failed, but nothing was measured", style="yellow"))
-    elif not report.diagnoses:
+    v = report.verdict
+    if v == "healthy":
+        extra = "" if not report.warnings else ", but see the warnings above"
+        console.print(RText(f"healthy: no other reading gives {report.thresholds['min_gain']:.0%} more tokens per step "
+                            f"({report.texts['anchors']} anchors, {report.seconds:.0f} s){extra}", style="bold green"))
+    elif v == "undecided":
+        rows = [f"{n} ({report.comparisons[n].gain:+.0%}, z {report.comparisons[n].z:+.1f})" for n in report.undecided]
+        console.print(RText(f"undecided after {report.texts['generated_tokens']} generated tokens: "
+                            f"{', '.join(rows)} neither clearly better nor excluded; rerun with a larger --max-tokens",
+                            style="bold yellow"))
+    elif v == "not measured":
+        console.print(RText("undecided: no static check failed, but nothing was measured", style="bold yellow"))
+    elif v == "unhealthy":
         console.print(RText("UNHEALTHY: a static check failed (see above)", style="bold red"))

@@ -7,6 +7,7 @@ j, so a row's anchor position equals its context length.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,17 @@ class DSparkDraft(nn.Module):
             self.d2t = None
         self.rope = Rope(b)
         self.borrowed: set[str] = set()  # weights taken from the target: never saved with the draft
+
+    def read_as(self, spec: DraftSpec) -> "DSparkDraft":
+        """The same weights (shared, not copied) read as another spec: another layout or block
+        size, other taps or another mask token. `dspark doctor` runs every reading of a file
+        through the one propose path this way. Only the tap count is fixed by the weights (fc)."""
+        if len(spec.hidden_state_indices) != len(self.spec.hidden_state_indices):
+            raise FormatError(f"cannot read a draft of {len(self.spec.hidden_state_indices)} taps with "
+                              f"{len(spec.hidden_state_indices)} taps")
+        view = copy.copy(self)  # shares parameters, buffers and submodules
+        view.spec = spec
+        return view
 
     # ---- weights -------------------------------------------------------------------------
     def load_tensors(self, tensors: dict[str, torch.Tensor], target_embed=None, target_lm_head=None) -> None:

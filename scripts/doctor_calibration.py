@@ -1,0 +1,78 @@
+"""Calibration of `dspark doctor` on tiny trained drafts (docs/BENCHMARKS.md, "Calibration").
+
+Trains the tiny pattern target of tests/trained.py and four drafts of it with dspark.train's
+pieces (strong: 240 steps, weak: 90 steps; anchor-first and bonus-anchor), writes each healthy
+draft and its lying variants (layout flipped with block_size adjusted, taps shifted by -1 (+1 would
+name a layer the 2-layer target lacks: a static failure), wrong mask token) as speculators files, and runs the doctor's default check on several
+prompt sets (seeded random prompts: the tiny target has no tokenizer). Prints one JSON line per
+run and a markdown table.
+
+    PYTHONPATH=. python scripts/doctor_calibration.py [--sets 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dspark.api import EngineConfig, build_engine
+from dspark.bench.doctor import EXIT_UNHEALTHY, diagnose, layout_readings
+from dspark.formats.convert import write_speculators
+from tests.trained import TAPS, WEAK_STEPS, _train_draft, _train_target
+
+LIES = {
+    "none": lambda s: s,
+    "layout flipped": lambda s: layout_readings(s)[1][0],
+    "taps -1": lambda s: replace(s, hidden_state_indices=tuple(i - 1 for i in TAPS)),
+    "mask 2": lambda s: replace(s, mask_token_id=2),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sets", type=int, default=3, help="prompt sets (seeds)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    root = Path(args.out or tempfile.mkdtemp(prefix="doctor-cal-"))
+    model = _train_target()
+    model.save_pretrained(root / "target")
+    rows = []
+    for strength, steps in (("strong", 240), ("weak", WEAK_STEPS)):
+        for layout in ("anchor_first", "bonus_anchor"):
+            draft = _train_draft(model, steps=steps, layout=layout)
+            tensors = draft.own_state_dict()
+            for lie, edit in LIES.items():
+                path = root / f"{strength}-{layout}-{lie.replace(' ', '')}"
+                write_speculators(edit(draft.spec), tensors, path)
+                for seed in range(1, args.sets + 1):
+                    g = torch.Generator().manual_seed(seed)
+                    prompts = [torch.randint(4, 64, (8,), generator=g).tolist() for _ in range(64)]
+                    t0 = time.perf_counter()
+                    r = diagnose(build_engine(EngineConfig(target=str(root / "target"), dtype="fp32", device="cpu",
+                                                         no_spec=True, check=False)), str(path), prompts=prompts)
+                    row = {"draft": f"tiny {strength} {layout}", "lie": lie, "set": seed,
+                           "true_tau": None, "declared_tau": round(r.readings[0].accept_length, 2) if r.readings else None,
+                           "verdict": r.verdict, "exit": r.exit_code(), "explained_by": r.best.name if r.best else None,
+                           "anchors": r.texts.get("anchors"), "seconds": round(time.perf_counter() - t0, 1),
+                           "correct": (r.verdict == "healthy") if lie == "none" else (r.exit_code() == EXIT_UNHEALTHY)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    truth = {(r["draft"], r["set"]): r["declared_tau"] for r in rows if r["lie"] == "none"}
+    print("\n| draft | true tau | lie | verdict (per prompt set) | anchors | seconds (max) |\n|---|---|---|---|---|---|")
+    keys = sorted({(r["draft"], r["lie"]) for r in rows}, key=lambda k: (k[0], list(LIES).index(k[1])))
+    for d, lie in keys:
+        rs = [r for r in rows if r["draft"] == d and r["lie"] == lie]
+        taus = [truth[(d, r["set"])] for r in rs]
+        print(f"| {d} | {min(taus):.2f}-{max(taus):.2f} | {lie} | {', '.join(r['verdict'] for r in rs)} | "
+              f"{'/'.join(str(r['anchors']) for r in rs)} | {max(r['seconds'] for r in rs):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
