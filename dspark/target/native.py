@@ -141,8 +141,7 @@ def _cat_bias(*mods):
 class Layer:
     ln1: torch.Tensor  # [H]
     wqkv: Linear  # H -> (Hq + 2 Hkv) * D
-    q_norm: torch.Tensor | None  # [D] (Qwen3)
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's q_norm per query head, k_norm per key head
     wo: Linear  # Hq*D -> H
     ln2: torch.Tensor
     w13: Linear  # H -> 2 I (gate | up)
@@ -176,7 +175,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, h, S, D], cos/sin [B, 1, S, D]; HF's rotate_half convention (halves, not pairs)
+    # x [B, S, h, D], cos/sin [B, S, 1, D]; HF's rotate_half convention (halves, not pairs)
     x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
@@ -255,8 +254,9 @@ class NativeTarget:
                 self.layers.append(Layer(
                     ln1=layer.input_layernorm.weight.detach().to(act),
                     wqkv=Linear(qkv_w, _cat_bias(a.q_proj, a.k_proj, a.v_proj), self.weights, act),
-                    q_norm=a.q_norm.weight.detach().to(act) if hasattr(a, "q_norm") else None,
-                    k_norm=a.k_norm.weight.detach().to(act) if hasattr(a, "k_norm") else None,
+                    qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
+                                       a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
+                    if hasattr(a, "q_norm") else None,
                     wo=Linear(a.o_proj.weight, a.o_proj.bias, self.weights, act),
                     ln2=layer.post_attention_layernorm.weight.detach().to(act),
                     w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
@@ -339,10 +339,10 @@ class NativeTarget:
         G = Hq // Hkv
         pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
         if uniform:
-            cos, sin = self.cos[L0 : L0 + S][None, None], self.sin[L0 : L0 + S][None, None]  # [1, 1, S, D]
+            cos, sin = self.cos[L0 : L0 + S][None, :, None], self.sin[L0 : L0 + S][None, :, None]  # [1, S, 1, D]
         else:
             p = pos.clamp(max=self.cos.shape[0] - 1)  # padding may run past the table; never read
-            cos, sin = self.cos[p][:, None], self.sin[p][:, None]  # [B, 1, S, D]
+            cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]  # [B, S, 1, D]
         if uniform and S == 1:
             mask = None  # one new query per row sees every entry up to itself
         else:
@@ -359,15 +359,12 @@ class NativeTarget:
             if li in self.tap_indices:
                 taps[li] = x
             h = _rms(x, layer.ln1, self.eps)
-            qkv = layer.wqkv(h)  # [B, S, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], -1)
-            q = q.view(B, S, Hq, D)
-            k = k.view(B, S, Hkv, D)
-            if layer.q_norm is not None:
-                q, k = _rms(q, layer.q_norm, self.eps), _rms(k, layer.k_norm, self.eps)
-            q = _rope(q.transpose(1, 2), cos, sin)  # [B, Hq, S, D]
-            k = _rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, D]
-            v = v.view(B, S, Hkv, D).transpose(1, 2)
+            qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
+            qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+            if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one op
+                qk = _rms(qk, layer.qk_norm, self.eps)
+            qk = _rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
+            q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
             kc, vc = state.kv[li, 0], state.kv[li, 1]  # [B, Hkv, C, D]
             if uniform:
                 kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
