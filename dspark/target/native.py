@@ -33,7 +33,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once
 # from the model's rotary module is exact for them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")
+WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
+FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
 
@@ -103,8 +104,8 @@ class Linear:
         self.fmt, self.out_features = fmt, w.shape[0]
         self.b = None if b is None else b.detach().to(act)
         w = w.detach()
-        if fmt in ("fp32", "bf16"):
-            self.w = w.to(act).contiguous()
+        if fmt in FLOATS:
+            self.w = w.to(FLOATS[fmt]).contiguous()
         elif fmt == "int8":  # symmetric, one scale per output channel
             s = w.float().abs().amax(1).clamp_min(1e-12) / 127
             self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
@@ -119,7 +120,7 @@ class Linear:
             raise DSparkError(f"unknown weight format {fmt!r} (choose from {', '.join(WEIGHTS)})")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt in ("fp32", "bf16"):
+        if self.fmt in FLOATS:
             return F.linear(x, self.w, self.b)
         x2 = x.reshape(-1, x.shape[-1])
         if self.fmt == "int8":
@@ -201,7 +202,7 @@ def resolve_weights(model, weights: str, device) -> str:
             is_int4_exact(m.weight) for layer in model.model.layers for m in _linears(layer)
         ):
             return "int4"
-    return "bf16" if dtype == torch.bfloat16 else "fp32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def _linears(layer):
@@ -214,7 +215,7 @@ class NativeTarget:
 
     model: the loaded HF model (weights are copied into the chosen format; the model itself
       is kept as `.model` for code that wants the reference path).
-    weights: 'auto' | 'fp32' | 'bf16' | 'int8' | 'int4' (see `resolve_weights`).
+    weights: 'auto' | 'fp32' | 'bf16' | 'fp16' | 'int8' | 'int4' (see `resolve_weights`).
     head: format of the LM head; None = the decoder's format, except under 'auto' int4, where
       a head that is not itself 4-bit (SmolLM2's is Q8_0 in the GGUF) stays in float (the
       activation dtype) rather than being quantised further.
@@ -233,7 +234,9 @@ class NativeTarget:
         self.device = next(model.parameters()).device
         requested = weights
         self.weights = resolve_weights(model, weights, self.device)
-        self.dtype = act_dtype or (torch.float32 if self.weights == "fp32" else torch.bfloat16)
+        self.dtype = act_dtype or FLOATS.get(self.weights, torch.bfloat16)
+        if self.weights in FLOATS and self.dtype != FLOATS[self.weights]:
+            raise DSparkError(f"weights {self.weights!r} run with {self.weights} activations, not {self.dtype}")
         act = self.dtype
         base = model.model
         self.num_layers = len(base.layers)
@@ -269,9 +272,8 @@ class NativeTarget:
                 if requested == "auto" and head == "int4" and not is_int4_exact(lm_head.weight):
                     head = "fp32" if act == torch.float32 else "bf16"  # kept in float: not re-quantised
             self.head_format = head
-            self.head = Linear(lm_head.weight, lm_head.bias, head, act if head not in ("fp32", "bf16") else
-                               (torch.float32 if head == "fp32" else torch.bfloat16))
-            self._head_act = self.head.w.dtype if head in ("fp32", "bf16") else act
+            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act))
+            self._head_act = FLOATS.get(head, act)  # a float head runs in its own dtype
             # RoPE table [P, D] from the model's own rotary module (inv_freq + attention scaling),
             # computed in fp32 as HF does, then cast to the activation dtype as HF does
             rot = base.rotary_emb
