@@ -253,6 +253,13 @@ def test_auto_keeps_the_model_or_repacks_exact_int4():
     lg, _ = t.forward(t.new_state(1), ids)
     with torch.no_grad():
         assert (lg - model(ids).logits).abs().max() <= 1e-4
+        # one row past the 64-row screen that is not 4-bit: auto falls back to the model's fp32
+        model.model.layers[1].mlp.up_proj.weight[100, 3] += 1e-3
+    t = NativeTarget(model)
+    assert t.weights == "fp32" and t.dtype == torch.float32
+    lg, _ = t.forward(t.new_state(1), ids)
+    with torch.no_grad():
+        assert (lg - model(ids).logits).abs().max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -278,3 +285,17 @@ def test_smollm2_native_equals_hf_and_auto_is_int4():
     # its next-token choice on the prompt is the fp32 model's
     lg, _ = auto.forward(auto.new_state(1), ids, logits="last")
     assert int(lg[0, -1].argmax()) == int(ref.logits[0, -1].argmax())
+
+
+def test_hf_target_last_logits_match_full_ragged():
+    """logits="last" (what a prefill asks for) on the HF runtime: each row's last valid position."""
+    model = _mk("llama-untied-gqa")
+    t = HFTarget(model)
+    ids = torch.randint(4, 96, (2, 6), generator=torch.Generator().manual_seed(4))
+    counts = torch.tensor([6, 4])
+    full, _ = t.forward(t.new_state(2), ids, counts)
+    last, _ = t.forward(t.new_state(2), ids, counts, logits="last")
+    assert last.shape == (2, 1, 96)
+    assert torch.allclose(last[0, 0], full[0, 5], atol=1e-5) and torch.allclose(last[1, 0], full[1, 3], atol=1e-5)
+    one, _ = t.forward(t.new_state(1), ids[:1], logits="last")
+    assert torch.allclose(one[0, 0], full[0, 5], atol=1e-5)

@@ -86,12 +86,20 @@ def int4_groups(w: torch.Tensor, group: int = GROUP):
     return q.reshape(N, K).to(torch.int32), d, lo
 
 
-def is_int4_exact(w: torch.Tensor, group: int = GROUP) -> bool:
-    """Are w's values exactly 4-bit groups (as dequantised from a Q4 GGUF)? fp32 tolerance."""
-    N, K = w.shape
-    if K % group:
+def is_int4_exact(w: torch.Tensor, group: int = GROUP, rows: int | None = None) -> bool:
+    """Are w's values exactly 4-bit groups (as dequantised from a Q4 GGUF)? fp32 tolerance.
+
+    rows: check only the first `rows` output rows, a quick screen (one inexact row settles it;
+    the int4 Linear re-checks the whole matrix as it packs it).
+    """
+    if w.shape[1] % group:
         return False
-    q, d, lo = int4_groups(w, group)
+    w = w if rows is None else w[:rows]
+    return _int4_exact(w, *int4_groups(w, group), group)
+
+
+def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
+    N, K = w.shape
     rec = q.reshape(N, K // group, group).float() * d[..., None] + lo[..., None]
     err = (rec - w.float().reshape(N, K // group, group)).abs()
     return bool((err <= 1e-6 * (d.abs() + lo.abs())[..., None] + 1e-12).all())
@@ -101,7 +109,7 @@ class Linear:
     """y = x @ W.T (+ b) with W held in one format. x [..., K] in the activation dtype -> [..., N]."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype):
-        self.fmt, self.out_features = fmt, w.shape[0]
+        self.fmt, self.out_features, self.exact = fmt, w.shape[0], fmt in FLOATS
         self.b = None if b is None else b.detach().to(act)
         w = w.detach()
         if fmt in FLOATS:
@@ -114,6 +122,7 @@ class Linear:
             if w.shape[1] % GROUP:
                 raise DSparkError(f"int4 weights need an input size divisible by {GROUP}, got {w.shape[1]}")
             q, d, lo = int4_groups(w)
+            self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
             self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
         else:
@@ -196,11 +205,9 @@ def resolve_weights(model, weights: str, device) -> str:
             raise DSparkError(f"weights {weights!r} use torch's CPU kernels; the model is on {device}")
         return weights
     dtype = next(model.parameters()).dtype
-    if torch.device(device).type == "cpu":
-        l0 = model.model.layers[0]
-        if all(is_int4_exact(m.weight) for m in (l0.self_attn.q_proj, l0.mlp.gate_proj, l0.mlp.down_proj)) and all(
-            is_int4_exact(m.weight) for layer in model.model.layers for m in _linears(layer)
-        ):
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        # a screen of 64 rows per matrix; NativeTarget falls back to fp32 if packing finds otherwise
+        if all(is_int4_exact(m.weight, rows=64) for layer in model.model.layers for m in _linears(layer)):
             return "int4"
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
@@ -250,29 +257,23 @@ class NativeTarget:
         self.vocab_size = lm_head.weight.shape[0]
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach().to(act)  # [V, H]: a gather, any format is cheap
-            self.layers = []
-            for layer in base.layers:
-                a, m = layer.self_attn, layer.mlp
-                qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-                self.layers.append(Layer(
-                    ln1=layer.input_layernorm.weight.detach().to(act),
-                    wqkv=Linear(qkv_w, _cat_bias(a.q_proj, a.k_proj, a.v_proj), self.weights, act),
-                    qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
-                                       a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
-                    if hasattr(a, "q_norm") else None,
-                    wo=Linear(a.o_proj.weight, a.o_proj.bias, self.weights, act),
-                    ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                    w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                               _cat_bias(m.gate_proj, m.up_proj), self.weights, act),
-                    w2=Linear(m.down_proj.weight, m.down_proj.bias, self.weights, act),
-                ))
+            self.layers = self._build(base, self.weights, act)
+            if requested == "auto" and not all(lin.exact for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)):
+                # the 64-row screen passed but a later row is not 4-bit: keep the model's own numbers
+                self.weights, self.dtype = "fp32", torch.float32
+                act = self.dtype
+                self.embed = base.embed_tokens.weight.detach().to(act)
+                self.layers = self._build(base, self.weights, act)
             self.norm = base.norm.weight.detach().to(act)
-            if head is None:
-                head = self.weights
-                if requested == "auto" and head == "int4" and not is_int4_exact(lm_head.weight):
-                    head = "fp32" if act == torch.float32 else "bf16"  # kept in float: not re-quantised
-            self.head_format = head
+            auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
+            if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
+                head = "fp32" if act == torch.float32 else "bf16"  # not 4-bit: kept in float, not re-quantised
+            head = head or self.weights
             self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act))
+            if auto_int4_head and not self.head.exact:
+                head = "fp32" if act == torch.float32 else "bf16"
+                self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS[head])
+            self.head_format = head
             self._head_act = FLOATS.get(head, act)  # a float head runs in its own dtype
             # RoPE table [P, D] from the model's own rotary module (inv_freq + attention scaling),
             # computed in fp32 as HF does, then cast to the activation dtype as HF does
@@ -285,6 +286,24 @@ class NativeTarget:
             self.cos = (emb.cos() * scale).to(act)
             self.sin = (emb.sin() * scale).to(act)
         self.set_taps(tap_indices)
+
+    def _build(self, base, fmt: str, act: torch.dtype) -> list[Layer]:
+        layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append(Layer(
+                ln1=layer.input_layernorm.weight.detach().to(act),
+                wqkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act),
+                qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
+                                   a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
+                if hasattr(a, "q_norm") else None,
+                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act),
+                ln2=layer.post_attention_layernorm.weight.detach().to(act),
+                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act),
+                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act),
+            ))
+        return layers
 
     def describe(self) -> str:
         return f"native runtime, weights {self.weights} (head {self.head_format}), activations {str(self.dtype).removeprefix('torch.')}"
