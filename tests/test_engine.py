@@ -67,8 +67,9 @@ def _exact_joint(model, prompt, params, n):
     return out
 
 
+@pytest.mark.parametrize("runtime", ["hf", "native"])
 @pytest.mark.parametrize("temperature,top_p,draft_vocab", [(1.0, 1.0, None), (0.7, 0.8, None), (1.0, 1.0, 4)])
-def test_sampling_is_lossless_chi_square(temperature, top_p, draft_vocab):
+def test_sampling_is_lossless_chi_square(temperature, top_p, draft_vocab, runtime):
     """Speculative sampling reproduces the target's joint law of the first 3 tokens.
 
     Chi-square goodness of fit at significance 0.001 over 3000 seeded generations. With a reduced
@@ -86,7 +87,7 @@ def test_sampling_is_lossless_chi_square(temperature, top_p, draft_vocab):
             draft.lm_head.weight.copy_(model.lm_head.weight[ids])
     prompt = [1, 2, 3]
     params = [SamplingParams(max_new_tokens=3, temperature=temperature, top_p=top_p, seed=s) for s in range(3000)]
-    engine = engine_for(model, draft, max_batch=256)
+    engine = engine_for(model, draft, runtime=runtime, max_batch=256)
     reqs = engine.generate_many([prompt] * len(params), params)
     exact = _exact_joint(model, prompt, params[0], 3)
     keys = [k for k, v in exact.items() if v > 0]

@@ -36,7 +36,9 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def engine_for(model, draft=None, **kw):
+def engine_for(model, draft=None, runtime: str = "hf", **kw):
+    """An engine on `model` through the given target runtime ('hf' or 'native', fp32 weights as loaded)."""
     from dspark.engine.engine import Engine
+    from dspark.target.load import make_target
 
-    return Engine(HFTarget(model), draft, **kw)
+    return Engine(make_target(model, runtime), draft, **kw)

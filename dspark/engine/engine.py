@@ -162,7 +162,7 @@ class Engine:
         dev = self.target.device
         state = self.target.new_state(1)
         prompt = torch.tensor([req.prompt_ids], device=dev)
-        logits, taps = self.target.forward(state, prompt)
+        logits, taps = self.target.forward(state, prompt, logits="last")  # [1, 1, V]: the head on the last position only
         self.target.commit(state, torch.tensor([prompt.shape[1]], device=dev))
         ctx = None
         if self.draft is not None:

@@ -89,10 +89,12 @@ class HFTarget:
         return state.cache.get_seq_length() if state.cache.is_initialized else 0
 
     @torch.inference_mode()
-    def forward(self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None):
+    def forward(self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"):
         """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*Hidden].
 
         Positions continue each row's committed length; padding rows/keys are masked out.
+        logits="last": only each row's last valid position -> [B, 1, V] (all a prefill needs:
+        the LM head over a whole prompt is wasted work).
         """
         if state.pending:
             raise RuntimeError("commit() the previous forward before running another")
@@ -108,16 +110,21 @@ class HFTarget:
         new = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < counts[:, None, None])
         mask = torch.cat([past, new[:, None]], dim=-1)  # [B, 1, S, T+S]
         self._captured.clear()
+        last_only = logits == "last" and bool((counts == S).all())
         out = self.model(
             input_ids=tokens.to(self.device),
             attention_mask=mask,
             position_ids=positions,
             past_key_values=state.cache,
             use_cache=True,
+            logits_to_keep=1 if last_only else 0,
         )
         state.pending = S
         taps = torch.cat([self._captured[k] for k in self.tap_indices], dim=-1) if self.tap_indices else None
-        return out.logits.float(), taps
+        out_logits = out.logits.float()
+        if logits == "last" and not last_only:
+            out_logits = out_logits[torch.arange(B, device=self.device), counts - 1][:, None]
+        return out_logits, taps
 
     def commit(self, state: TargetState, keep: torch.Tensor) -> None:
         """Keep the first keep[b] pending entries of each row; drop the rest (rejected drafts, padding)."""

@@ -166,3 +166,29 @@ def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+RUNTIMES = ("native", "hf")
+
+
+def make_target(model, runtime: str = "native", weights: str = "auto", tap_indices: tuple[int, ...] = ()):
+    """The engine's view of a loaded HF model: 'native' (dspark.target.native) or 'hf' (HFTarget).
+
+    'native' refuses an architecture it does not implement with an error naming it; a caller
+    that wants the fallback checks `dspark.target.native.supports(model)` first and says so.
+    `weights` applies to the native runtime only ('auto' | 'fp32' | 'bf16' | 'int8' | 'int4').
+    """
+    if runtime == "hf":
+        if weights not in ("auto", None):
+            raise DSparkError(f"weights={weights!r} needs the native runtime (the hf runtime runs the model as loaded)")
+        from dspark.target.hf import HFTarget
+
+        return HFTarget(model, tap_indices)
+    if runtime == "native":
+        from dspark.target.native import NativeTarget, supports
+
+        ok, why = supports(model)
+        if not ok:
+            raise DSparkError(f"--runtime native: {why}; use --runtime hf for this model")
+        return NativeTarget(model, tap_indices, weights=weights)
+    raise DSparkError(f"unknown runtime {runtime!r} (choose {' or '.join(RUNTIMES)})")

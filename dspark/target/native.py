@@ -1,0 +1,435 @@
+"""A native runtime for Llama-family targets (Llama/SmolLM2, Qwen2, Qwen3, Mistral), gpt-fast style.
+
+The Hugging Face model stays the source of the weights (every loading path keeps working);
+this file re-runs its forward pass with less machinery, because at batch 1 on a CPU a decode
+step is bound by reading the weights and by per-op overhead, not by FLOPs:
+- q/k/v and gate/up are fused into one matmul each (fewer, larger weight reads);
+- RoPE cos/sin come from a table precomputed once from the model's own rotary module (so every
+  static rope variant it implements is honoured; length-dependent ones are refused);
+- one KV cache per batch row, preallocated with a capacity and a length per row: `commit` is a
+  length update, rejected drafts are simply overwritten by the next forward, and a ragged batch
+  is never repacked (each row writes at its own offset, a mask hides what lies past its length);
+- the hidden-state taps are read in-line (tap i = the input of decoder layer i = HF
+  hidden_states[i]; tap num_layers = the last layer's output BEFORE the final norm);
+- the LM head runs only on the positions whose logits are used;
+- weights in the format that is fastest on the machine: fp32, bf16, or weight-only int8 /
+  int4 (group 32, the layout of the GGUF Q4_0/Q4_1 files, so a model dequantised from such a
+  file is held exactly as shipped) through torch's CPU weight-only kernels.
+
+Same interface as `dspark.target.hf.HFTarget`: new_state / forward / commit / select / merge /
+set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.errors import DSparkError, RequestError
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# rope variants whose inv_freq does not depend on the sequence length: a table computed once
+# from the model's rotary module is exact for them
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
+FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
+CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
+
+
+def _rope_type(cfg) -> str:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")) or "default")
+
+
+def supports(model) -> tuple[bool, str]:
+    """(True, "") when this runtime reproduces `model`; else (False, why)."""
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in FAMILIES:
+        return False, f"architecture {type(model).__name__} (model_type {mt!r}) is not one of {', '.join(FAMILIES)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return False, f"{type(model).__name__}: activation {cfg.hidden_act!r} (only silu is implemented)"
+    rope = _rope_type(cfg)
+    if rope not in STATIC_ROPE:
+        return False, f"{type(model).__name__}: rope type {rope!r} depends on the sequence length (static variants: {', '.join(STATIC_ROPE)})"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    sliding = any(t != "full_attention" for t in layer_types) or (
+        mt == "mistral" and window is not None and window < getattr(cfg, "max_position_embeddings", 1 << 30))
+    if sliding:
+        return False, f"{type(model).__name__}: sliding-window attention layers are not implemented"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return False, f"{type(model).__name__}: no .model.layers/.rotary_emb (not a standard causal-LM layout)"
+    attn = base.layers[0].self_attn
+    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return False, f"{type(model).__name__}: attention without q/k/v/o projections"
+    return True, ""
+
+
+# ---- weight formats -----------------------------------------------------------------------
+def int4_groups(w: torch.Tensor, group: int = GROUP):
+    """Asymmetric 4-bit quantisation per `group` inputs (the GGUF Q4_1 rule: min and (max-min)/15).
+
+    w [N, K] -> (q [N, K] int32 in 0..15, scale [N, K/group], minimum [N, K/group]) all fp32.
+    A weight that already is 4-bit (dequantised from Q4_0/Q4_1) has its minimum and maximum on
+    the grid, so this recovers its exact values.
+    """
+    N, K = w.shape
+    g = w.float().reshape(N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15
+    q = ((g - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
+    return q.reshape(N, K).to(torch.int32), d, lo
+
+
+def is_int4_exact(w: torch.Tensor, group: int = GROUP, rows: int | None = None) -> bool:
+    """Are w's values exactly 4-bit groups (as dequantised from a Q4 GGUF)? fp32 tolerance.
+
+    rows: check only the first `rows` output rows, a quick screen (one inexact row settles it;
+    the int4 Linear re-checks the whole matrix as it packs it).
+    """
+    if w.shape[1] % group:
+        return False
+    w = w if rows is None else w[:rows]
+    return _int4_exact(w, *int4_groups(w, group), group)
+
+
+def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
+    N, K = w.shape
+    rec = q.reshape(N, K // group, group).float() * d[..., None] + lo[..., None]
+    err = (rec - w.float().reshape(N, K // group, group)).abs()
+    return bool((err <= 1e-6 * (d.abs() + lo.abs())[..., None] + 1e-12).all())
+
+
+class Linear:
+    """y = x @ W.T (+ b) with W held in one format. x [..., K] in the activation dtype -> [..., N]."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype):
+        self.fmt, self.out_features, self.exact = fmt, w.shape[0], fmt in FLOATS
+        self.b = None if b is None else b.detach().to(act)
+        w = w.detach()
+        if fmt in FLOATS:
+            self.w = w.to(FLOATS[fmt]).contiguous()
+        elif fmt == "int8":  # symmetric, one scale per output channel
+            s = w.float().abs().amax(1).clamp_min(1e-12) / 127
+            self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+            self.s = s.to(act)
+        elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
+            if w.shape[1] % GROUP:
+                raise DSparkError(f"int4 weights need an input size divisible by {GROUP}, got {w.shape[1]}")
+            q, d, lo = int4_groups(w)
+            self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
+            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
+        else:
+            raise DSparkError(f"unknown weight format {fmt!r} (choose from {', '.join(WEIGHTS)})")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt in FLOATS:
+            return F.linear(x, self.w, self.b)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, GROUP, self.s)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.b is None else y + self.b
+
+
+def _cat_bias(*mods):
+    bs = [m.bias for m in mods]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype) for b, m in zip(bs, mods)])
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor  # [H]
+    wqkv: Linear  # H -> (Hq + 2 Hkv) * D
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's q_norm per query head, k_norm per key head
+    wo: Linear  # Hq*D -> H
+    ln2: torch.Tensor
+    w13: Linear  # H -> 2 I (gate | up)
+    w2: Linear  # I -> H
+
+
+@dataclass
+class NativeState:
+    """KV cache of B requests: kv [L, 2, B, Hkv, C, D]; row b holds lengths[b] committed entries.
+
+    Entries at >= lengths[b] are garbage (rejected drafts, padding) that the next forward
+    overwrites; `pending` counts the entries the last forward appended, awaiting commit.
+    """
+
+    kv: torch.Tensor | None
+    lengths: torch.Tensor  # [B] long
+    pending: int = 0
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else int(self.kv.shape[4])
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's RMSNorm: normalise in fp32, cast back to the activation dtype, then scale
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, S, h, D], cos/sin [B, S, 1, D]; HF's rotate_half convention (halves, not pairs)
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def resolve_weights(model, weights: str, device) -> str:
+    """'auto': keep the model's own numbers, only repacking them where that is exact and faster.
+
+    A model whose decoder weights are exactly 4-bit groups of 32 (dequantised from a Q4 GGUF,
+    like the shipped SmolLM2) runs as int4 on CPU: the same values, a quarter of the bytes of
+    bf16 to stream per token (measured fastest at 1 and 8 rows, docs/BENCHMARKS.md). Any other
+    model keeps its dtype: fp32 stays fp32, bf16 stays bf16; quantising it is an explicit choice.
+    """
+    if weights not in WEIGHTS:
+        raise DSparkError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHTS)})")
+    if weights != "auto":
+        if weights in ("int8", "int4") and torch.device(device).type != "cpu":
+            raise DSparkError(f"weights {weights!r} use torch's CPU kernels; the model is on {device}")
+        return weights
+    dtype = next(model.parameters()).dtype
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        # a screen of 64 rows per matrix; NativeTarget falls back to fp32 if packing finds otherwise
+        if all(is_int4_exact(m.weight, rows=64) for layer in model.model.layers for m in _linears(layer)):
+            return "int4"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def _linears(layer):
+    a, m = layer.self_attn, layer.mlp
+    return (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+
+
+class NativeTarget:
+    """A Llama-family causal LM run natively; see the module docstring.
+
+    model: the loaded HF model (weights are copied into the chosen format; the model itself
+      is kept as `.model` for code that wants the reference path).
+    weights: 'auto' | 'fp32' | 'bf16' | 'fp16' | 'int8' | 'int4' (see `resolve_weights`).
+    head: format of the LM head; None = the decoder's format, except under 'auto' int4, where
+      a head that is not itself 4-bit (SmolLM2's is Q8_0 in the GGUF) stays in float (the
+      activation dtype) rather than being quantised further.
+    act_dtype: activation/KV dtype; default fp32 for fp32 weights, else bf16 (torch's CPU
+      int8/int4 kernels are vectorised for bf16 activations only). fp32 activations with
+      int4/int8 weights are exact but slow: for tests.
+    """
+
+    def __init__(self, model, tap_indices: tuple[int, ...] = (), weights: str = "auto", head: str | None = None,
+                 act_dtype: torch.dtype | None = None):
+        ok, why = supports(model)
+        if not ok:
+            raise DSparkError(f"the native runtime does not support this model: {why}")
+        self.model = model.eval()
+        self.config = cfg = model.config
+        self.device = next(model.parameters()).device
+        requested = weights
+        self.weights = resolve_weights(model, weights, self.device)
+        self.dtype = act_dtype or FLOATS.get(self.weights, torch.bfloat16)
+        if self.weights in FLOATS and self.dtype != FLOATS[self.weights]:
+            raise DSparkError(f"weights {self.weights!r} run with {self.weights} activations, not {self.dtype}")
+        act = self.dtype
+        base = model.model
+        self.num_layers = len(base.layers)
+        self.hidden_size = cfg.hidden_size
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_length = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        lm_head = model.get_output_embeddings()
+        self.vocab_size = lm_head.weight.shape[0]
+        with torch.no_grad():
+            self.embed = base.embed_tokens.weight.detach().to(act)  # [V, H]: a gather, any format is cheap
+            self.layers = self._build(base, self.weights, act)
+            if requested == "auto" and not all(lin.exact for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)):
+                # the 64-row screen passed but a later row is not 4-bit: keep the model's own numbers
+                self.weights, self.dtype = "fp32", torch.float32
+                act = self.dtype
+                self.embed = base.embed_tokens.weight.detach().to(act)
+                self.layers = self._build(base, self.weights, act)
+            self.norm = base.norm.weight.detach().to(act)
+            auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
+            if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
+                head = "fp32" if act == torch.float32 else "bf16"  # not 4-bit: kept in float, not re-quantised
+            head = head or self.weights
+            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act))
+            if auto_int4_head and not self.head.exact:
+                head = "fp32" if act == torch.float32 else "bf16"
+                self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS[head])
+            self.head_format = head
+            self._head_act = FLOATS.get(head, act)  # a float head runs in its own dtype
+            # RoPE table [P, D] from the model's own rotary module (inv_freq + attention scaling),
+            # computed in fp32 as HF does, then cast to the activation dtype as HF does
+            rot = base.rotary_emb
+            inv = rot.inv_freq.float().to(self.device)
+            t = torch.arange(self.max_length + CACHE_CHUNK, device=self.device, dtype=torch.float32)
+            freqs = torch.outer(t, inv)
+            emb = torch.cat([freqs, freqs], -1)
+            scale = float(getattr(rot, "attention_scaling", 1.0))
+            self.cos = (emb.cos() * scale).to(act)
+            self.sin = (emb.sin() * scale).to(act)
+        self.set_taps(tap_indices)
+
+    def _build(self, base, fmt: str, act: torch.dtype) -> list[Layer]:
+        layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append(Layer(
+                ln1=layer.input_layernorm.weight.detach().to(act),
+                wqkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act),
+                qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
+                                   a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
+                if hasattr(a, "q_norm") else None,
+                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act),
+                ln2=layer.post_attention_layernorm.weight.detach().to(act),
+                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act),
+                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act),
+            ))
+        return layers
+
+    def describe(self) -> str:
+        return f"native runtime, weights {self.weights} (head {self.head_format}), activations {str(self.dtype).removeprefix('torch.')}"
+
+    # ---- hidden-state taps -------------------------------------------------------------
+    def set_taps(self, tap_indices: tuple[int, ...]) -> None:
+        """Tap i = input of decoder layer i = HF hidden_states[i]; i = num_layers is the last
+        layer's output before the final norm (HF's hidden_states[-1] is after it)."""
+        for i in tap_indices:
+            if not 0 <= i <= self.num_layers:
+                raise RequestError(f"hidden_state_index {i} is outside 0..{self.num_layers} for this target")
+        self.tap_indices = tuple(tap_indices)
+
+    # ---- cache ---------------------------------------------------------------------------
+    def new_state(self, batch: int = 1) -> NativeState:
+        return NativeState(None, torch.zeros(batch, dtype=torch.long, device=self.device))
+
+    def _alloc(self, batch: int, capacity: int) -> torch.Tensor:
+        return torch.zeros(self.num_layers, 2, batch, self.n_kv, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _reserve(self, state: NativeState, need: int) -> None:
+        """Make room for `need` entries per row (rare: capacity doubles, in CACHE_CHUNK steps)."""
+        if need <= state.capacity:
+            return
+        cap = max(need, 2 * state.capacity)
+        cap = -(-cap // CACHE_CHUNK) * CACHE_CHUNK
+        kv = self._alloc(state.batch, cap)
+        if state.kv is not None:
+            kv[..., : state.capacity, :] = state.kv
+        state.kv = kv
+
+    @torch.inference_mode()
+    def forward(self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"):
+        """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*H].
+
+        logits="last": only each row's last valid position -> [B, 1, V] (prefill needs no more).
+        Padding positions (>= counts[b]) get zero logits: nothing reads them.
+        """
+        if state.pending:
+            raise RuntimeError("commit() the previous forward before running another")
+        B, S = tokens.shape
+        dev = self.device
+        tokens = tokens.to(dev)
+        full = counts is None
+        counts = torch.full((B,), S, dtype=torch.long, device=dev) if counts is None else counts.to(dev)
+        lengths = state.lengths
+        if int((lengths + counts).max()) > self.max_length:
+            raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
+        L0 = int(lengths.max())
+        self._reserve(state, L0 + S)
+        T = L0 + S  # keys read: every row's committed entries + the S new ones (shorter rows masked)
+        uniform = B == 1 or bool((lengths == lengths[0]).all())
+        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        G = Hq // Hkv
+        pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
+        if uniform:
+            cos, sin = self.cos[L0 : L0 + S][None, :, None], self.sin[L0 : L0 + S][None, :, None]  # [1, S, 1, D]
+        else:
+            p = pos.clamp(max=self.cos.shape[0] - 1)  # padding may run past the table; never read
+            cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]  # [B, S, 1, D]
+        if uniform and S == 1:
+            mask = None  # one new query per row sees every entry up to itself
+        else:
+            # key j visible to new position i of row b iff j <= lengths[b] + i: committed entries
+            # plus the causal part of the new ones; stale entries past a row's length are hidden
+            m = torch.arange(T, device=dev)[None, None, :] <= pos[:, :, None]  # [B, S, T]
+            # GQA without copying K/V: the G query heads sharing a KV head are folded into the
+            # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
+            mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
+        taps = {}
+        x = F.embedding(tokens, self.embed)  # [B, S, H]
+        bidx = torch.arange(B, device=dev)[:, None]
+        for li, layer in enumerate(self.layers):
+            if li in self.tap_indices:
+                taps[li] = x
+            h = _rms(x, layer.ln1, self.eps)
+            qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
+            qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+            if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one op
+                qk = _rms(qk, layer.qk_norm, self.eps)
+            qk = _rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
+            q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
+            kc, vc = state.kv[li, 0], state.kv[li, 1]  # [B, Hkv, C, D]
+            if uniform:
+                kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
+                vc[:, :, L0 : L0 + S] = v
+            else:
+                kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
+                vc[bidx, :, pos] = v.transpose(1, 2)
+            qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
+            o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
+            o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
+            x = x + layer.wo(o)
+            h = _rms(x, layer.ln2, self.eps)
+            g, u = layer.w13(h).chunk(2, -1)
+            x = x + layer.w2(F.silu(g) * u)
+        if self.num_layers in self.tap_indices:
+            taps[self.num_layers] = x  # pre-norm, like the HF target's hook on the last layer
+        state.pending = S
+        tapped = torch.cat([taps[i] for i in self.tap_indices], -1) if self.tap_indices else None
+        if logits == "last":
+            x = x[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
+            return self._logits(x), tapped
+        if full or bool((counts == S).all()):
+            return self._logits(x), tapped
+        valid = torch.arange(S, device=dev)[None, :] < counts[:, None]  # [B, S]
+        out = torch.zeros(B, S, self.vocab_size, device=dev)
+        out[valid] = self._logits(x[valid])
+        return out, tapped
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_rms(x, self.norm, self.eps).to(self._head_act)).float()
+
+    def commit(self, state: NativeState, keep: torch.Tensor) -> None:
+        """Keep the first keep[b] pending entries of each row: a length update, nothing moves."""
+        state.lengths = state.lengths + keep.to(state.lengths.device)
+        state.pending = 0
+
+    def select(self, state: NativeState, rows: torch.Tensor) -> NativeState:
+        """The sub-batch of `rows` (requests leaving drop out of the batch)."""
+        kv = None if state.kv is None else state.kv[:, :, rows.to(self.device)]
+        return NativeState(kv, state.lengths[rows])
+
+    def merge(self, states: list[NativeState]) -> NativeState:
+        """One batch from several states (a request joins after its own prefill)."""
+        cap = max(s.capacity for s in states)
+        kvs = [s.kv if s.kv is not None else self._alloc(s.batch, cap) for s in states]
+        kvs = [F.pad(kv, (0, 0, 0, cap - kv.shape[4])) if kv.shape[4] < cap else kv for kv in kvs]
+        return NativeState(torch.cat(kvs, 2), torch.cat([s.lengths for s in states]))
