@@ -25,7 +25,7 @@ from dspark.engine.engine import Engine
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
 from dspark.model.load import load_draft
-from dspark.target.load import SMOLLM2, auto_dtype, default_device, load_target, make_target, parse_dtype
+from dspark.target.load import SMOLLM2, auto_dtype, default_device, open_target, parse_dtype
 from dspark.target.text import eos_ids
 
 log = logging.getLogger("dspark")
@@ -40,9 +40,10 @@ class EngineConfig:
     target: str = SMOLLM2  # an HF model directory, or "smollm2"
     draft: str | None = None  # None: the bundled draft when the target is smollm2
     no_spec: bool = False  # plain decoding through the same engine (no draft loaded)
-    dtype: str = "bf16"  # bf16 | fp32 | auto (bf16 where the hardware has it natively), or torch's spellings
+    dtype: str = "auto"  # auto (bf16 where the hardware has it natively, else fp32) | bf16 | fp32, or torch's spellings
     device: str | None = None  # None: cuda when available, else cpu
-    runtime: str = "hf"  # target runtime: "hf" (transformers) or "native"
+    runtime: str = "auto"  # target runtime: native where supported (auto), "native", or "hf" (transformers)
+    weights: str = "auto"  # native weight format: auto (the model's own numbers; exact int4 where it is) | fp32 | bf16 | int8 | int4
     threads: int | None = None  # torch CPU threads (None: torch's default)
     layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)
     verify: str = "full"  # verification policy: full | threshold | adaptive
@@ -90,14 +91,17 @@ def build_engine(config: EngineConfig) -> Engine:
     """Load the target (and the draft unless no_spec), build the verification policy, check the
     draft. The engine keeps the resolved config (`engine.config`) and what to tell the user
     about it (`engine.notes`, e.g. which dtype "auto" chose)."""
+    given_dtype = config.dtype != "auto"
     config, notes = resolve(config)
     if config.threads:
         torch.set_num_threads(config.threads)
-    model, tokenizer = load_target(config.target, config.dtype, config.device)
-    target = make_target(model, config.runtime)
+    target, tokenizer, more = open_target(config.target, config.dtype, config.device, config.runtime, config.weights,
+                                          dtype_given=given_dtype)
+    notes += more
+    model = target.model
     draft = None
     if config.draft is not None:
-        draft = load_draft(config.draft, model, layout=config.layout)
+        draft = load_draft(config.draft, model, layout=config.layout, dtype=target.dtype)
         # taps on before the policy exists: an adaptive policy times verification as the engine runs it
         target.set_taps(draft.spec.hidden_state_indices)
     policy = make_scheduler(config.verify, target, draft, threshold=config.threshold, calibration=config.calibration,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from dspark.api import EngineConfig, build_engine, load_engine, resolve
 from dspark.engine.detok import Detokenizer
@@ -12,7 +13,9 @@ from dspark.engine.scheduler import AdaptiveScheduler, FullScheduler, ThresholdS
 from dspark.errors import DSparkError
 from dspark.formats.convert import write_deepspec
 from dspark.target import load as target_load
-from dspark.target.load import auto_dtype, make_target, parse_dtype
+from dspark.target.hf import HFTarget
+from dspark.target.load import auto_dtype, make_target, open_target, parse_dtype
+from dspark.target.native import NativeTarget
 from tests.test_train_fixtures import char_tokenizer
 from tests.tiny import hf_greedy, tiny_draft, tiny_target
 
@@ -43,19 +46,53 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
         parse_dtype("float16", "cpu")
 
 
-def test_runtime_switch():
-    assert make_target(tiny_target(), "hf").vocab_size == 96
-    with pytest.raises(DSparkError, match="native runtime not available"):
-        make_target(tiny_target(), "native")
-    with pytest.raises(DSparkError, match="unknown target runtime"):
-        make_target(tiny_target(), "onnx")
+def _q4(model):
+    """Every decoder linear made exactly 4-bit groups of 32, as a Q4 GGUF dequantises."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for m in (*layer.self_attn.children(), *layer.mlp.children()):
+                if isinstance(m, torch.nn.Linear):
+                    w = m.weight.reshape(m.weight.shape[0], -1, 32)
+                    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+                    q = ((w - lo) / ((hi - lo) / 15)).round()
+                    m.weight.copy_((q * ((hi - lo) / 15) + lo).reshape_as(m.weight))
+    return model
+
+
+def test_runtime_switch(tmp_path):
+    m = tiny_target()
+    assert isinstance(make_target(m, "hf"), HFTarget) and isinstance(make_target(m, "native"), NativeTarget)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96))
+    with pytest.raises(DSparkError, match="use --runtime hf"):
+        make_target(gpt2, "native")
+    with pytest.raises(DSparkError, match="unknown runtime"):
+        make_target(m, "onnx")
+    # open_target: auto is native where supported, and says so; hf where not, and says why
+    m.save_pretrained(tmp_path / "llama")
+    t, _, notes = open_target(str(tmp_path / "llama"), "fp32", "cpu")
+    assert isinstance(t, NativeTarget) and t.weights == "fp32" and notes == [f"runtime auto -> {t.describe()}"]
+    t, _, notes = open_target(str(tmp_path / "llama"), "fp32", "cpu", "hf")
+    assert isinstance(t, HFTarget) and notes == []
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    t, _, notes = open_target(str(tmp_path / "gpt2"), "fp32", "cpu")
+    assert isinstance(t, HFTarget) and notes[0].startswith("runtime auto -> hf (")
+    with pytest.raises(DSparkError, match="--weights int8 needs the native runtime"):
+        open_target(str(tmp_path / "llama"), "fp32", "cpu", "hf", "int8")
+    # weights auto: exact 4-bit layers run as int4 with bf16 activations unless fp32 was asked for
+    _q4(tiny_target()).save_pretrained(tmp_path / "q4")
+    t, _, notes = open_target(str(tmp_path / "q4"), "fp32", "cpu", dtype_given=False)
+    assert t.weights == "int4" and t.dtype == torch.bfloat16 and notes[0].startswith("weights auto -> int4")
+    t, _, _ = open_target(str(tmp_path / "q4"), "fp32", "cpu", dtype_given=True)
+    assert t.weights == "fp32" and t.dtype == torch.float32
 
 
 def test_build_engine_assembles_everything_from_the_config(saved):
     target, draft, model = saved
     eng = build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu", verify="threshold",
                                     threshold=0.3, max_batch=3))
-    assert eng.config.draft == draft and eng.config.device == "cpu" and eng.notes == []
+    assert eng.config.draft == draft and eng.config.device == "cpu"
+    assert eng.notes == [f"runtime auto -> {eng.target.describe()}"] and isinstance(eng.target, NativeTarget)
+    assert eng.draft.fc.weight.dtype == eng.target.dtype
     assert isinstance(eng.policy, ThresholdScheduler) and eng.policy.threshold == 0.3 and eng.max_batch == 3
     assert eng.target.tap_indices == eng.draft.spec.hidden_state_indices and eng.tokenizer is not None
     ids = eng.encode("ab")
@@ -78,8 +115,8 @@ def test_build_engine_refuses_bad_settings_before_loading(saved, tmp_path):
         build_engine(EngineConfig(target=target, no_spec=True, verify="adaptive", device="cpu"))
     with pytest.raises(DSparkError, match="--max-batch"):
         build_engine(EngineConfig(target=target, no_spec=True, max_batch=0, device="cpu"))
-    with pytest.raises(DSparkError, match="native runtime"):
-        build_engine(EngineConfig(target=target, draft=draft, runtime="native", device="cpu"))
+    with pytest.raises(DSparkError, match="needs the native runtime"):
+        build_engine(EngineConfig(target=target, draft=draft, runtime="hf", weights="int8", device="cpu"))
     curve = tmp_path / "curve.json"
     from dspark.engine.costs import CostCurve
 

@@ -196,13 +196,14 @@ def test_batched_ragged_requests_equal_their_solo_runs():
     from dspark.engine.calibration import Calibration
 
     policies = {
-        "full": lambda eng: make_scheduler("full", eng),
-        "threshold": lambda eng: make_scheduler("threshold", eng, threshold=0.45, calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
-        "adaptive-ragged": lambda eng: make_scheduler("adaptive", eng, curve=curve, tokens="ragged"),
+        "full": lambda eng: make_scheduler("full", eng.target, eng.draft),
+        "threshold": lambda eng: make_scheduler("threshold", eng.target, eng.draft, threshold=0.45,
+                                                calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
+        "adaptive": lambda eng: make_scheduler("adaptive", eng.target, eng.draft, curve=curve),
     }
     for policy, make in policies.items():
         eng = engine_for(model, draft, runtime="native", max_batch=3)
-        eng.scheduler = make(eng)
+        eng.policy = make(eng)
         reqs = eng.generate_many(prompts, [SamplingParams(max_new_tokens=n) for n in lens])
         assert [r.output_ids for r in reqs] == solo, policy
         assert eng.metrics.accepted > 0, policy

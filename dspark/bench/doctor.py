@@ -660,7 +660,8 @@ def diagnose(engine, draft_path: str, *, budget: Budget | None = None, prompts: 
     report.checks = checks
     if tensors is None or any(c.status == "fail" for c in checks if c.name in ("vocabulary", "dtype")):
         return report  # a draft that cannot be built for this target is not measured
-    with_draft = Engine(target, build_draft(spec, target.model, tensors), tokenizer, engine.eos_token_ids)
+    with_draft = Engine(target, build_draft(spec, target.model, tensors, dtype=target.dtype), tokenizer,
+                        engine.eos_token_ids)
     report.seconds = time.perf_counter() - t0
     return check_engine(with_draft, prompts=prompts, budget=budget, extra_masks=extra_masks, report=report)
 

@@ -22,6 +22,7 @@ from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.timing import now
 from dspark.errors import DSparkError
+from dspark.target.native import NativeTarget
 
 ARM_KINDS = {
     "hf": "transformers generate",
@@ -89,11 +90,24 @@ def parse_arms(text: str) -> list[Arm]:
 
 
 class ForwardTimer:
-    """Seconds spent inside a module's forward (every call, whoever makes it)."""
+    """Seconds spent inside the target's forward passes (every call, whoever makes it): a hook on
+    the HF module (HF generate, the hf runtime) and, for the native runtime, which never calls
+    that module, a timing wrapper around its forward for as long as the timer is open."""
 
     def __init__(self, module: torch.nn.Module, device):
         self.device, self.seconds, self.calls, self._t0 = device, 0.0, 0, 0.0
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._native_forward = NativeTarget.forward
+        timer = self
+
+        def timed(target, *args, **kwargs):
+            timer._pre()
+            try:
+                return timer._native_forward(target, *args, **kwargs)
+            finally:
+                timer._post()
+
+        NativeTarget.forward = timed
 
     def _pre(self, *_):
         self._t0 = now(self.device)
@@ -105,6 +119,7 @@ class ForwardTimer:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        NativeTarget.forward = self._native_forward
 
 
 @dataclass

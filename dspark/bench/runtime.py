@@ -1,6 +1,6 @@
 """Target runtimes side by side: plain greedy decoding and the cost of verification.
 
-    python -m dspark.bench.runtime [--threads 1] [--tokens 64] [--rounds 3] [--arms ...]
+    dspark bench-runtime [--threads 1] [--tokens 64] [--rounds 3] [--arms ...]
 
 On SmolLM2, batch 1, in one process with the arms alternated round by round (the machine is
 shared and noisy: only a side-by-side figure means anything), it prints per arm:
@@ -14,12 +14,16 @@ Medians over the rounds; the CPU class and thread count head the table.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import time
 
 import torch
+
+from dspark.errors import DSparkError
+from dspark.target.hf import HFTarget
+from dspark.target.load import load_target
+from dspark.target.native import WEIGHTS, NativeTarget
 
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto"
 PROMPT = ("Explain in a few paragraphs how a hash table works, what a collision is and how open addressing "
@@ -84,10 +88,6 @@ def _verify_costs(target, context: int, sizes=(1, 2, 4, 8), reps: int = 5) -> di
 
 
 def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int) -> list[dict]:
-    from dspark.target.hf import HFTarget
-    from dspark.target.load import load_target
-    from dspark.target.native import NativeTarget
-
     torch.set_num_threads(threads)
     m32, tok = load_target("smollm2", "fp32", "cpu")
     m16 = load_target("smollm2", "bf16", "cpu")[0] if any(a.endswith("bf16") and a.startswith("hf") for a in arms) else None
@@ -102,7 +102,7 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int) -
         elif kind == "native":
             runners[a] = (None, NativeTarget(m32, weights=fmt))
         else:
-            raise SystemExit(f"unknown arm {a!r}")
+            raise DSparkError(f"unknown arm {a!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>)")
     tps = {a: [] for a in arms}
     cost = {a: [] for a in arms}
     with torch.inference_mode():
@@ -145,24 +145,3 @@ def table(rows: list[dict], threads: int, tokens: int, context: int) -> str:
         ms = " | ".join(f"{r['ms'][s]:.1f}" for s in (1, 2, 4, 8))
         out.append(f"| {r['arm']} | {fmt} | {r['tokens_per_s']:.1f} | {x} | {ms} | {r['verify8_over_1']:.2f}x |")
     return "\n".join(out)
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dspark.bench.runtime", description=__doc__.split("\n")[0])
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS})")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode measurement")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--context", type=int, default=200, help="cached tokens under the verify-cost forwards")
-    args = p.parse_args(argv)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    rows = run(arms, args.threads, args.tokens, args.rounds, args.context)
-    print(table(rows, args.threads, args.tokens, args.context))
-    from dspark.target.load import load_target
-    from dspark.target.native import resolve_weights
-
-    print(f"\nweights='auto' picks {resolve_weights(load_target('smollm2', 'fp32', 'cpu')[0], 'auto', 'cpu')!r} for SmolLM2 here")
-
-
-if __name__ == "__main__":
-    main()

@@ -12,6 +12,7 @@ from dspark.engine.scheduler import DEFAULT_THRESHOLD, POLICIES
 from dspark.errors import DSparkError
 from dspark.formats.load import LAYOUTS
 from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
+from dspark.target.native import WEIGHTS
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -23,7 +24,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
                    help=f"target and draft dtype (default {d.dtype}; auto: bf16 where the hardware has it natively)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--runtime", default=d.runtime, choices=RUNTIMES, help="target runtime (default hf: transformers)")
+    g.add_argument("--runtime", default=d.runtime, choices=RUNTIMES,
+                   help="target runtime: auto (default: native where the architecture is supported, else hf), "
+                        "native (dspark's own), hf (transformers)")
+    g.add_argument("--weights", default=d.weights, choices=WEIGHTS,
+                   help="native weight format (default auto: the model's own numbers, int4 where they are exact 4-bit)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="force a block layout against the file (experts and diagnosis; warns loudly)")
@@ -43,7 +48,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig the flags describe; `overrides` are settings the command fixes itself."""
     config = EngineConfig(
         target=args.target, draft=args.draft, no_spec=args.no_spec, dtype=args.dtype, device=args.device,
-        runtime=args.runtime, threads=args.threads, layout=args.layout, verify=args.verify, threshold=args.threshold,
+        runtime=args.runtime, weights=args.weights, threads=args.threads, layout=args.layout, verify=args.verify, threshold=args.threshold,
         calibration=args.calibration, cost_curve=args.cost_curve, always_draft=args.always_draft,
         max_batch=args.max_batch, check=not args.no_check,
     )

@@ -21,7 +21,7 @@ from dspark.api import EngineConfig, build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.formats.load import LAYOUTS
 from dspark.model.factory import default_taps
-from dspark.target.load import load_target, resolve_target_file
+from dspark.target.load import RUNTIMES, load_target, resolve_target_file
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, eos_ids, generate_shard
 from dspark.train.dataset import load_sequences
@@ -61,7 +61,7 @@ def _data_args(p, prefix: str = "") -> None:
     p.add_argument("--generator", default="engine", choices=("engine", "hf"),
                    help="engine: dspark's batched plain decoding (continuous batching, per-answer seeds); "
                         "hf: transformers generate in left-padded batches (large GPU batches)")
-    p.add_argument("--runtime", default="hf", choices=("hf", "native"), help="target runtime of --generator engine")
+    p.add_argument("--runtime", default="auto", choices=RUNTIMES, help="target runtime of --generator engine")
     p.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (base models)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each set")
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
+from dspark.target.native import WEIGHTS, NativeTarget, resolve_weights, supports
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,9 +27,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 # What the command line offers (`--dtype`): the short names, torch's spellings, and "auto".
 # fp16 stays out: CPUs do not run it (parse_dtype says so), and no GPU path is tested with it.
 DTYPE_CHOICES = ("bf16", "fp32", "auto", "bfloat16", "float32")
-RUNTIMES = ("hf", "native")
-
-
 def cpu_bf16_feature() -> str | None:
     """The CPU feature that makes bf16 matmuls native here (None: bf16 would be emulated, slower than fp32)."""
     try:
@@ -71,15 +69,6 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if dtype == torch.float16 and str(device).startswith("cpu"):
         raise DSparkError("fp16 is not supported on CPU (use bf16 or fp32)")
     return dtype
-
-
-def make_target(model, runtime: str = "hf"):
-    """The target runtime that serves `model`: the one place a runtime name becomes a target object."""
-    if runtime == "hf":
-        return HFTarget(model)
-    if runtime == "native":
-        raise DSparkError("native runtime not available in this build (use --runtime hf)")
-    raise DSparkError(f"unknown target runtime {runtime!r} (choose {', '.join(RUNTIMES)})")
 
 
 def default_device() -> str:
@@ -168,10 +157,11 @@ def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
     return model, tokenizer
 
 
-RUNTIMES = ("native", "hf")
+RUNTIMES = ("auto", "native", "hf")  # auto: native where the architecture is supported, else hf (said so)
 
 
-def make_target(model, runtime: str = "native", weights: str = "auto", tap_indices: tuple[int, ...] = ()):
+def make_target(model, runtime: str = "native", weights: str = "auto", tap_indices: tuple[int, ...] = (),
+                act_dtype: torch.dtype | None = None):
     """The engine's view of a loaded HF model: 'native' (dspark.target.native) or 'hf' (HFTarget).
 
     'native' refuses an architecture it does not implement with an error naming it; a caller
@@ -181,14 +171,51 @@ def make_target(model, runtime: str = "native", weights: str = "auto", tap_indic
     if runtime == "hf":
         if weights not in ("auto", None):
             raise DSparkError(f"weights={weights!r} needs the native runtime (the hf runtime runs the model as loaded)")
-        from dspark.target.hf import HFTarget
-
         return HFTarget(model, tap_indices)
     if runtime == "native":
-        from dspark.target.native import NativeTarget, supports
-
         ok, why = supports(model)
         if not ok:
             raise DSparkError(f"--runtime native: {why}; use --runtime hf for this model")
-        return NativeTarget(model, tap_indices, weights=weights)
-    raise DSparkError(f"unknown runtime {runtime!r} (choose {' or '.join(RUNTIMES)})")
+        return NativeTarget(model, tap_indices, weights=weights, act_dtype=act_dtype)
+    raise DSparkError(f"unknown runtime {runtime!r} (choose native or hf)")
+
+
+def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto", weights: str = "auto", *,
+                dtype_given: bool = True):
+    """Load a target and wrap it in its runtime -> (target, tokenizer, notes for the user).
+
+    dtype: the activation dtype, already resolved ("auto" decided by the caller); dtype_given: the
+    user named it. runtime "auto": native where the architecture is supported, else hf (said so).
+    weights "auto" (native): the model's own numbers, repacked as int4 only where that is exact, as
+    for the shipped Q4_1 SmolLM2 (int4 kernels want bf16 activations: with dtype "auto" they get
+    them; an explicitly given fp32 keeps fp32 weights, the reference for exactness)."""
+    if runtime not in RUNTIMES:
+        raise DSparkError(f"unknown runtime {runtime!r} (choose {', '.join(RUNTIMES)})")
+    if weights not in WEIGHTS:
+        raise DSparkError(f"unknown weights {weights!r} (choose {', '.join(WEIGHTS)})")
+    if runtime == "hf":
+        if weights != "auto":
+            raise DSparkError(f"--weights {weights} needs the native runtime (hf runs the model as loaded)")
+        model, tokenizer = load_target(name_or_path, dtype, device)
+        return HFTarget(model), tokenizer, []
+    act = parse_dtype(dtype, device)
+    # the native runtime copies the weights into its own format: load them exactly once, in fp32
+    model, tokenizer = load_target(name_or_path, "fp32", device)
+    ok, why = supports(model)
+    if not ok:
+        if runtime == "native":
+            raise DSparkError(f"--runtime native: {why}; use --runtime hf for this model")
+        return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
+    notes = []
+    if weights == "auto":
+        floats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        if resolve_weights(model, "auto", device) == "int4" and (not dtype_given or act == torch.bfloat16):
+            weights, act = "int4", torch.bfloat16
+            notes.append("weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
+                         "ships them), bf16 activations")
+        else:
+            weights = floats[act]
+    target = NativeTarget(model, weights=weights, act_dtype=act)
+    if runtime == "auto":
+        notes.append(f"runtime auto -> {target.describe()}")
+    return target, tokenizer, notes

@@ -22,6 +22,7 @@ set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -309,6 +310,12 @@ class NativeTarget:
         return f"native runtime, weights {self.weights} (head {self.head_format}), activations {str(self.dtype).removeprefix('torch.')}"
 
     # ---- hidden-state taps -------------------------------------------------------------
+    def view(self, tap_indices: tuple[int, ...] = ()) -> "NativeTarget":
+        """Another target over the same packed weights with its own taps (nothing is copied)."""
+        other = copy.copy(self)
+        other.set_taps(tap_indices)
+        return other
+
     def set_taps(self, tap_indices: tuple[int, ...]) -> None:
         """Tap i = input of decoder layer i = HF hidden_states[i]; i = num_layers is the last
         layer's output before the final norm (HF's hidden_states[-1] is after it)."""
