@@ -46,7 +46,10 @@ class EngineConfig:
     weights: str = "auto"  # native weight format: auto (the model's own numbers; exact int4 where it is) | fp32 | bf16 | int8 | int4
     threads: int | None = None  # torch CPU threads (None: torch's default)
     layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)
-    verify: str = "full"  # verification policy: full | threshold | adaptive
+    # verification policy: full | threshold | adaptive. None (default): adaptive with a draft (it verifies
+    # what its measured cost curve says pays and skips drafting when the draft does not pay, so a weak
+    # draft costs little against plain decoding), full without one
+    verify: str | None = None
     threshold: float = DEFAULT_THRESHOLD  # confidence cut of `threshold`
     calibration: str | None = None  # STS file of `dspark calibrate` (threshold, adaptive)
     cost_curve: str | None = None  # adaptive: cost-curve JSON (None: profile the target at start-up, cached)
@@ -84,7 +87,8 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
-    return replace(config, device=device, dtype=dtype, draft=draft), notes
+    verify = config.verify or ("full" if draft is None else "adaptive")
+    return replace(config, device=device, dtype=dtype, draft=draft, verify=verify), notes
 
 
 def build_engine(config: EngineConfig) -> Engine:

@@ -82,6 +82,7 @@ def test_runtime_switch(tmp_path):
     _q4(tiny_target()).save_pretrained(tmp_path / "q4")
     t, _, notes = open_target(str(tmp_path / "q4"), "fp32", "cpu", dtype_given=False)
     assert t.weights == "int4" and t.dtype == torch.bfloat16 and notes[0].startswith("weights auto -> int4")
+    assert t.head_format != "int4"  # auto never quantises what is not 4-bit already (the head)
     t, _, _ = open_target(str(tmp_path / "q4"), "fp32", "cpu", dtype_given=True)
     assert t.weights == "fp32" and t.dtype == torch.float32
 

@@ -23,7 +23,7 @@ from dspark.bench.prompts import load_sets
 from dspark.bench.report import markdown, plots
 from dspark.bench.runner import (EngineRunner, ForwardTimer, HFRunner, aggregate, default_arms, interleaved, parse_arms,
                                  sampling_params)
-from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes, refuse_max_batch
+from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
 from dspark.target.load import SMOLLM2
@@ -134,14 +134,14 @@ def run(args) -> int:
     speculative = any(a.speculative for a in arms)
     if args.no_spec and speculative:
         raise DSparkError("--no-spec leaves only the arms without a draft (hf, lookup, plain): drop the others from --arms")
-    if args.verify != "full":
-        raise DSparkError(f"bench runs the policies its arms name: add {args.verify} to --arms")
+    refuse_verify(args, "bench", f"add {args.verify} to --arms")
     refuse_max_batch(args, "bench", "the arms (NAME@N)")
     sets = load_sets(args.dataset_dir, args.sets.split(",") if args.sets else None, args.prompts, args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    engine = build_engine(engine_config(args, no_spec=not speculative, max_batch=max(a.concurrency for a in arms)))
+    engine = build_engine(engine_config(args, no_spec=not speculative, max_batch=max(a.concurrency for a in arms),
+                                        verify="full"))  # the arms bring their own policies
     print_notes(engine)
     config, tokenizer, draft = engine.config, engine.tokenizer, engine.draft
     if tokenizer is None:

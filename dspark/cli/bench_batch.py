@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dspark.api import build_engine
 from dspark.bench.batching import DEFAULT_PROMPTS, bench_batching
-from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes, refuse_max_batch
+from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
 from dspark.errors import DSparkError
 from dspark.prompts import encode_prompts, read_prompt_file
 
@@ -47,10 +47,9 @@ def _int_list(text: str, what: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     levels = _int_list(args.concurrency, "--concurrency")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if args.verify != "full":
-        raise DSparkError(f"bench-batch runs the policies its arms name: use --arms plain,{args.verify}")
+    refuse_verify(args, "bench-batch", f"use --arms plain,{args.verify}")
     refuse_max_batch(args, "bench-batch", "--concurrency")
-    engine = build_engine(engine_config(args, max_batch=max(levels)))
+    engine = build_engine(engine_config(args, max_batch=max(levels), verify="full"))  # arms bring their policies
     print_notes(engine)
     raw = read_prompt_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     chat = args.chat or (not args.prompts and bool(getattr(engine.tokenizer, "chat_template", None)))

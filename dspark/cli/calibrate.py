@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_max_batch(args, "calibrate", "--concurrency")
     prompts = read_prompt_file(args.prompts, args.limit)
     # recording always verifies every draft (record_generations): --verify does not change what is fitted
-    engine = build_engine(engine_config(args, max_batch=args.concurrency))
+    engine = build_engine(engine_config(args, max_batch=args.concurrency, verify="full"))
     print_notes(engine)
     ids = encode_prompts(engine, prompts, args.chat)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed + i)

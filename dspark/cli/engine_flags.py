@@ -32,7 +32,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="force a block layout against the file (experts and diagnosis; warns loudly)")
-    g.add_argument("--verify", choices=POLICIES, default=d.verify, help="verification policy (default full)")
+    g.add_argument("--verify", choices=POLICIES, default=d.verify, help="verification policy (default: adaptive with a draft, full without)")
     g.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
                    help=f"confidence cut of --verify threshold (default {DEFAULT_THRESHOLD})")
     g.add_argument("--calibration", default=None, help="STS file written by `dspark calibrate` (threshold, adaptive)")
@@ -65,3 +65,9 @@ def print_notes(engine) -> None:
     """What build_engine chose for the user (dtype auto, ...): one line each, on stderr."""
     for note in engine.notes:
         print(note, file=sys.stderr)
+
+
+def refuse_verify(args: argparse.Namespace, command: str, instead: str) -> None:
+    """For commands whose arms choose the policies: a --verify they would ignore is an error."""
+    if args.verify is not None:
+        raise DSparkError(f"{command} runs the policies its arms name: {instead}")

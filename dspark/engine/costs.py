@@ -156,12 +156,16 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
 
 
 def curve_identity(target, grid: list[int]) -> dict:
-    """What a cached curve is valid for: the model (name + config hash), dtype, device, threads."""
+    """What a cached curve is valid for: the model (name + config hash), the runtime and its weight
+    format (an int4 native step costs a fraction of an HF bf16 one), dtype, device, threads."""
     cfg = target.config
     config_json = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     return {
         "model": str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model")),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+        "runtime": type(target).__name__,
+        "weights": getattr(target, "weights", None),
+        "head": getattr(target, "head_format", None),
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
         "threads": torch.get_num_threads(),

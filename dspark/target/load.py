@@ -210,7 +210,7 @@ def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto
     if weights == "auto":
         floats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         if resolve_weights(model, "auto", device) == "int4" and (not dtype_given or act == torch.bfloat16):
-            weights, act = "int4", torch.bfloat16
+            act = torch.bfloat16  # weights stay "auto": int4 layers, a head that is not 4-bit kept in float
             notes.append("weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
                          "ships them), bf16 activations")
         else:
