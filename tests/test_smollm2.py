@@ -21,7 +21,7 @@ def _hf_greedy(model, ids, n):
 
 @pytest.fixture(scope="module")
 def fp32_engine():
-    return load_engine("smollm2", dtype="fp32", device="cpu")
+    return load_engine("smollm2", dtype="fp32", device="cpu", verify="full")  # every step drafts and verifies
 
 
 def test_bundled_draft_is_used_and_accepts(fp32_engine):
@@ -45,7 +45,7 @@ def test_greedy_equals_plain_decoding_fp32(fp32_engine):
 def test_bf16_commits_only_target_argmax_within_a_small_gap():
     """bf16 contract (docs/DESIGN.md §10): every committed token is the target's argmax,
     up to a small logit gap, when the whole output is re-scored in one fp32 pass."""
-    eng = load_engine("smollm2", dtype="bf16", device="cpu")
+    eng = load_engine("smollm2", dtype="bf16", device="cpu", verify="full")
     ref = load_engine("smollm2", no_spec=True, dtype="fp32", device="cpu").target.model
     for prompt in PROMPTS:
         ids = eng.encode(prompt, chat=True)

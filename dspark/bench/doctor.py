@@ -1,6 +1,6 @@
 """The draft check behind `dspark doctor` and the engine's load-time check (library: no printing).
 
-The silent failures of spec sheet section 9 all load, run and accept less than they should.
+The silent failures of docs/DESIGN.md §9 all load, run and accept less than they should.
 Reading the config cannot catch them; measuring can. The target writes text through the
 engine's own plain (greedy) decoding; one target forward over that text gives its argmax and
 its hidden states at every tap index needed. Each *reading* of the draft (the declared one;
@@ -466,7 +466,7 @@ def _says(spec) -> str:
 
 
 def layout_fix(declared, alt) -> str:
-    """The config keys that make a file read as `alt` (spec sheet section 3)."""
+    """The config keys that make a file read as `alt` (docs/DESIGN.md §3)."""
     flag = "true" if alt.layout == "anchor_first" else "false"
     if declared.format == "speculators":
         return (f"set sample_from_anchor: {flag}, block_size: {alt.query_slots} and speculative_tokens: {alt.gamma} "
@@ -488,7 +488,7 @@ def diagnosis(declared: Reading, best: Reading, factor: str, cmp: Comparison, ev
     if factor == "layout":
         return (f"{_says(d)} {_PRETTY[d.layout]} (gamma {d.gamma}, block_size {d.query_slots}) but the weights behave "
                 f"like {_PRETTY[a.layout]} (gamma {a.gamma}, block_size {a.query_slots}): {nums}. Fix: "
-                f"{layout_fix(d, a)} (spec sheet section 3)")
+                f"{layout_fix(d, a)} (docs/DESIGN.md §3)")
     key, off, mask_key = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))
     if factor == "hidden_state_indices":
         now, want = [i + off for i in d.hidden_state_indices], [i + off for i in a.hidden_state_indices]
