@@ -17,7 +17,7 @@ from dspark.target.hf import HFTarget
 from dspark.target.load import auto_dtype, make_target, open_target, parse_dtype
 from dspark.target.native import NativeTarget
 from tests.test_train_fixtures import char_tokenizer
-from tests.tiny import hf_greedy, tiny_draft, tiny_target
+from tests.tiny import hf_greedy, q4_exact, tiny_draft, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +46,6 @@ def test_dtype_auto_follows_the_hardware(monkeypatch):
         parse_dtype("float16", "cpu")
 
 
-def _q4(model):
-    """Every decoder linear made exactly 4-bit groups of 32, as a Q4 GGUF dequantises."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for m in (*layer.self_attn.children(), *layer.mlp.children()):
-                if isinstance(m, torch.nn.Linear):
-                    w = m.weight.reshape(m.weight.shape[0], -1, 32)
-                    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-                    q = ((w - lo) / ((hi - lo) / 15)).round()
-                    m.weight.copy_((q * ((hi - lo) / 15) + lo).reshape_as(m.weight))
-    return model
-
-
 def test_runtime_switch(tmp_path):
     m = tiny_target()
     assert isinstance(make_target(m, "hf"), HFTarget) and isinstance(make_target(m, "native"), NativeTarget)
@@ -79,7 +66,7 @@ def test_runtime_switch(tmp_path):
     with pytest.raises(DSparkError, match="--weights int8 needs the native runtime"):
         open_target(str(tmp_path / "llama"), "fp32", "cpu", "hf", "int8")
     # weights auto: exact 4-bit layers run as int4 with bf16 activations unless fp32 was asked for
-    _q4(tiny_target()).save_pretrained(tmp_path / "q4")
+    q4_exact(tiny_target()).save_pretrained(tmp_path / "q4")
     t, _, notes = open_target(str(tmp_path / "q4"), "fp32", "cpu", dtype_given=False)
     assert t.weights == "int4" and t.dtype == torch.bfloat16 and notes[0].startswith("weights auto -> int4")
     assert t.head_format != "int4"  # auto never quantises what is not 4-bit already (the head)

@@ -18,7 +18,7 @@ from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import VerifyPolicy, make_scheduler
 from dspark.errors import DSparkError
-from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
+from tests.tiny import bigram_draft, engine_for, hf_greedy, tiny_target
 
 V = 96
 PROMPTS = [
@@ -38,18 +38,7 @@ def models():
     accepts whole blocks inside the target's loops and fails at their edges, so steps end in
     every possible partial accept."""
     model = tiny_target()
-    draft = tiny_draft(model, markov_rank=V)
-    eng = engine_for(model)
-    gen = torch.Generator().manual_seed(1)
-    train = [torch.randint(4, V, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist() for _ in range(16)]
-    counts = torch.zeros(V, V)
-    for p, r in zip(PROMPTS + train, eng.generate_many(PROMPTS + train, SamplingParams(max_new_tokens=24))):
-        seq = p + r.output_ids
-        for a, b in zip(seq, seq[1:]):
-            counts[a, b] += 1
-    with torch.no_grad():
-        draft.markov_head.markov_w1.weight.copy_(torch.eye(V) * 10)
-        draft.markov_head.markov_w2.weight.copy_(torch.nn.functional.one_hot(counts.argmax(1), V).float().T * 10)
+    draft = bigram_draft(engine_for(model), extra_prompts=PROMPTS)
     return model, draft
 
 

@@ -14,7 +14,7 @@ from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
 from dspark.target.load import make_target
 from dspark.target.native import NativeTarget, is_int4_exact, supports
-from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
+from tests.tiny import bigram_draft, engine_for, hf_greedy, q4_exact, tiny_target
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512)
@@ -43,25 +43,6 @@ def _mk(name):
             if "norm" in n:
                 p.normal_(1.0, 0.2)
     return model.float().eval()
-
-
-def bigram_draft(engine, **kw):
-    """A draft whose Markov head is the greedy bigram table of `engine`'s target: it accepts
-    whole blocks inside the target's loops and fails at their edges (every partial accept)."""
-    model = engine.target.model
-    V = model.config.vocab_size
-    draft = tiny_draft(model, markov_rank=V, **kw)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, V, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist() for _ in range(16)]
-    counts = torch.zeros(V, V)
-    for p, r in zip(prompts, engine.generate_many(prompts, SamplingParams(max_new_tokens=24))):
-        seq = p + r.output_ids
-        for a, b in zip(seq, seq[1:]):
-            counts[a, b] += 1
-    with torch.no_grad():
-        draft.markov_head.markov_w1.weight.copy_(torch.eye(V) * 10)
-        draft.markov_head.markov_w2.weight.copy_(torch.nn.functional.one_hot(counts.argmax(1), V).float().T * 10)
-    return draft
 
 
 FAMILIES = ["llama-untied-gqa", "llama-tied-mha", "llama3-rope", "linear-rope", "qwen2-bias", "qwen3-qknorm", "mistral"]
@@ -239,15 +220,9 @@ def test_auto_keeps_the_model_or_repacks_exact_int4():
     model = tiny_target()
     assert NativeTarget(model).weights == "fp32"
     assert NativeTarget(tiny_target(dtype=torch.bfloat16)).weights == "bf16"
-    with torch.no_grad():  # make every decoder linear exactly Q4_1-like
-        for layer in model.model.layers:
-            for m in (*layer.self_attn.children(), *layer.mlp.children()):
-                if isinstance(m, torch.nn.Linear):
-                    w = m.weight.reshape(m.weight.shape[0], -1, 32)
-                    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-                    q = ((w - lo) / ((hi - lo) / 15)).round()
-                    m.weight.copy_((q * ((hi - lo) / 15) + lo).reshape_as(m.weight))
-                    assert is_int4_exact(m.weight)
+    q4_exact(model)  # every decoder linear exactly Q4_1-like
+    assert all(is_int4_exact(m.weight) for layer in model.model.layers
+               for m in (*layer.self_attn.children(), *layer.mlp.children()) if isinstance(m, torch.nn.Linear))
     t = NativeTarget(model, act_dtype=torch.float32)
     assert t.weights == "int4" and t.head_format == "fp32"  # a head that is not 4-bit is not quantised
     ids = torch.tensor([[5, 17, 33, 8, 9]])

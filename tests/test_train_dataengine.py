@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, generate_shard

@@ -101,7 +101,6 @@ def ece(pred: np.ndarray, y: np.ndarray, bins: int = ECE_BINS) -> float:
     if pred.size == 0:
         return float("nan")
     idx = np.minimum((pred * bins).astype(np.int64), bins - 1)
-    count = np.bincount(idx, minlength=bins)
     gap = np.abs(np.bincount(idx, weights=pred, minlength=bins) - np.bincount(idx, weights=y, minlength=bins))
     return float(gap.sum() / pred.size)
 
