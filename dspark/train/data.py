@@ -155,21 +155,30 @@ def _sync(f, stats: GenStats, bar, n: int, t0: float) -> None:
 def _engine_answers(engine: Engine, tokenizer, todo, settings: GenSettings, batch_size: int, f, stats: GenStats,
                     bar, t0: float) -> None:
     eng = engine.derive(speculative=False, max_batch=batch_size)
-    jobs = []
+    pending, order = {}, []
     for p, key in todo:
         ids = encode_prompt(tokenizer, p.text, settings.chat_template)
         seed = zlib.crc32(f"{settings.seed}:{key}".encode())
         params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                 top_k=settings.top_k, top_p=settings.top_p, seed=seed)
-        jobs.append((eng.add_request(ids, params), p, key, ids))
-    unsynced = 0
-    while jobs:
-        eng.step()  # a request can also finish at its prefill (a one-token answer): look at all of them
-        done, jobs = [j for j in jobs if j[0].finished], [j for j in jobs if not j[0].finished]
-        for req, p, key, ids in done:
+        req = eng.add_request(ids, params)
+        pending[id(req)] = (req, p, key, ids)
+        order.append(req)
+    admitted = unsynced = 0
+    while pending:
+        finished = eng.step()
+        # requests are admitted in order; one can also finish at its prefill (a one-token answer)
+        now = len(order) - len(eng.waiting)
+        finished += [r for r in order[admitted:now] if r.finished]
+        admitted = now
+        for done in finished:
+            job = pending.pop(id(done), None)
+            if job is None:
+                continue
+            req, p, key, ids = job
             _write(f, stats, p, key, ids, list(req.output_ids), "stop" if req.finish_reason == "stop" else "length")
             unsynced += 1
-        if unsynced >= batch_size or (unsynced and not jobs):
+        if unsynced >= batch_size or (unsynced and not pending):
             _sync(f, stats, bar, unsynced, t0)
             unsynced = 0
 
