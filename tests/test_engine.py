@@ -175,3 +175,41 @@ def test_bad_requests_are_refused(target):
     for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_k": -2}, {"max_new_tokens": 0}):
         with pytest.raises(RequestError):
             SamplingParams(**bad)
+
+
+def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
+    """Steps that skip drafting leave their taps pending (no draft work); the next drafting step
+    adds them, and the draft context then equals a clean prefill of the committed tokens."""
+    from dspark.engine.scheduler import FullScheduler
+    from dspark.engine.step import flush_context
+
+    class EveryThird(FullScheduler):  # drafts on every third step only
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def should_draft(self, batch):
+            self.calls += 1
+            return self.calls % 3 == 0
+
+    model = _flat_target()
+    draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
+    engine = engine_for(model, draft, policy=EveryThird())
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=200, temperature=1.0, seed=7, ignore_eos=True))
+    engine._admit()
+    waited = 0
+    for _ in range(10):
+        engine.step()
+        req, b = engine.running[0], engine.batch
+        committed = req.prompt_ids + req.output_ids[:-1]
+        waiting = sum(p.shape[1] for p in b.pending)
+        waited = max(waited, waiting)
+        assert int(b.ctx.lengths[0]) + waiting == len(committed)
+    assert waited == 2 and engine.metrics.plain_steps > 0
+    flush_context(draft, engine.batch)
+    clean = engine.target.new_state(1)
+    _, taps = engine.target.forward(clean, torch.tensor([committed]))
+    ctx = draft.new_context_cache(1, "cpu", torch.float32)
+    draft.extend_context(ctx, taps, torch.tensor([len(committed)]))
+    for mine, ref in zip(engine.batch.ctx.layers, ctx.layers):
+        assert torch.allclose(mine.k, ref.k, atol=1e-5) and torch.allclose(mine.v, ref.v, atol=1e-5)

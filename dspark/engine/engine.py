@@ -19,7 +19,7 @@ from dspark.engine.detok import Detokenizer
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams, probs, sample
 from dspark.engine.scheduler import FullScheduler, VerifyPolicy
-from dspark.engine.step import Batch, StepResult, decode_step
+from dspark.engine.step import Batch, StepResult, decode_step, flush_context
 from dspark.errors import DSparkError, RequestError
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget
@@ -186,6 +186,8 @@ class Engine:
             self.batch = one if self.batch is None else self._merge(self.batch, one)
 
     def _merge(self, a: Batch, b: Batch) -> Batch:
+        for x in (a, b):  # rows joining must share one context length: no taps left waiting
+            flush_context(self.draft, x)
         return Batch(
             self.target.merge([a.target, b.target]),
             ContextCache.merge([a.ctx, b.ctx]) if a.ctx is not None else None,
@@ -210,6 +212,7 @@ class Engine:
             b.anchors[rows],
             [b.params[i] for i in keep],
             [b.generators[i] for i in keep],
+            [p[rows] for p in b.pending],
         )
 
     # ---- output --------------------------------------------------------------------------

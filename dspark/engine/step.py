@@ -9,12 +9,12 @@
       -> commit: target keeps anchor + a drafts; the draft context receives the taps of
          exactly those positions (never a rejected one); next token = new anchor
 With no draft (g = 0) the same path is plain target decoding; so is a step whose policy
-skips drafting (`should_draft`), except that the draft context still receives the new position.
+skips drafting (`should_draft`); its taps reach the draft context at the next drafting step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class Batch:
     anchors: torch.Tensor  # [B] last committed token, not yet run through the target
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    # taps [B, 1, n_taps*H] of steps that skipped drafting, not yet in the draft context: a plain
+    # step does not pay for the context update; the next drafting step adds them in one call
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +115,17 @@ def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, bat
     return accepted, nxt
 
 
+def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
+    """Bring the draft context up to the committed length: the taps of skipped steps, in one call
+    (each such step committed exactly one token per row)."""
+    if draft is None or not batch.pending:
+        return
+    taps = torch.cat(batch.pending, dim=1)  # [B, k, D]
+    batch.pending = []
+    draft.extend_context(batch.ctx, taps, torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long,
+                                                     device=taps.device))
+
+
 @torch.inference_mode()
 def decode_step(
     target: HFTarget,
@@ -123,9 +137,11 @@ def decode_step(
     B = batch.anchors.shape[0]
     t0 = now(dev)
     # A policy may decide from earlier steps alone that drafting will not pay this step (its
-    # cost exceeds the expected gain): then this is a plain target step, and the draft's
-    # context still receives the committed position below.
-    if draft is not None and policy.should_draft(batch):
+    # cost exceeds the expected gain): then this is a plain target step, and the committed
+    # position's taps wait in batch.pending until the draft next runs.
+    drafting = draft is not None and policy.should_draft(batch)
+    if drafting:
+        flush_context(draft, batch)
         prop = propose(draft, batch)
     else:
         prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
@@ -141,8 +157,10 @@ def decode_step(
     keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     target.commit(batch.target, keep)
     t4 = now(dev)
-    if draft is not None:
+    if drafting:
         draft.extend_context(batch.ctx, taps, keep)
+    elif draft is not None:  # a plain step committed one token per row; clone: a runtime may reuse its buffer
+        batch.pending.append(taps[:, :1].clone())
     t5 = now(dev)
     batch.anchors = nxt
     acc, drafts = accepted.tolist(), prop.tokens.tolist()
