@@ -72,7 +72,7 @@ class Budget:
 
     prompts: int = 4  # texts in the first round (then 2x, 4x, ... the first round)
     tokens: int = 64  # tokens the target writes per text
-    max_tokens: int = 3072  # bound on the generated tokens over all rounds
+    max_tokens: int = 8192  # bound on the generated tokens over all rounds (the bundled draft's taps lie needs ~3 400)
     stop_when_quiet: bool = False  # load time: stop once no open alternative leads by MIN_GAIN
 
     def rounds(self) -> list[int]:
