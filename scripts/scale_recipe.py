@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+
+from dspark.train.dataset import read_records  # noqa: E402
 SCALES = {
     # prompts, prompt batch, answer batch, answer cap, data seconds, fit seconds, fit batch, anchors, subsets
     "full": dict(prompts=14000, prompt_batch=2048, gen_batch=1024, max_new=512, prompts_s=100, data_s=150, fit_s=230,
@@ -72,15 +75,9 @@ def dspark(*args: str) -> list[str]:
 
 
 def count_answer_tokens(shard: Path) -> tuple[int, int]:
-    n = tok = 0
-    if shard.exists():
-        for line in shard.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            n, tok = n + 1, tok + len(r["ids"]) - r["prompt_len"]
-    return n, tok
+    """(answers, answer tokens) of a shard; a torn last line (a process stopped at the deadline) is left out."""
+    recs = read_records(shard)
+    return len(recs), sum(len(r["ids"]) - r["prompt_len"] for r in recs)
 
 
 def split_large(path: Path, limit: int = 15 * 2**20) -> list[Path]:

@@ -5,21 +5,15 @@ from __future__ import annotations
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 import transformers
 
+from dspark.target.load import cpu_model_and_flags
+
 
 def machine_info(device: str) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_and_flags()[0] or platform.processor() or platform.machine()
     info = {
         "cpu": cpu,
         "cpu_count": os.cpu_count(),

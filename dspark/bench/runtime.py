@@ -14,6 +14,7 @@ Medians over the rounds; the CPU class and thread count head the table.
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -22,7 +23,7 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
-from dspark.target.load import load_target
+from dspark.target.load import cpu_model_and_flags, load_target
 from dspark.target.native import WEIGHTS, NativeTarget
 
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto"
@@ -32,20 +33,9 @@ PROMPT = ("Explain in a few paragraphs how a hash table works, what a collision 
 
 def cpu_class() -> str:
     """'<model name>, <n> cores, <ISA features that decide bf16/int kernels>'."""
-    name, flags = platform.processor() or "cpu", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name in ("cpu", "x86_64", ""):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    name, flags = cpu_model_and_flags()
+    name = name or platform.processor() or "cpu"
     feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    import os
-
     return f"{name}, {os.cpu_count()} cores, {' '.join(feats) or 'no AVX2'}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -27,16 +28,24 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 # What the command line offers (`--dtype`): the short names, torch's spellings, and "auto".
 # fp16 stays out: CPUs do not run it (parse_dtype says so), and no GPU path is tested with it.
 DTYPE_CHOICES = ("bf16", "fp32", "auto", "bfloat16", "float32")
-def cpu_bf16_feature() -> str | None:
-    """The CPU feature that makes bf16 matmuls native here (None: bf16 would be emulated, slower than fp32)."""
+def cpu_model_and_flags() -> tuple[str | None, set[str]]:
+    """(model name, ISA flags) from /proc/cpuinfo; (None, empty) where the system does not expose it."""
+    name, flags = None, set()
     try:
-        flags = set()
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith("model name") and name is None:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
-        flags = set()
+        pass
+    return name, flags
+
+
+def cpu_bf16_feature() -> str | None:
+    """The CPU feature that makes bf16 matmuls native here (None: bf16 would be emulated, slower than fp32)."""
+    flags = cpu_model_and_flags()[1]
     if "amx_bf16" in flags:
         return "AMX-BF16"
     if "avx512_bf16" in flags:
@@ -129,8 +138,6 @@ def resolve_target(name_or_path: str) -> Path:
 
 def resolve_target_file(name_or_path: str) -> tuple[Path | None, str | None]:
     """The file that holds a target's weights (hashed into data manifests) and its chat template."""
-    import json
-
     if name_or_path == SMOLLM2:
         weights, path = smollm2_gguf(), smollm2_dir()
     else:
@@ -202,9 +209,7 @@ def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto
     # the native runtime copies the weights into its own format: load them exactly once, in fp32
     model, tokenizer = load_target(name_or_path, "fp32", device)
     ok, why = supports(model)
-    if not ok:
-        if runtime == "native":
-            raise DSparkError(f"--runtime native: {why}; use --runtime hf for this model")
+    if not ok and runtime == "auto":
         return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
     notes = []
     if weights == "auto":
@@ -215,7 +220,7 @@ def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto
                          "ships them), bf16 activations")
         else:
             weights = floats[act]
-    target = NativeTarget(model, weights=weights, act_dtype=act)
+    target = make_target(model, "native", weights, act_dtype=act)  # refuses an unsupported model by name
     if runtime == "auto":
         notes.append(f"runtime auto -> {target.describe()}")
     return target, tokenizer, notes
