@@ -27,22 +27,27 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
+import torch  # noqa: E402
+
 from dspark.train.dataset import read_records  # noqa: E402
 SCALES = {
     # prompts, prompt batch, answer batch, answer cap, data seconds, fit seconds, fit batch, anchors, subsets
-    "full": dict(prompts=14000, prompt_batch=2048, gen_batch=1024, max_new=512, prompts_s=100, data_s=150, fit_s=230,
-                 batch=64, anchors=256, subsets=(300_000, 78_000), eval_every=50, lr=2e-3, procs=2, draft_vocab=16384),
+    "full": dict(prompts=14000, prompt_batch=2048, gen_batch=1024, max_new=512, prompts_s=100, data_s=150, fit_s=330,
+                 batch=64, anchors=256, subsets=(300_000, 78_000), eval_every=50, lr=2e-3, procs=2, draft_vocab=16384,
+                 chunk=1024),
     "tiny": dict(prompts=24, prompt_batch=16, gen_batch=8, max_new=24, prompts_s=60, data_s=60, fit_s=25,
-                 batch=4, anchors=16, subsets=(400,), eval_every=5, lr=3e-3, procs=1, draft_vocab=48),
+                 batch=4, anchors=16, subsets=(400,), eval_every=5, lr=3e-3, procs=1, draft_vocab=48, chunk=32),
 }
 
 
@@ -100,24 +105,44 @@ def main() -> int:
     ap.add_argument("--scale", default="full", choices=tuple(SCALES))
     ap.add_argument("--protect", action="append", default=[], help="evaluation sets (folder of .jsonl) to keep out")
     ap.add_argument("--prompts-from", default=None, help="skip Magpie: answer this prompt file instead")
+    ap.add_argument("--data-from", default=None,
+                    help="skip prompts, answers and packing: train on this packed data set (e.g. data/smollm2/selfdistill-v1)")
+    ap.add_argument("--heldout-from", default=None, help="with --data-from: the held-out set to evaluate on")
+    ap.add_argument("--runs", default="all", help="comma-separated names of the fits to run (default: all of them)")
+    ap.add_argument("--chunk-anchors", type=int, default=None, help="blocks per draft forward (default: the scale's)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the scale's)")
+    ap.add_argument("--anchors", type=int, default=None, help="anchors per sequence (default: the scale's)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the scale's)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--data-s", type=float, default=None, help="override the scale's data-generation seconds")
     ap.add_argument("--fit-s", type=float, default=None, help="override the scale's training seconds")
     ap.add_argument("--probe-s", type=float, default=10.0, help="seconds of the step-rate probe")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="whole-run wall-clock budget: training is shortened so that everything ends inside it")
+    ap.add_argument("--restore", default=None, metavar="RETURN_DIR",
+                    help="instead of running: rebuild the drafts of a returned folder into --out")
     args = ap.parse_args()
+    if args.restore:
+        for d in restore(Path(args.restore), args.target, Path(args.out)):
+            print(d)
+        return 0
     c = dict(SCALES[args.scale])
     c["data_s"] = args.data_s or c["data_s"]
     c["fit_s"] = args.fit_s or c["fit_s"]
+    c["chunk"] = args.chunk_anchors or c["chunk"]
+    c.update({k: getattr(args, k) for k in ("batch", "anchors", "lr") if getattr(args, k) is not None})
+    if bool(args.data_from) != bool(args.heldout_from):
+        ap.error("--data-from and --heldout-from go together")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     summary: dict = {"scale": args.scale, "target": args.target, "stages": {}}
+    # a wall-clock limit (timeout's SIGTERM) must still leave OUT/return: exit through finally
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return stages(args, c, out, logs, summary)
-    finally:  # whatever was produced comes back, also when a stage failed
+    finally:  # whatever was produced comes back, also when a stage failed or time ran out
         collect(out, logs, summary)
 
 
@@ -125,6 +150,74 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
     t_start = time.time()
     common = ["--target", args.target, "--dtype", args.dtype, "--quiet"]
 
+    if args.data_from:
+        data, held = Path(args.data_from).resolve(), Path(args.heldout_from).resolve()
+        summary["stages"]["data"] = {"from": str(data), "heldout": str(held)}
+    else:
+        data, held = make_data(args, c, out, logs, summary, common)
+        if data is None:
+            return 1
+    # 4. fit -----------------------------------------------------------------------------------
+    t = time.time()
+    fit = ["--data", str(data), "--heldout", str(held), "--features", "online", "--gamma", "7",
+           "--batch-size", str(c["batch"]), "--lr", str(c["lr"]), "--chunk-anchors", str(c["chunk"]),
+           "--draft-vocab", str(c["draft_vocab"]), "--eval-every", str(c["eval_every"]),
+           "--eval-max-anchors", "256", "--ckpt-every", "100000", "--warmup", "0.05",
+           "--feature-batch-tokens", "65536", "--time-budget", str(c["fit_s"])]
+    # steps: the cosine schedule should end near the budget; a short probe measures the step rate
+    probe = out / "runs" / "probe"
+    wait_all([sh(dspark("fit", *common, *fit[:-2], "--time-budget", str(args.probe_s), "--steps", "100000", "--layers", "1",
+                        "--max-anchors", str(c["anchors"]),
+                        "--eval-every", "100000", "--out", str(probe)), logs / "probe.log")])
+    recs = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()] if (probe / "metrics.jsonl").exists() else []
+    recs = [r for r in recs if "elapsed" in r]
+    rate = (len(recs) - 3) / max(1e-6, recs[-1]["elapsed"] - recs[2]["elapsed"]) if len(recs) > 5 else 1.0
+    if args.budget_s is not None:  # leave ~60 s for start-up of the runs, the last evaluation and collecting
+        c["fit_s"] = max(10.0, min(c["fit_s"], args.budget_s - (time.time() - t_start) - 60))
+    fit[-1] = str(c["fit_s"])
+    runs = {name: r for name, r in fit_runs(c).items() if args.runs == "all" or name in args.runs.split(",")}
+    procs = []
+    for name, (layers, rank, subset, layout, anchors) in runs.items():
+        # side by side the runs share one GPU; launch-bound processes overlap, so each gets more than 1/N
+        steps = max(20, int(rate * min(1.0, 1.6 / len(runs)) * c["fit_s"]))
+        extra = ["--data-tokens", str(subset)] if subset else []
+        procs.append(sh(dspark("fit", *common, *fit, "--layers", str(layers), "--markov-rank", str(rank),
+                               "--layout", layout, "--max-anchors", str(anchors), "--steps", str(steps), *extra,
+                               "--out", str(out / "runs" / name)), logs / f"fit.{name}.log", len(runs)))
+    deadline = time.time() + c["fit_s"] + 120  # start-up (loading the target) and the last evaluation
+    if args.budget_s is not None:
+        deadline = min(deadline, t_start + args.budget_s - 20)
+    codes = wait_all(procs, deadline)
+    results = {}
+    for name in runs:
+        best = out / "runs" / name / "best.json"
+        metrics = out / "runs" / name / "metrics.jsonl"
+        steps_done = sum(1 for x in metrics.read_text().splitlines() if '"loss"' in x) if metrics.exists() else 0
+        results[name] = {"best": json.loads(best.read_text()) if best.exists() else None, "steps": steps_done}
+    summary["stages"]["fit"] = {"seconds": round(time.time() - t, 1), "probe_steps_per_s": round(rate, 3),
+                                "exit_codes": codes, "runs": results}
+    for name, r in results.items():
+        print(f"[fit] {name}: {r['steps']} steps, best {r['best']}", flush=True)
+
+    summary["seconds_total"] = round(time.time() - t_start, 1)
+    return 0
+
+
+def fit_runs(c: dict) -> dict[str, tuple]:
+    """name: (layers, Markov rank, subset answer tokens, layout, anchors per sequence)."""
+    a = c["anchors"]
+    return {
+        "L1-r64": (1, 64, None, "anchor_first", a),  # the candidate
+        "L1-r0": (1, 0, None, "anchor_first", a),  # the rank-0 (DFlash-style) ablation
+        "L2-r64": (2, 64, None, "anchor_first", a),
+        f"L1-r64-a{a // 4}": (1, 64, None, "anchor_first", a // 4),  # fewer anchors per sequence
+        "L1-r64-bonus": (1, 64, None, "bonus_anchor", a),  # the other layout (doctor calibration)
+        **{f"L1-r64-{n // 1000}k": (1, 64, n, "anchor_first", a) for n in c["subsets"]},  # the data-scaling curve
+    }
+
+
+def make_data(args, c: dict, out: Path, logs: Path, summary: dict, common: list[str]):
+    """Stages 1-3; returns (packed data, held-out shard), or (None, None) after a failure."""
     # 1. prompts -------------------------------------------------------------------------------
     t = time.time()
     prompts = out / "prompts.jsonl"
@@ -137,7 +230,7 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
                         time.time() + c["prompts_s"])[0]
         if not prompts.exists():
             print((logs / "prompts.log").read_text()[-3000:])
-            return 1
+            return None, None
     lines = [ln for ln in prompts.read_text().splitlines() if ln.strip()]
     summary["stages"]["prompts"] = {"seconds": round(time.time() - t, 1), "kept": len(lines)}
     print(f"[prompts] {len(lines)} in {time.time() - t:.0f} s", flush=True)
@@ -176,7 +269,7 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
     if not held.exists() or answer_tokens == 0:
         for log in sorted(logs.glob("*.log")):
             print(log.name, log.read_text()[-2000:])
-        return 1
+        return None, None
 
     # 3. pack ----------------------------------------------------------------------------------
     t = time.time()
@@ -186,52 +279,60 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
                                "--note", f"scale_recipe.py --scale {args.scale}"), logs / "pack.log")])[0]
     if code != 0:
         print((logs / "pack.log").read_text()[-3000:])
-        return 1
+        return None, None
     summary["stages"]["pack"] = {"seconds": round(time.time() - t, 1),
                                  "bytes": sum(f.stat().st_size for f in data.iterdir())}
 
-    # 4. fit -----------------------------------------------------------------------------------
-    t = time.time()
-    fit = ["--data", str(data), "--heldout", str(held), "--features", "online", "--gamma", "7",
-           "--batch-size", str(c["batch"]), "--max-anchors", str(c["anchors"]), "--lr", str(c["lr"]),
-           "--draft-vocab", str(c["draft_vocab"]), "--eval-every", str(c["eval_every"]),
-           "--eval-max-anchors", "256", "--ckpt-every", "100000", "--warmup", "0.05",
-           "--feature-batch-tokens", "65536", "--time-budget", str(c["fit_s"])]
-    # steps: the cosine schedule should end near the budget; a short probe measures the step rate
-    probe = out / "runs" / "probe"
-    wait_all([sh(dspark("fit", *common, *fit[:-2], "--time-budget", str(args.probe_s), "--steps", "100000", "--layers", "1",
-                        "--eval-every", "100000", "--out", str(probe)), logs / "probe.log")])
-    recs = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()] if (probe / "metrics.jsonl").exists() else []
-    recs = [r for r in recs if "elapsed" in r]
-    rate = (len(recs) - 3) / max(1e-6, recs[-1]["elapsed"] - recs[2]["elapsed"]) if len(recs) > 5 else 1.0
-    if args.budget_s is not None:  # leave ~60 s for start-up of the runs, the last evaluation and collecting
-        c["fit_s"] = max(10.0, min(c["fit_s"], args.budget_s - (time.time() - t_start) - 60))
-    fit[-1] = str(c["fit_s"])
-    runs = {  # name: (layers, markov rank, subset tokens, step-rate share under contention)
-        "L1-r64": (1, 64, None, 0.55), "L1-r0": (1, 0, None, 0.55), "L2-r64": (2, 64, None, 0.4),
-        **{f"L1-r64-{n // 1000}k": (1, 64, n, 0.55) for n in c["subsets"]},
-    }
-    procs = []
-    for name, (layers, rank, subset, share) in runs.items():
-        steps = max(20, int(rate * share * c["fit_s"]))
-        extra = ["--data-tokens", str(subset)] if subset else []
-        procs.append(sh(dspark("fit", *common, *fit, "--layers", str(layers), "--markov-rank", str(rank),
-                               "--steps", str(steps), *extra, "--out", str(out / "runs" / name)), logs / f"fit.{name}.log",
-                        len(runs)))
-    codes = wait_all(procs, time.time() + c["fit_s"] + 120)
-    results = {}
-    for name in runs:
-        best = out / "runs" / name / "best.json"
-        metrics = out / "runs" / name / "metrics.jsonl"
-        steps_done = sum(1 for x in metrics.read_text().splitlines() if '"loss"' in x) if metrics.exists() else 0
-        results[name] = {"best": json.loads(best.read_text()) if best.exists() else None, "steps": steps_done}
-    summary["stages"]["fit"] = {"seconds": round(time.time() - t, 1), "probe_steps_per_s": round(rate, 3),
-                                "exit_codes": codes, "runs": results}
-    for name, r in results.items():
-        print(f"[fit] {name}: {r['steps']} steps, best {r['best']}", flush=True)
+    return data, held
 
-    summary["seconds_total"] = round(time.time() - t_start, 1)
-    return 0
+
+def pack_draft(draft_dir: Path, tar_path: Path) -> None:
+    """A draft as a tar, without the LM-head rows of a reduced vocabulary: they are the target's
+    own rows (frozen in training), rebuilt by `restore` from the target, and half the file."""
+    import safetensors.torch as st
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stripped = Path(tmp) / draft_dir.name
+        shutil.copytree(draft_dir, stripped)
+        weights = stripped / "model.safetensors"
+        tensors = st.load_file(weights)
+        if "d2t" in tensors:
+            tensors.pop("lm_head.weight", None)
+            st.save_file(tensors, weights)
+        with tarfile.open(tar_path, "w") as tf:
+            tf.add(stripped, arcname=tar_path.stem)
+
+
+def restore(ret: Path, target: str, into: Path) -> list[Path]:
+    """The drafts of a returned folder (parts joined) as loadable draft directories in `into`."""
+    import safetensors.torch as st
+
+    from dspark.target.load import load_target
+
+    into.mkdir(parents=True, exist_ok=True)
+    for first in sorted(ret.glob("draft-*.tar*")):
+        if first.name.endswith(".tar") or first.name.endswith(".part00"):
+            whole = into / first.name.replace(".part00", "")
+            if first.name.endswith(".part00"):
+                whole.write_bytes(b"".join(p.read_bytes() for p in sorted(ret.glob(whole.name + ".part*"))))
+            else:
+                shutil.copy(first, whole)
+            with tarfile.open(whole) as tf:
+                tf.extractall(into, filter="data")
+            whole.unlink()
+    model = None
+    done = []
+    for d in sorted(x for x in into.iterdir() if (x / "model.safetensors").exists()):
+        tensors = st.load_file(d / "model.safetensors")
+        if "d2t" in tensors and "lm_head.weight" not in tensors:
+            if model is None:
+                model, _ = load_target(target, "fp32")
+            ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"]
+            head = model.get_output_embeddings().weight.detach()[ids]  # the trainer's rows, as trained
+            tensors["lm_head.weight"] = head.float().to(tensors["fc.weight"].dtype).contiguous()
+            st.save_file(tensors, d / "model.safetensors")
+        done.append(d)
+    return done
 
 
 def collect(out: Path, logs: Path, summary: dict) -> None:
@@ -239,12 +340,17 @@ def collect(out: Path, logs: Path, summary: dict) -> None:
     shutil.rmtree(ret, ignore_errors=True)
     ret.mkdir()
     results = summary["stages"].get("fit", {}).get("runs", {})
-    scored = {n: r["best"]["tau_greedy"] for n, r in results.items() if r["best"] and n in ("L1-r64", "L2-r64")}
-    if scored:
-        winner = max(scored, key=scored.get)
+    scored = {n: r["best"]["tau_greedy"] for n, r in results.items() if r["best"]}
+    picks = [n for n in ("L1-r64", "L2-r64") if n in scored]
+    returned = []
+    if picks:
+        winner = max(picks, key=scored.get)
         summary["returned_draft"] = winner
-        with tarfile.open(ret / "draft.tar", "w") as tf:
-            tf.add(out / "runs" / winner / "best", arcname=f"draft-{winner}")
+        returned.append(winner)
+    returned += [n for n in ("L1-r64-bonus", "L1-r0") if n in scored]
+    summary["returned_drafts"] = returned
+    for name in returned:
+        pack_draft(out / "runs" / name / "best", ret / f"draft-{name}.tar")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     data = out / "data"
     if (data / "tokens.npz").exists():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, generate_shard
@@ -214,9 +216,32 @@ def test_scale_recipe_runs_every_stage_at_tiny_scale(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"]["data"]["answer_tokens"] > 0
-    assert summary["returned_draft"] in ("L1-r64", "L2-r64")
-    assert {f.name for f in (out / "return").iterdir()} == {"draft.tar", "tokens.npz", "meta.tar.gz"}
+    winner = summary["returned_draft"]
+    assert winner in ("L1-r64", "L2-r64") and summary["returned_drafts"] == [winner, "L1-r64-bonus", "L1-r0"]
+    assert {f.name for f in (out / "return").iterdir()} == {"tokens.npz", "meta.tar.gz", f"draft-{winner}.tar",
+                                                             "draft-L1-r64-bonus.tar", "draft-L1-r0.tar"}
     assert load_sequences(out / "data", 96)
+    # the returned drafts travel without their reduced-vocabulary head rows; restore rebuilds them exactly
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_recipe.py"), "--restore", str(out / "return"),
+                           "--target", str(target), "--out", str(tmp_path / "restored")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in summary["returned_drafts"]:
+        got = load_file(tmp_path / "restored" / f"draft-{name}" / "model.safetensors")
+        want = load_file(out / "runs" / name / "best" / "model.safetensors")
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
+        assert json.loads((tmp_path / "restored" / f"draft-{name}" / "config.json").read_text()) == \
+            json.loads((out / "runs" / name / "best" / "config.json").read_text())
+    # a second run trains on the data set the first one packed (what a GPU session with committed data does)
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_recipe.py"), "--out", str(again), "--target",
+                           str(target), "--scale", "tiny", "--data-from", str(out / "data"), "--heldout-from",
+                           str(out / "heldout.jsonl"), "--runs", "L1-r64,L1-r64-bonus", "--dtype", "fp32",
+                           "--fit-s", "6", "--probe-s", "3"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((again / "summary.json").read_text())
+    assert set(summary["stages"]["fit"]["runs"]) == {"L1-r64", "L1-r64-bonus"}
+    assert summary["returned_drafts"] == ["L1-r64", "L1-r64-bonus"]
 
 
 def test_engine_generator_matches_hf_greedy_and_sampled_answers_do_not_depend_on_batching(tmp_path):

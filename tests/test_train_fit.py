@@ -204,3 +204,22 @@ def test_tap_scaling_is_folded_into_fc_so_the_export_reads_raw_taps(setup):
     exported = draft.context_kv(taps, pos)
     for a, b in zip(trained, exported):
         assert torch.allclose(a.k, b.k, atol=1e-4) and torch.allclose(a.v, b.v, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["anchor_first", "bonus_anchor"])
+def test_one_draft_forward_over_many_sequences_trains_exactly_as_one_per_sequence(setup, layout):
+    """Chunking (several sequences of different lengths padded into one draft forward) is a memory
+    setting, not math: the step's loss and gradient equal sequence-by-sequence training."""
+    d = DraftOptions(gamma=3, num_layers=1, markov_rank=8, n_taps=2, mask_token_id=3, layout=layout)
+    kw = dict(draft=d, steps=4, eval_every=100, ckpt_every=100, head_dtype="fp32", heldout=None)
+    runs = {n: trainer.Run(cfg_for(setup, f"{n}-{layout}", chunk_anchors=n, **kw), trainer.distributed.setup(), False)
+            for n in (1, 10_000)}
+    epoch, local = runs[1].batch(0)
+    blocks = [runs[1].blocks(epoch, i) for i in local]
+    assert len(runs[1].chunks(local, blocks)) == len(local)  # one sequence per forward
+    assert len(runs[10_000].chunks(local, blocks)) == 1 and len({len(runs[1].seqs[i].ids) for i in local}) > 1
+    recs = {n: run.train_step(0) for n, run in runs.items()}
+    assert recs[10_000]["loss"] == pytest.approx(recs[1]["loss"], rel=1e-5)
+    assert recs[10_000]["grad_norm"] == pytest.approx(recs[1]["grad_norm"], rel=1e-4)
+    for p1, p2 in zip(runs[1].params, runs[10_000].params):
+        assert torch.allclose(p1.grad, p2.grad, rtol=1e-4, atol=1e-7)

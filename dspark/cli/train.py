@@ -113,6 +113,8 @@ def _fit_args(p) -> None:
     g.add_argument("--eval-max-anchors", type=int, default=64)
     g.add_argument("--ckpt-every", type=int, default=100)
     g.add_argument("--feature-batch-tokens", type=int, default=4096)
+    g.add_argument("--chunk-anchors", type=int, default=1024,
+                   help="blocks per draft forward within a step (a memory bound; the step's math is the same)")
     g.add_argument("--format", default="speculators", choices=("speculators", "deepspec"),
                    help="format of the checkpoint export in <out>/draft")
     g.add_argument("--verifier", default=None, help="verifier name recorded in speculators configs")
@@ -297,7 +299,7 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
                        l1_weight=args.l1_weight, conf_weight=args.conf_weight, tap_scale=not args.no_tap_scale, head_dtype=args.head_dtype,
                        max_seq_len=args.max_seq_len, seed=args.seed,
                        eval_every=args.eval_every, eval_max_anchors=args.eval_max_anchors, ckpt_every=args.ckpt_every,
-                       feature_batch_tokens=args.feature_batch_tokens, export_format=args.format, verifier=args.verifier,
+                       feature_batch_tokens=args.feature_batch_tokens, chunk_anchors=args.chunk_anchors, export_format=args.format, verifier=args.verifier,
                        data_tokens=args.data_tokens, time_budget=args.time_budget, init=args.init)
 
 

@@ -17,7 +17,7 @@ from dspark.model.factory import make_spec
 from dspark.train.errors import TrainError
 
 # May differ between a run and its resume: they do not change what is computed.
-RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "out", "features",
+RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "chunk_anchors", "out", "features",
                      "heldout", "export_format", "verifier", "time_budget"}
 
 
@@ -87,6 +87,7 @@ class TrainConfig:
     eval_max_anchors: int = 64
     ckpt_every: int = 100
     feature_batch_tokens: int = 4096
+    chunk_anchors: int = 1024  # blocks per draft forward in a step (memory, not math: see Run.chunks)
     export_format: str = "speculators"
     verifier: str | None = None  # recorded in exported speculators configs; default from the target
     data_tokens: int | None = None  # train on a seeded subset of about this many answer tokens (scaling curves)
@@ -96,7 +97,8 @@ class TrainConfig:
     def check(self) -> None:
         positive = {"batch_size": self.batch_size, "lr": self.lr, "decay": self.decay, "max_seq_len": self.max_seq_len,
                     "eval_every": self.eval_every, "ckpt_every": self.ckpt_every, "epochs": self.epochs,
-                    "feature_batch_tokens": self.feature_batch_tokens, "eval_max_anchors": self.eval_max_anchors}
+                    "feature_batch_tokens": self.feature_batch_tokens,
+                    "chunk_anchors": self.chunk_anchors, "eval_max_anchors": self.eval_max_anchors}
         for name, v in positive.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")

@@ -108,6 +108,19 @@ def make_blocks(ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tenso
     return Blocks(anchors, block_ids, ids[prev_pos], label_pos, slot_valid, slot_decay(layout, gamma, decay))
 
 
+def pack_blocks(blocks: list[Blocks], lengths: list[int]) -> tuple[Blocks, torch.Tensor]:
+    """Blocks of several sequences as one: label positions index the sequences laid end to end
+    (ids and final states concatenated in the same order); anchors stay per sequence, because
+    they are context lengths and RoPE positions. Returns (blocks, [N] sequence of each block)."""
+    offsets = [0]
+    for n in lengths[:-1]:
+        offsets.append(offsets[-1] + n)
+    cat = lambda name: torch.cat([getattr(b, name) for b in blocks])  # noqa: E731
+    label_pos = torch.cat([b.label_pos + o for b, o in zip(blocks, offsets)])
+    seq = torch.cat([torch.full((b.anchors.numel(),), k, dtype=torch.long) for k, b in enumerate(blocks)])
+    return Blocks(cat("anchors"), cat("block_ids"), cat("prev_ids"), label_pos, cat("slot_valid"), blocks[0].decay), seq
+
+
 @dataclass
 class RowOutputs:
     """Draft outputs on the weighted rows of a batch of blocks (flattened)."""
@@ -129,9 +142,11 @@ class RowOutputs:
 
 def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: torch.Tensor, lm_head,
                head_weight: torch.Tensor | None = None) -> RowOutputs:
-    """Run the draft on all blocks of one sequence; keep the rows that carry weight.
+    """Run the draft on all blocks of one sequence (or of several, see pack_blocks); keep the rows
+    that carry weight.
 
-    ctx_kv: draft.context_kv of the whole sequence (one entry per position, masked per anchor);
+    ctx_kv: draft.context_kv of the whole sequence (one entry per position, masked per anchor),
+    batch 1, or one row per block;
     final_hidden [L, H]: the target's post-norm last hidden states; lm_head maps them to logits.
     head_weight: a low-precision copy of the draft's frozen (borrowed) LM head. Its matmul is most
     of the training FLOPs, and a bf16 target runs the draft head in bf16 at decode time anyway.

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.formats.load import load_spec, load_weights
+from dspark.model.layers import LayerKV
 from dspark.model.load import build_draft
 from dspark.target.load import load_target
 from dspark.train import distributed
@@ -33,7 +34,7 @@ from dspark.train.evaluate import evaluate
 from dspark.train.export import checkpoint_tensors, default_verifier, write_draft
 from dspark.train.features import (CachedFeatures, OnlineFeatures, ScaledFeatures, build_cache, cache_bytes, data_digest,
                                    tap_scale)
-from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, sample_anchors
+from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, pack_blocks, sample_anchors
 from dspark.train.rundir import BEST, CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
 from dspark.train.vocab import d2t_offsets, select_draft_vocab
 
@@ -267,21 +268,51 @@ class Run:
         return make_blocks(s.ids, s.loss_mask, anchors, layout=d.layout, gamma=d.gamma,
                            mask_token_id=d.mask_token_id, decay=self.cfg.decay)
 
+    def chunks(self, local: list[int], blocks: list) -> list[list[int]]:
+        """Positions in `local` grouped so a chunk holds at most cfg.chunk_anchors blocks (a sequence
+        with more goes alone): one draft forward per chunk instead of one per sequence."""
+        out, cur, n = [], [], 0
+        for k, blk in enumerate(blocks):
+            a = blk.anchors.numel()
+            if a == 0:
+                continue
+            if cur and n + a > self.cfg.chunk_anchors:
+                out.append(cur)
+                cur, n = [], 0
+            cur.append(k)
+            n += a
+        return out + ([cur] if cur else [])
+
+    def chunk_rows(self, group: list[int], local: list[int], blocks: list, feats: list):
+        """Draft outputs of a chunk of sequences in one forward: taps padded to the longest
+        sequence (padding lies past every anchor, so the context mask hides it), each block
+        reading its own sequence's context K/V."""
+        dev = self.draft.fc.weight.device
+        seqs = [self.seqs[local[k]] for k in group]
+        lengths = [len(s.ids) for s in seqs]
+        T = max(lengths)
+        taps = torch.zeros(len(group), T, feats[group[0]][0].shape[-1], device=dev)  # [b, T, n_taps*Ht]
+        for row, k in enumerate(group):
+            taps[row, : lengths[row]] = feats[k][0].to(dev, torch.float32)
+        ctx = self.draft.context_kv(taps, torch.arange(T, device=dev)[None].expand(len(group), -1))
+        packed, seq = pack_blocks([blocks[k] for k in group], lengths)
+        if len(group) > 1:
+            seq = seq.to(dev)
+            ctx = [LayerKV(kv.k[seq], kv.v[seq]) for kv in ctx]
+        ids = torch.cat([s.ids for s in seqs])
+        final = torch.cat([feats[k][1] for k in group])
+        return draft_rows(self.draft, ctx, packed, ids, final, self.lm_head, self.head_weight)
+
     def train_step(self, step: int) -> dict:
         epoch, batch = self.batch(step)
         local = batch[self.ctx.rank :: self.ctx.world]
         blocks = [self.blocks(epoch, i) for i in local]
         (denom,) = distributed.all_sum(self.ctx, [sum(float(b.weight.sum()) for b in blocks)])
         self.opt.zero_grad(set_to_none=True)
-        dev = self.draft.fc.weight.device
         sums = [0.0, 0.0, 0.0, 0.0]
-        for i, blk, (taps, final) in zip(local, blocks, self.features.get(local)):
-            if blk.anchors.numel() == 0:
-                continue
-            seq = self.seqs[i]
-            ctx_kv = self.draft.context_kv(taps[None].to(dev, torch.float32), torch.arange(len(seq.ids), device=dev)[None])
-            out = draft_rows(self.draft, ctx_kv, blk, seq.ids, final, self.lm_head, self.head_weight)
-            s = loss_sums(out, self.weights)
+        feats = self.features.get(local)
+        for group in self.chunks(local, blocks):
+            s = loss_sums(self.chunk_rows(group, local, blocks, feats), self.weights)
             (s.total / max(denom, 1e-9)).backward()
             sums = [a + b for a, b in zip(sums, (float(s.total.detach()), s.ce, s.l1, s.conf))]
         distributed.sum_gradients(self.ctx, self.params)
