@@ -8,12 +8,22 @@ prompt sets (seeded random prompts: the tiny target has no tokenizer). Prints on
 run and a markdown table.
 
     PYTHONPATH=. python scripts/doctor_calibration.py [--sets 3] [--out DIR]
+
+With --draft (repeatable), real drafts of a real target instead: each draft file and its lying
+variants (the same weights with an edited config.json: layout flipped with block_size and
+speculative_tokens adjusted, aux_hidden_state_layer_ids - 1, mask_token_id 2) go through the
+`dspark doctor` command exactly as a user runs it (default settings; --prompts adds a prompt file).
+
+    PYTHONPATH=. python scripts/doctor_calibration.py --target smollm2 --draft DIR [--draft DIR2] [--prompts F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -34,11 +44,65 @@ LIES = {
 }
 
 
+def _flip_layout(cfg: dict) -> None:
+    gamma = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    cfg["sample_from_anchor"] = not cfg["sample_from_anchor"]
+    cfg["block_size"] = gamma if cfg["sample_from_anchor"] else gamma + 1
+
+
+CONFIG_LIES = {
+    "none": lambda c: None,
+    "layout flipped": _flip_layout,
+    "taps -1": lambda c: c.update(aux_hidden_state_layer_ids=[i - 1 for i in c["aux_hidden_state_layer_ids"]]),
+    "mask 2": lambda c: c.update(mask_token_id=2),
+}
+
+
+def real_drafts(args) -> None:
+    """Each speculators draft and its config-edited lies through `dspark doctor --json`."""
+    root = Path(args.out or tempfile.mkdtemp(prefix="doctor-cal-"))
+    print("| draft | true tau | lie | verdict | exit | generated tokens / anchors | wall s |\n|---|---|---|---|---|---|---|")
+    for draft in map(Path, args.draft):
+        truth = None
+        for lie, edit in CONFIG_LIES.items():
+            path = root / f"{draft.name}-{lie.replace(' ', '')}"
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.copytree(draft, path)
+            cfg = json.loads((path / "config.json").read_text())
+            edit(cfg)
+            (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            cmd = [sys.executable, "-m", "dspark", "doctor", "--target", args.target, "--draft", str(path), "--json"]
+            cmd += ["--prompts", args.prompts] if args.prompts else []
+            cmd += ["--threads", str(args.threads)] if args.threads else []
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            try:
+                r = json.loads(proc.stdout)
+            except json.JSONDecodeError:
+                print(f"| {draft.name} | ? | {lie} | failed: {proc.stderr.strip().splitlines()[-1:]} | {proc.returncode} | | |")
+                continue
+            readings = r.get("readings") or []
+            declared = readings[0]["accept_length"] if readings else None
+            truth = declared if lie == "none" else truth
+            best = r.get("explained_by")
+            verdict = r["verdict"] + (f" -> {best}" if best and r["verdict"] == "misread" else "")
+            t = r.get("text") or {}
+            print(f"| {draft.name} | {truth if truth is None else round(truth, 2)} | {lie} | {verdict} | "
+                  f"{proc.returncode} | {t.get('generated_tokens')} / {t.get('anchors')} | {wall:.0f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sets", type=int, default=3, help="prompt sets (seeds)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--draft", action="append", default=None, help="a real speculators draft (repeatable)")
+    ap.add_argument("--target", default="smollm2", help="with --draft: the target")
+    ap.add_argument("--prompts", default=None, help="with --draft: a prompt file the doctor uses first")
+    ap.add_argument("--threads", type=int, default=None, help="with --draft: the doctor's --threads")
     args = ap.parse_args()
+    if args.draft:
+        return real_drafts(args)
     torch.set_num_threads(1)
     root = Path(args.out or tempfile.mkdtemp(prefix="doctor-cal-"))
     model = _train_target()

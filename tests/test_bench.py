@@ -141,3 +141,37 @@ def test_arm_parsing_and_prompt_set_errors(setup, tmp_path):
     rc = main(["bench", "--target", str(setup / "target"), "--arms", "hf", "--baseline", "full",
                "--out", str(tmp_path / "o")])
     assert rc == 2  # a baseline that is not an arm: one-line error before any model loads
+
+
+def test_bench_measures_target_runtimes_side_by_side(setup, tmp_path, capsys):
+    """`--runtimes`: transformers generate and the native runtime's weight formats in the same run,
+    each with tokens/s, the 8-token verify cost against a 1-token step and the engine's overhead."""
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", str(setup / "target"), "--no-spec", "--dtype", "fp32", "--device", "cpu",
+               "--prompts", str(setup / "mine.txt"), "--sets", "mine", "--limit", "1", "--max-new-tokens", "8",
+               "--ignore-eos", "--arms", "hf,plain", "--runtimes", "hf-fp32,native-fp32,native-int8",
+               "--runtime-rounds", "1", "--out", str(out)])
+    assert rc == 0
+    rt = json.loads((out / "results.json").read_text())["runtimes"]
+    rows = {r["arm"]: r for r in rt["rows"]}
+    assert list(rows) == ["hf-fp32", "native-fp32", "native-int8"]
+    for name, r in rows.items():
+        assert r["tokens_per_s"] > 0 and set(r["ms"]) == {"1", "2", "4", "8"} and r["verify8_over_1"] > 0, name
+    assert rows["hf-fp32"]["engine_overhead"] is None  # generate has no engine
+    assert all(0 <= rows[n]["engine_overhead"] < 1 for n in ("native-fp32", "native-int8"))
+    assert (rows["native-fp32"]["format"], rows["native-int8"]["format"]) == ("fp32", "int8")
+    md = (out / "results.md").read_text()
+    assert "## Target runtimes" in md and "| native-int8 | int8" in md and "--runtimes hf-fp32,native-fp32,native-int8" in md
+    capsys.readouterr()
+    assert main(["bench", "--target", str(setup / "target"), "--no-spec", "--dtype", "fp32", "--device", "cpu",
+                 "--sets", "chat", "--limit", "1", "--max-new-tokens", "4", "--arms", "hf", "--runtimes", "native-int3",
+                 "--out", str(tmp_path / "bad")]) == 2
+    assert "unknown runtime arm 'native-int3'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # refused before anything ran
+
+
+def test_bench_runtime_command_on_any_supported_target(setup, capsys):
+    assert main(["bench-runtime", "--target", str(setup / "target"), "--arms", "hf-fp32,native-fp32",
+                 "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| native-fp32 | fp32 |" in out and "8-token verify / 1-token step" in out and "weights='auto' picks" in out

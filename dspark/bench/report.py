@@ -77,6 +77,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| {set_name} | {arm['label']} | {t['wall']:.2f} | {t['target_forward']:.2f} | "
                          f"{t['draft']:.2f} | {t['overhead']:.2f} | {t['engine_verify_span']:.2f} | "
                          f"{t['engine_other_span']:.2f} |")
+    if results.get("runtimes"):
+        lines += ["", "## Target runtimes (plain decoding, batch 1, arms alternated)", "", results["runtimes"]["table"]]
     lines += ["", f"Reproduce: `{results['command']}`", ""]
     return "\n".join(lines)
 

@@ -1,11 +1,13 @@
 """Target runtimes side by side: plain greedy decoding and the cost of verification.
 
-    dspark bench-runtime [--threads 1] [--tokens 64] [--rounds 3] [--arms ...]
+    dspark bench-runtime [--target T] [--threads 1] [--tokens 64] [--rounds 3] [--arms ...]
+    dspark bench ... --runtimes ARMS     (the same table inside a bench run's results)
 
-On SmolLM2, batch 1, in one process with the arms alternated round by round (the machine is
-shared and noisy: only a side-by-side figure means anything), it prints per arm:
+On one target (SmolLM2 by default), batch 1, in one process with the arms alternated round by
+round (the machine is shared and noisy: only a side-by-side figure means anything), per arm:
 - tokens/s of plain greedy decoding: transformers `generate` (bf16, fp32) and dspark's engine
-  without a draft on each runtime/weight format;
+  without a draft on each runtime/weight format, with the engine's overhead (the share of its
+  wall time spent outside target forwards);
 - the cost of one forward of 1, 2, 4 and 8 tokens on a cache of --context tokens, and the ratio
   8 tokens / 1 token (what speculation has to pay to verify gamma+1 = 8 tokens);
 - the weight format `auto` picks for this model on this machine.
@@ -21,9 +23,13 @@ import time
 
 import torch
 
+from dspark.bench.runner import ForwardTimer
+from dspark.engine.engine import Engine
+from dspark.engine.sampling import SamplingParams
+from dspark.engine.timing import now
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
-from dspark.target.load import cpu_model_and_flags, load_target
+from dspark.target.load import SMOLLM2, cpu_model_and_flags, load_target
 from dspark.target.native import WEIGHTS, NativeTarget
 
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto"
@@ -39,99 +45,135 @@ def cpu_class() -> str:
     return f"{name}, {os.cpu_count()} cores, {' '.join(feats) or 'no AVX2'}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def _hf_decode(model, ids: torch.Tensor, n: int) -> float:
-    t = time.perf_counter()
+def _prompt_ids(tok) -> torch.Tensor:
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                      return_tensors="pt")
+        return ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    return torch.tensor([tok.encode(PROMPT)])
+
+
+def _hf_decode(model, ids: torch.Tensor, n: int, device) -> float:
+    ids = ids.to(device)
+    t = now(device)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                    pad_token_id=0, eos_token_id=None)
-    return n / (time.perf_counter() - t)
+    return n / (now(device) - t)
 
 
-def _engine_decode(target, ids: torch.Tensor, n: int) -> float:
-    from dspark.engine.engine import Engine
-    from dspark.engine.sampling import SamplingParams
-
+def _engine_decode(target, ids: torch.Tensor, n: int, timer: ForwardTimer, device) -> tuple[float, float]:
+    """(tokens/s, engine overhead: the share of the wall time outside target forwards)."""
     eng = Engine(target, None)
-    t = time.perf_counter()
+    before = timer.seconds
+    t = now(device)
     req = eng.generate(ids[0].tolist(), SamplingParams(max_new_tokens=n, ignore_eos=True))
-    dt = time.perf_counter() - t
-    assert len(req.output_ids) == n
-    return n / dt
+    dt = now(device) - t
+    if len(req.output_ids) != n:
+        raise DSparkError(f"the engine wrote {len(req.output_ids)} tokens, asked for {n}")
+    return n / dt, max(0.0, 1.0 - (timer.seconds - before) / dt)
 
 
-def _verify_costs(target, context: int, sizes=(1, 2, 4, 8), reps: int = 5) -> dict[int, float]:
+def _verify_costs(target, context: int, device, sizes=(1, 2, 4, 8), reps: int = 5) -> dict[int, float]:
     """Median seconds of a forward of s tokens on a cache of `context` committed tokens (then dropped)."""
     gen = torch.Generator().manual_seed(0)
     state = target.new_state(1)
-    target.forward(state, torch.randint(4, target.vocab_size, (1, context), generator=gen))
-    target.commit(state, torch.tensor([context]))
+    target.forward(state, torch.randint(4, target.vocab_size, (1, context), generator=gen).to(device))
+    target.commit(state, torch.tensor([context], device=device))
     out = {}
     for s in sizes:
-        x = torch.randint(4, target.vocab_size, (1, s), generator=gen)
+        x = torch.randint(4, target.vocab_size, (1, s), generator=gen).to(device)
         times = []
         for _ in range(reps + 1):
-            t = time.perf_counter()
+            t = now(device)
             target.forward(state, x)
-            times.append(time.perf_counter() - t)
-            target.commit(state, torch.zeros(1, dtype=torch.long))
+            times.append(now(device) - t)
+            target.commit(state, torch.zeros(1, dtype=torch.long, device=device))
         out[s] = statistics.median(times[1:])
     return out
 
 
-def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int) -> list[dict]:
-    torch.set_num_threads(threads)
-    m32, tok = load_target("smollm2", "fp32", "cpu")
-    m16 = load_target("smollm2", "bf16", "cpu")[0] if any(a.endswith("bf16") and a.startswith("hf") for a in arms) else None
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt")
-    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
-    runners = {}
+def parse_arms(text: str) -> list[str]:
+    """'hf-bf16,native-auto' -> the arm names, refused by name when unknown (before anything loads)."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
     for a in arms:
+        kind, _, fmt = a.partition("-")
+        if not ((kind == "hf" and fmt in ("bf16", "fp32")) or (kind == "native" and fmt in WEIGHTS)):
+            raise DSparkError(f"unknown runtime arm {a!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>)")
+    if not arms or len(set(arms)) != len(arms):
+        raise DSparkError(f"runtime arms {text!r}: give each arm once, at least one")
+    return arms
+
+
+def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, target: str = SMOLLM2,
+        device: str = "cpu") -> list[dict]:
+    torch.set_num_threads(threads)
+    m32, tok = load_target(target, "fp32", device)
+    if tok is None:
+        raise DSparkError(f"target {target!r} has no tokenizer: the runtime arms decode a text prompt")
+    m16 = load_target(target, "bf16", device)[0] if any(a == "hf-bf16" for a in arms) else None
+    ids = _prompt_ids(tok)
+    if context + 8 + 1 > m32.config.max_position_embeddings:
+        raise DSparkError(f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions")
+    runners = {}
+    for a in parse_arms(",".join(arms)):
         kind, _, fmt = a.partition("-")
         if kind == "hf":
             model = m16 if fmt == "bf16" else m32
             runners[a] = (model, HFTarget(model))
-        elif kind == "native":
-            runners[a] = (None, NativeTarget(m32, weights=fmt))
         else:
-            raise DSparkError(f"unknown arm {a!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>)")
+            runners[a] = (None, NativeTarget(m32, weights=fmt))
     tps = {a: [] for a in arms}
+    over = {a: [] for a in arms}
     cost = {a: [] for a in arms}
-    with torch.inference_mode():
-        for a in arms:  # warm-up: first calls pay allocator and kernel selection
-            model, target = runners[a]
-            (_hf_decode(model, ids, 8) if model is not None else _engine_decode(target, ids, 8))
-            _verify_costs(target, 32, reps=1)
-        for r in range(rounds):
-            order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
-            for a in order:
-                model, target = runners[a]
-                tps[a].append(_hf_decode(model, ids, tokens) if model is not None else _engine_decode(target, ids, tokens))
-                cost[a].append(_verify_costs(target, context))
+    timer = ForwardTimer(m32, device)  # native targets: their forward; hf-fp32 engine arms: the module
+    try:
+        with torch.inference_mode():
+            for a in arms:  # warm-up: first calls pay allocator and kernel selection
+                model, tgt = runners[a]
+                (_hf_decode(model, ids, 8, device) if model is not None else _engine_decode(tgt, ids, 8, timer, device))
+                _verify_costs(tgt, 32, device, reps=1)
+            for r in range(rounds):
+                order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
+                for a in order:
+                    model, tgt = runners[a]
+                    if model is not None:
+                        tps[a].append(_hf_decode(model, ids, tokens, device))
+                    else:
+                        rate, o = _engine_decode(tgt, ids, tokens, timer, device)
+                        tps[a].append(rate)
+                        over[a].append(o)
+                    cost[a].append(_verify_costs(tgt, context, device))
+    finally:
+        timer.close()
     rows = []
     for a in arms:
         t = {s: statistics.median(c[s] for c in cost[a]) for s in cost[a][0]}
-        target = runners[a][1]
+        tgt = runners[a][1]
         rows.append({
             "arm": a,
             "runtime": "transformers generate" if a.startswith("hf") else "dspark engine, native",
-            "format": getattr(target, "weights", str(target.dtype).removeprefix("torch.")),
-            "head": getattr(target, "head_format", ""),
+            "format": getattr(tgt, "weights", str(tgt.dtype).removeprefix("torch.")),
+            "head": getattr(tgt, "head_format", ""),
             "tokens_per_s": statistics.median(tps[a]),
+            "engine_overhead": statistics.median(over[a]) if over[a] else None,
             "ms": {s: 1e3 * v for s, v in t.items()},
             "verify8_over_1": t[8] / t[1],
         })
     return rows
 
 
-def table(rows: list[dict], threads: int, tokens: int, context: int) -> str:
+def table(rows: list[dict], threads: int, tokens: int, context: int, target: str = SMOLLM2) -> str:
     best_hf = max((r["tokens_per_s"] for r in rows if r["arm"].startswith("hf")), default=None)
-    out = [f"CPU: {cpu_class()}; torch threads {threads}; SmolLM2-135M-Instruct, batch 1, "
+    name = "SmolLM2-135M-Instruct" if target == SMOLLM2 else target
+    out = [f"CPU: {cpu_class()}; torch threads {threads}; {name}, batch 1, "
            f"{tokens} greedy tokens; forward costs on a {context}-token cache",
            "",
-           "| arm | weights (head) | plain decode tok/s | x best HF generate | 1 tok ms | 2 tok ms | 4 tok ms | 8 tok ms | 8-token verify / 1-token step |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| arm | weights (head) | plain decode tok/s | x best HF generate | engine overhead | 1 tok ms | 2 tok ms | 4 tok ms | 8 tok ms | 8-token verify / 1-token step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x = f"{r['tokens_per_s'] / best_hf:.2f}x" if best_hf else "-"
         fmt = r["format"] + (f" ({r['head']})" if r["head"] and r["head"] != r["format"] else "")
         ms = " | ".join(f"{r['ms'][s]:.1f}" for s in (1, 2, 4, 8))
-        out.append(f"| {r['arm']} | {fmt} | {r['tokens_per_s']:.1f} | {x} | {ms} | {r['verify8_over_1']:.2f}x |")
+        ov = "-" if r["engine_overhead"] is None else f"{100 * r['engine_overhead']:.1f}%"
+        out.append(f"| {r['arm']} | {fmt} | {r['tokens_per_s']:.1f} | {x} | {ov} | {ms} | {r['verify8_over_1']:.2f}x |")
     return "\n".join(out)

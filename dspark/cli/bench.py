@@ -16,11 +16,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from dspark.api import build_engine
 from dspark.bench.machine import load_average, machine_info
 from dspark.bench.profile import ProfileError, build_profile, checkpoint_id, write_profile
 from dspark.bench.prompts import load_sets
 from dspark.bench.report import markdown, plots
+from dspark.bench.runtime import parse_arms as parse_runtime_arms, run as runtime_arms, table as runtime_table
 from dspark.bench.runner import (EngineRunner, ForwardTimer, HFRunner, aggregate, default_arms, interleaved, parse_arms,
                                  sampling_params)
 from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
@@ -29,6 +32,7 @@ from dspark.errors import DSparkError
 from dspark.target.load import SMOLLM2
 
 DEFAULT_CONCURRENCY = 4
+RUNTIME_CONTEXT = 200  # cached tokens under the runtime arms' verify-cost forwards
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default="hf", help="arm that ratios are taken against (default hf)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the lookup arm")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every arm")
+    p.add_argument("--runtimes", default=None, metavar="ARMS",
+                   help="also measure target runtimes side by side (e.g. hf-bf16,hf-fp32,native-bf16,native-auto): "
+                        "plain-decoding tokens/s against transformers generate, engine overhead and the cost of an "
+                        "8-token verify against a 1-token step, in results.json/md under 'runtimes'")
+    p.add_argument("--runtime-rounds", type=int, default=3, help="alternated rounds of the runtime arms")
     p.add_argument("--out", required=True, help="output folder (created)")
 
 
@@ -69,6 +78,10 @@ def _check_args(args) -> None:
         raise DSparkError("--concurrency must be >= 1")
     if args.lookup_tokens < 1:
         raise DSparkError("--lookup-tokens must be >= 1")
+    if args.runtime_rounds < 1:
+        raise DSparkError("--runtime-rounds must be >= 1")
+    if args.runtimes is not None:
+        parse_runtime_arms(args.runtimes)
 
 
 def reproduce_command(args) -> str:
@@ -95,7 +108,10 @@ def reproduce_command(args) -> str:
         if getattr(args, flag):
             parts.append(f"--{flag.replace('_', '-')}")
     parts += ["--concurrency", str(args.concurrency), "--arms", args.arms_resolved, "--baseline", args.baseline,
-              "--lookup-tokens", str(args.lookup_tokens), "--out", args.out]
+              "--lookup-tokens", str(args.lookup_tokens)]
+    if args.runtimes:
+        parts += ["--runtimes", args.runtimes, "--runtime-rounds", str(args.runtime_rounds)]
+    parts += ["--out", args.out]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -177,6 +193,15 @@ def run(args) -> int:
         chunks = interleaved(arms, runners, sets, encoded, params_for, timer, device, progress=_progress)
     finally:
         timer.close()
+    runtimes = None
+    if args.runtimes:
+        rt_arms = parse_runtime_arms(args.runtimes)
+        threads = torch.get_num_threads()
+        print(f"bench: runtime arms {', '.join(rt_arms)}", file=sys.stderr)
+        rows = runtime_arms(rt_arms, threads, args.max_new_tokens, args.runtime_rounds, RUNTIME_CONTEXT,
+                            args.target, device)
+        runtimes = {"threads": threads, "tokens": args.max_new_tokens, "context": RUNTIME_CONTEXT, "rows": rows,
+                    "table": runtime_table(rows, threads, args.max_new_tokens, RUNTIME_CONTEXT, args.target)}
     machine["load_average_end"] = load_average()
     table = aggregate(chunks, arms, [s.name for s in sets])
     profile_arm = _profile_arm(arms)
@@ -198,6 +223,8 @@ def run(args) -> int:
             for s, arms_stats in table.items()
         },
     }
+    if runtimes is not None:
+        results["runtimes"] = runtimes
     if args.temperature > 0:
         # sampled arms draw from different random streams: equal text says nothing about losslessness
         for block in results["sets"].values():

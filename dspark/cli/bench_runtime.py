@@ -6,12 +6,14 @@ import argparse
 
 import torch
 
-from dspark.bench.runtime import DEFAULT_ARMS, run as run_arms, table
-from dspark.target.load import load_target
+from dspark.bench.runtime import DEFAULT_ARMS, parse_arms, run as run_arms, table
+from dspark.target.load import SMOLLM2, load_target
 from dspark.target.native import resolve_weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=SMOLLM2, help="'smollm2' (default) or a Hugging Face model directory")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS})")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode measurement")
@@ -20,9 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    rows = run_arms(arms, args.threads, args.tokens, args.rounds, args.context)
-    print(table(rows, args.threads, args.tokens, args.context))
-    auto = resolve_weights(load_target("smollm2", "fp32", "cpu")[0], "auto", "cpu")
-    print(f"\nweights='auto' picks {auto!r} for SmolLM2 here")
+    arms = parse_arms(args.arms)
+    rows = run_arms(arms, args.threads, args.tokens, args.rounds, args.context, args.target, args.device)
+    print(table(rows, args.threads, args.tokens, args.context, args.target))
+    auto = resolve_weights(load_target(args.target, "fp32", args.device)[0], "auto", args.device)
+    print(f"\nweights='auto' picks {auto!r} for this target here")
     return 0
