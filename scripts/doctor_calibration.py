@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from dspark.api import EngineConfig, build_engine
-from dspark.bench.doctor import EXIT_UNHEALTHY, diagnose, layout_readings
+from dspark.bench.doctor import EXIT_UNHEALTHY, diagnose, layout_readings, quick_check
 from dspark.formats.convert import write_speculators
 from tests.trained import TAPS, WEAK_STEPS, _train_draft, _train_target
 
@@ -61,7 +61,10 @@ CONFIG_LIES = {
 def real_drafts(args) -> None:
     """Each speculators draft and its config-edited lies through `dspark doctor --json`."""
     root = Path(args.out or tempfile.mkdtemp(prefix="doctor-cal-"))
-    print("| draft | true tau | lie | verdict | exit | generated tokens / anchors | wall s |\n|---|---|---|---|---|---|---|")
+    print("| draft | true tau | lie | verdict | exit | generated tokens / anchors | wall s | load-time check |\n"
+          "|---|---|---|---|---|---|---|---|")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for draft in map(Path, args.draft):
         truth = None
         for lie, edit in CONFIG_LIES.items():
@@ -77,6 +80,12 @@ def real_drafts(args) -> None:
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)
             wall = time.perf_counter() - t0
+            (root / f"{path.name}.json").write_text(proc.stdout)
+            # the engine's load-time check (what `dspark generate` runs before decoding) on the same file
+            t1 = time.perf_counter()
+            warned = quick_check(build_engine(EngineConfig(target=args.target, draft=str(path), check=False,
+                                                           threads=args.threads)))
+            load_time = f"{'warns' if warned else 'quiet'}, {time.perf_counter() - t1:.0f} s"
             try:
                 r = json.loads(proc.stdout)
             except json.JSONDecodeError:
@@ -89,7 +98,8 @@ def real_drafts(args) -> None:
             verdict = r["verdict"] + (f" -> {best}" if best and r["verdict"] == "misread" else "")
             t = r.get("text") or {}
             print(f"| {draft.name} | {truth if truth is None else round(truth, 2)} | {lie} | {verdict} | "
-                  f"{proc.returncode} | {t.get('generated_tokens')} / {t.get('anchors')} | {wall:.0f} |", flush=True)
+                  f"{proc.returncode} | {t.get('generated_tokens')} / {t.get('anchors')} | {wall:.0f} | {load_time} |",
+                  flush=True)
 
 
 def main() -> None:

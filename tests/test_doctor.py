@@ -73,7 +73,7 @@ def test_correct_checkpoint_is_healthy(trained, strength):
     assert report.verdict == "healthy" and report.exit_code() == 0 and not report.diagnoses, report.to_json()
     declared = report.readings[0]
     tau = declared.accept_length
-    assert declared.name == "declared" and (tau > 1.6 if strength == "healthy" else 1.2 <= tau <= 1.6), tau
+    assert declared.name == "declared" and (tau > 1.6 if strength == "healthy" else 1.2 <= tau <= 1.65), tau  # the issue's weak drafts: tau about 1.3-1.6
     names = {r.name for r in report.readings}
     assert {"bonus-anchor", "bonus-anchor(block_size 4)", "taps-1", "mask=0", "mask=2",
             "bonus-anchor taps-1 mask=2"} <= names
@@ -194,3 +194,22 @@ def test_measured_acceptance_is_the_engines(trained):
         measured.append(int(L[pos]))
         pos += a + 1
     assert measured == steps[: len(measured)] and len(measured) >= 10 and sum(measured) > 0
+
+
+def test_no_reading_is_dropped_on_a_handful_of_texts_and_explanations_stand_on_the_same_text(trained):
+    """Issue 14, found calibrating weak SmolLM2 drafts: after 4 texts the long-run variance is too
+    unreliable to exclude a reading (the true mask of a tau-1.14 draft was excluded there, and the
+    diagnosis then carried an irrelevant taps change). Exclusion waits for MIN_TEXTS_TO_EXCLUDE
+    texts, and the simpler readings of an explanation are measured on the evidence's text."""
+    from dspark.bench.doctor import MIN_TEXTS_TO_EXCLUDE, simpler_readings
+
+    writer, make, _, _ = LIES["mask"]
+    path = _variant(trained, "mask", writer, make(_spec(trained, "weak")), "weak")
+    report = _run(trained, path, budget=Budget(prompts=4, tokens=64, max_tokens=4096))
+    first = report.rounds[0]
+    assert first["texts"] < MIN_TEXTS_TO_EXCLUDE and first["open"] == report.thresholds["alternatives"]
+    best = report.best
+    assert best is not None and best.name == f"mask={MASK}"
+    combo = next(r for r in report.readings if r.name == f"taps-1 mask={MASK}")
+    assert {r.name for r in simpler_readings(report.readings, combo)} == {f"mask={MASK}", "taps-1"}
+    assert simpler_readings(report.readings, best) == []
