@@ -22,7 +22,7 @@ from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.formats.load import LAYOUTS
 from dspark.model.factory import default_taps
 from dspark.target.load import RUNTIMES, load_target, resolve_target_file
-from dspark.train.config import DraftOptions, TrainConfig
+from dspark.train.config import FEATURE_RUNTIMES, DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, eos_ids, generate_shard
 from dspark.train.dataset import load_sequences
 from dspark.train.e2e import engine_eval
@@ -113,6 +113,9 @@ def _fit_args(p) -> None:
     g.add_argument("--eval-max-anchors", type=int, default=64)
     g.add_argument("--ckpt-every", type=int, default=100)
     g.add_argument("--feature-batch-tokens", type=int, default=4096)
+    g.add_argument("--feature-runtime", default="auto", choices=FEATURE_RUNTIMES,
+                   help="target runtime computing the features: native (dspark's, where the architecture is "
+                        "supported: the default), hf (transformers with forward hooks); both give the same states")
     g.add_argument("--chunk-anchors", type=int, default=1024,
                    help="blocks per draft forward within a step (a memory bound; the step's math is the same)")
     g.add_argument("--format", default="speculators", choices=("speculators", "deepspec"),
@@ -158,6 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--n-taps", type=int, default=3)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--feature-batch-tokens", type=int, default=4096)
+    p.add_argument("--feature-runtime", default="auto", choices=FEATURE_RUNTIMES,
+                   help="target runtime computing the features (auto: native where supported)")
 
     p = sub.add_parser("fit", help="train a draft (resumes from <out> when it holds a checkpoint)")
     _target_args(p)
@@ -282,7 +287,7 @@ def _features(args) -> int:
     taps = args.taps or default_taps(model.config.num_hidden_layers, args.n_taps)
     seqs = load_sequences(args.data, model.get_output_embeddings().weight.shape[0], args.max_seq_len)
     out = build_cache(model, tuple(taps), seqs, args.out, target_name=args.target,
-                      max_tokens=args.feature_batch_tokens, progress=not args.quiet)
+                      max_tokens=args.feature_batch_tokens, progress=not args.quiet, runtime=args.feature_runtime)
     print(f"feature cache {out}: {len(seqs)} sequences, taps {list(taps)}, {cache_bytes(out) / 2**20:.1f} MiB (bf16)")
     return 0
 
@@ -299,7 +304,8 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
                        l1_weight=args.l1_weight, conf_weight=args.conf_weight, tap_scale=not args.no_tap_scale, head_dtype=args.head_dtype,
                        max_seq_len=args.max_seq_len, seed=args.seed,
                        eval_every=args.eval_every, eval_max_anchors=args.eval_max_anchors, ckpt_every=args.ckpt_every,
-                       feature_batch_tokens=args.feature_batch_tokens, chunk_anchors=args.chunk_anchors, export_format=args.format, verifier=args.verifier,
+                       feature_batch_tokens=args.feature_batch_tokens, chunk_anchors=args.chunk_anchors, feature_runtime=args.feature_runtime,
+                       export_format=args.format, verifier=args.verifier,
                        data_tokens=args.data_tokens, time_budget=args.time_budget, init=args.init)
 
 

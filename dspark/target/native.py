@@ -347,6 +347,8 @@ class NativeTarget:
         """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*H].
 
         logits="last": only each row's last valid position -> [B, 1, V] (prefill needs no more).
+        logits="final": no LM head: the post-norm final hidden states [B, S, H] instead (what
+        training's features store; padding positions hold whatever padding computes).
         Padding positions (>= counts[b]) get zero logits: nothing reads them.
         """
         if state.pending:
@@ -411,6 +413,8 @@ class NativeTarget:
             taps[self.num_layers] = x  # pre-norm, like the HF target's hook on the last layer
         state.pending = S
         tapped = torch.cat([taps[i] for i in self.tap_indices], -1) if self.tap_indices else None
+        if logits == "final":
+            return _rms(x, self.norm, self.eps), tapped
         if logits == "last":
             x = x[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
             return self._logits(x), tapped

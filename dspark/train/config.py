@@ -16,8 +16,11 @@ from dspark.formats.spec import MARKOV_HEAD_TYPES
 from dspark.model.factory import make_spec
 from dspark.train.errors import TrainError
 
+FEATURE_RUNTIMES = ("auto", "native", "hf")  # the target runtime of training features; auto: native where supported
+
 # May differ between a run and its resume: they do not change what is computed.
-RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "chunk_anchors", "out", "features",
+RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "chunk_anchors", "feature_runtime",
+                     "out", "features",
                      "heldout", "export_format", "verifier", "time_budget"}
 
 
@@ -88,6 +91,7 @@ class TrainConfig:
     ckpt_every: int = 100
     feature_batch_tokens: int = 4096
     chunk_anchors: int = 1024  # blocks per draft forward in a step (memory, not math: see Run.chunks)
+    feature_runtime: str = "auto"  # the target's runtime for features: auto (native where supported), native, hf
     export_format: str = "speculators"
     verifier: str | None = None  # recorded in exported speculators configs; default from the target
     data_tokens: int | None = None  # train on a seeded subset of about this many answer tokens (scaling curves)
@@ -114,6 +118,8 @@ class TrainConfig:
             raise TrainError(f"--warmup is a fraction of the steps in [0, 1), got {self.warmup}")
         if self.grad_clip <= 0 or self.weight_decay < 0 or min(self.ce_weight, self.l1_weight, self.conf_weight) < 0:
             raise TrainError("--grad-clip must be > 0; --weight-decay and the loss weights >= 0")
+        if self.feature_runtime not in FEATURE_RUNTIMES:
+            raise TrainError(f"--feature-runtime must be one of {', '.join(FEATURE_RUNTIMES)}, got {self.feature_runtime!r}")
         if self.head_dtype not in ("bf16", "fp32"):
             raise TrainError(f"--head-dtype must be bf16 or fp32, got {self.head_dtype!r}")
         if self.export_format not in ("speculators", "deepspec"):

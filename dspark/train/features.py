@@ -24,6 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.target.hf import decoder_layers
+from dspark.target.native import NativeTarget, supports as native_supports
+from dspark.train.config import FEATURE_RUNTIMES
 from dspark.train.dataset import Sequence
 from dspark.train.errors import TrainError
 
@@ -70,6 +72,51 @@ def run_target(model, cap: TapCapture, seqs: list[Sequence]) -> list[tuple[torch
 
 
 @torch.no_grad()  # not inference_mode: the features feed autograd-tracked draft layers
+@torch.no_grad()  # not inference_mode: the features feed autograd-tracked draft layers
+def run_native(target: NativeTarget, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """run_target on dspark's native runtime (its taps are set to the draft's): one right-padded
+    batch through a fresh cache, the final states post-norm as `last_hidden_state` is."""
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s.ids)] = s.ids
+    counts = torch.tensor([len(s.ids) for s in seqs])
+    final, taps = target.forward(target.new_state(len(seqs)), ids, counts, logits="final")
+    return [(taps[b, : len(s.ids)], final[b, : len(s.ids)]) for b, s in enumerate(seqs)]
+
+
+class Extractor:
+    """Target features of padded batches on one runtime: 'hf' (forward hooks on the transformers
+    model) or 'native' (dspark's runtime, dspark.target.native, with the model's own weights in the
+    model's dtype: the same states, computed with fused projections and no HF overhead)."""
+
+    def __init__(self, model, taps: tuple[int, ...], runtime: str = "hf"):
+        if runtime not in FEATURE_RUNTIMES:
+            raise TrainError(f"--feature-runtime must be one of {', '.join(FEATURE_RUNTIMES)}, got {runtime!r}")
+        if runtime == "auto":
+            runtime = "native" if native_supports(model)[0] else "hf"
+        self.runtime = runtime
+        if runtime == "native":
+            ok, why = native_supports(model)
+            if not ok:
+                raise TrainError(f"--feature-runtime native: {why}")
+            bad = [i for i in taps if not 0 <= i <= model.config.num_hidden_layers]
+            if bad:
+                raise TrainError(f"taps {bad} outside 0..{model.config.num_hidden_layers} for this target")
+            fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+            self.native = NativeTarget(model, tap_indices=tuple(taps), weights=fmt)
+        else:
+            self.cap = TapCapture(model, taps)
+        self.model = model
+
+    def __call__(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return run_native(self.native, seqs) if self.runtime == "native" else run_target(self.model, self.cap, seqs)
+
+    def close(self) -> None:
+        if self.runtime == "hf":
+            self.cap.close()
+
+
 def check_head(model, seq: Sequence) -> None:
     """The target's logits must equal lm_head(post-norm final hidden state) on a real sequence."""
     dev = next(model.parameters()).device
@@ -98,15 +145,16 @@ def batches(indices: list[int], seqs: list[Sequence], max_tokens: int):
 
 
 class OnlineFeatures:
-    def __init__(self, model, taps: tuple[int, ...], seqs: list[Sequence], max_tokens: int = 4096):
+    def __init__(self, model, taps: tuple[int, ...], seqs: list[Sequence], max_tokens: int = 4096,
+                 runtime: str = "hf"):
         self.model, self.seqs, self.max_tokens = model, seqs, max_tokens
-        self.cap = TapCapture(model, taps)
+        self.extract = Extractor(model, taps, runtime)
         check_head(model, seqs[0])
 
     def get(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         found: dict[int, tuple] = {}
         for group in batches(indices, self.seqs, self.max_tokens):
-            for i, f in zip(group, run_target(self.model, self.cap, [self.seqs[j] for j in group])):
+            for i, f in zip(group, self.extract([self.seqs[j] for j in group])):
                 found[i] = f
         return [found[i] for i in indices]
 
@@ -124,7 +172,7 @@ def _bf16_bytes(x: torch.Tensor) -> bytes:
 
 
 def build_cache(model, taps: tuple[int, ...], seqs: list[Sequence], out, *, target_name: str,
-                max_tokens: int = 4096, progress: bool = True) -> Path:
+                max_tokens: int = 4096, progress: bool = True, runtime: str = "hf") -> Path:
     """Write features of every sequence to `out` (bf16); returns out. Reuses a matching complete cache."""
     out = Path(out)
     digest = data_digest(seqs)
@@ -135,19 +183,19 @@ def build_cache(model, taps: tuple[int, ...], seqs: list[Sequence], out, *, targ
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     check_head(model, seqs[0])
-    cap = TapCapture(model, taps)
+    extract = Extractor(model, taps, runtime)
     widths = None
     bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="target features", unit="tok", disable=not progress)
     try:
         with open(tmp / "taps.bin", "wb") as ft, open(tmp / "final.bin", "wb") as ff:
             for group in batches(list(range(len(seqs))), seqs, max_tokens):
-                for t, fin in run_target(model, cap, [seqs[j] for j in group]):
+                for t, fin in extract([seqs[j] for j in group]):
                     widths = (t.shape[-1], fin.shape[-1])
                     ft.write(_bf16_bytes(t))
                     ff.write(_bf16_bytes(fin))
                     bar.update(t.shape[0])
     finally:
-        cap.close()
+        extract.close()
         bar.close()
     lengths = [len(s.ids) for s in seqs]
     meta = {"version": CACHE_VERSION, "target": target_name, "taps": list(taps), "tap_width": widths[0],

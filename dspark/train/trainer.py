@@ -161,7 +161,7 @@ class Run:
         self.held_features = None
         if self.held is not None and ctx.main:
             self.held_features = OnlineFeatures(self.model, self.spec.hidden_state_indices, self.held,
-                                                cfg.feature_batch_tokens)
+                                                cfg.feature_batch_tokens, cfg.feature_runtime)
         self.tap_scale = None
         # a checkpoint from before tap scaling existed holds weights for raw taps: keep it that way
         if cfg.tap_scale and (saved is None or saved.get("tap_scale") is not None):
@@ -219,10 +219,10 @@ class Run:
     def _features(self):
         taps = self.spec.hidden_state_indices
         if self.cfg.features == "online":
-            return OnlineFeatures(self.model, taps, self.seqs, self.cfg.feature_batch_tokens)
+            return OnlineFeatures(self.model, taps, self.seqs, self.cfg.feature_batch_tokens, self.cfg.feature_runtime)
         path = Path(self.cfg.features)
         if not (path / "meta.json").exists() and self.ctx.main:
-            build_cache(self.model, taps, self.seqs, path, target_name=self.cfg.target,
+            build_cache(self.model, taps, self.seqs, path, target_name=self.cfg.target, runtime=self.cfg.feature_runtime,
                         max_tokens=self.cfg.feature_batch_tokens, progress=self.progress)
             self.echo(f"feature cache {path}: {cache_bytes(path) / 2**20:.1f} MiB (bf16)")
         distributed.barrier(self.ctx)
