@@ -162,6 +162,7 @@ def test_bench_measures_target_runtimes_side_by_side(setup, tmp_path, capsys):
     assert (rows["native-fp32"]["format"], rows["native-int8"]["format"]) == ("fp32", "int8")
     md = (out / "results.md").read_text()
     assert "## Target runtimes" in md and "| native-int8 | int8" in md and "--runtimes hf-fp32,native-fp32,native-int8" in md
+    assert "--no-spec" in md  # the reproduce line repeats the run
     capsys.readouterr()
     assert main(["bench", "--target", str(setup / "target"), "--no-spec", "--dtype", "fp32", "--device", "cpu",
                  "--sets", "chat", "--limit", "1", "--max-new-tokens", "4", "--arms", "hf", "--runtimes", "native-int3",

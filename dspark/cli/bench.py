@@ -104,7 +104,7 @@ def reproduce_command(args) -> str:
                   "--seed", str(args.seed)]
     if args.threshold != DEFAULT_THRESHOLD:
         parts += ["--threshold", str(args.threshold)]
-    for flag in ("always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
+    for flag in ("no_spec", "always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
         if getattr(args, flag):
             parts.append(f"--{flag.replace('_', '-')}")
     parts += ["--concurrency", str(args.concurrency), "--arms", args.arms_resolved, "--baseline", args.baseline,
