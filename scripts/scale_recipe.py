@@ -38,8 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
+import safetensors.torch as st  # noqa: E402
 import torch  # noqa: E402
 
+from dspark.target.load import load_target  # noqa: E402
 from dspark.train.dataset import read_records  # noqa: E402
 SCALES = {
     # prompts, prompt batch, answer batch, answer cap, data seconds, fit seconds, fit batch, anchors, subsets
@@ -289,8 +291,6 @@ def make_data(args, c: dict, out: Path, logs: Path, summary: dict, common: list[
 def pack_draft(draft_dir: Path, tar_path: Path) -> None:
     """A draft as a tar, without the LM-head rows of a reduced vocabulary: they are the target's
     own rows (frozen in training), rebuilt by `restore` from the target, and half the file."""
-    import safetensors.torch as st
-
     with tempfile.TemporaryDirectory() as tmp:
         stripped = Path(tmp) / draft_dir.name
         shutil.copytree(draft_dir, stripped)
@@ -305,10 +305,6 @@ def pack_draft(draft_dir: Path, tar_path: Path) -> None:
 
 def restore(ret: Path, target: str, into: Path) -> list[Path]:
     """The drafts of a returned folder (parts joined) as loadable draft directories in `into`."""
-    import safetensors.torch as st
-
-    from dspark.target.load import load_target
-
     into.mkdir(parents=True, exist_ok=True)
     for first in sorted(ret.glob("draft-*.tar*")):
         if first.name.endswith(".tar") or first.name.endswith(".part00"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import time
 
 import torch
 

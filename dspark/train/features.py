@@ -93,11 +93,9 @@ class Extractor:
     def __init__(self, model, taps: tuple[int, ...], runtime: str = "hf"):
         if runtime not in FEATURE_RUNTIMES:
             raise TrainError(f"--feature-runtime must be one of {', '.join(FEATURE_RUNTIMES)}, got {runtime!r}")
-        if runtime == "auto":
-            runtime = "native" if native_supports(model)[0] else "hf"
-        self.runtime = runtime
+        ok, why = native_supports(model)
+        self.runtime = runtime = ("native" if ok else "hf") if runtime == "auto" else runtime
         if runtime == "native":
-            ok, why = native_supports(model)
             if not ok:
                 raise TrainError(f"--feature-runtime native: {why}")
             bad = [i for i in taps if not 0 <= i <= model.config.num_hidden_layers]
