@@ -91,13 +91,19 @@ def _verify_costs(target, context: int, device, sizes=(1, 2, 4, 8), reps: int = 
     return out
 
 
+def arm_kind(arm: str) -> tuple[str, str]:
+    """'native-int4' -> ('native', 'int4'); an unknown arm is refused by name."""
+    kind, _, fmt = arm.partition("-")
+    if not ((kind == "hf" and fmt in ("bf16", "fp32")) or (kind == "native" and fmt in WEIGHTS)):
+        raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>)")
+    return kind, fmt
+
+
 def parse_arms(text: str) -> list[str]:
     """'hf-bf16,native-auto' -> the arm names, refused by name when unknown (before anything loads)."""
     arms = [a.strip() for a in text.split(",") if a.strip()]
     for a in arms:
-        kind, _, fmt = a.partition("-")
-        if not ((kind == "hf" and fmt in ("bf16", "fp32")) or (kind == "native" and fmt in WEIGHTS)):
-            raise DSparkError(f"unknown runtime arm {a!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>)")
+        arm_kind(a)
     if not arms or len(set(arms)) != len(arms):
         raise DSparkError(f"runtime arms {text!r}: give each arm once, at least one")
     return arms
@@ -114,8 +120,8 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
     if context + 8 + 1 > m32.config.max_position_embeddings:
         raise DSparkError(f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions")
     runners = {}
-    for a in parse_arms(",".join(arms)):
-        kind, _, fmt = a.partition("-")
+    for a in arms:
+        kind, fmt = arm_kind(a)
         if kind == "hf":
             model = m16 if fmt == "bf16" else m32
             runners[a] = (model, HFTarget(model))

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
-from dspark.target.native import WEIGHTS, NativeTarget, resolve_weights, supports
+from dspark.target.native import FLOAT_NAMES, WEIGHTS, NativeTarget, resolve_weights, supports
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -213,13 +213,12 @@ def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto
         return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
     notes = []
     if weights == "auto":
-        floats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         if resolve_weights(model, "auto", device) == "int4" and (not dtype_given or act == torch.bfloat16):
             act = torch.bfloat16  # weights stay "auto": int4 layers, a head that is not 4-bit kept in float
             notes.append("weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
                          "ships them), bf16 activations")
         else:
-            weights = floats[act]
+            weights = FLOAT_NAMES[act]
     target = make_target(model, "native", weights, act_dtype=act)  # refuses an unsupported model by name
     if runtime == "auto":
         notes.append(f"runtime auto -> {target.describe()}")

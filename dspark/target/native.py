@@ -36,6 +36,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-format name
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
 

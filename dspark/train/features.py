@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.target.hf import decoder_layers
-from dspark.target.native import NativeTarget, supports as native_supports
+from dspark.target.native import FLOAT_NAMES, NativeTarget, supports as native_supports
 from dspark.train.config import FEATURE_RUNTIMES
 from dspark.train.dataset import Sequence
 from dspark.train.errors import TrainError
@@ -32,14 +32,27 @@ from dspark.train.errors import TrainError
 CACHE_VERSION = 1
 
 
+def check_taps(taps: tuple[int, ...], num_layers: int) -> None:
+    bad = [i for i in taps if not 0 <= i <= num_layers]
+    if bad:
+        raise TrainError(f"taps {bad} outside 0..{num_layers} for this {num_layers}-layer target")
+
+
+def right_padded(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, W] right-padded with 0 and lengths [B] (causal attention: padding never reaches a real position)."""
+    lengths = torch.tensor([len(s.ids) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s.ids)] = s.ids
+    return ids, lengths
+
+
 class TapCapture:
     """Forward hooks that record the inputs of the chosen decoder layers (index 0 = embeddings)."""
 
     def __init__(self, model, taps: tuple[int, ...]):
         layers = decoder_layers(model)
-        bad = [i for i in taps if not 0 <= i <= len(layers)]
-        if bad:
-            raise TrainError(f"taps {bad} outside 0..{len(layers)} for this {len(layers)}-layer target")
+        check_taps(taps, len(layers))
         self.taps, self.captured, self._hooks = tuple(taps), {}, []
         for i in self.taps:
             module = model.get_input_embeddings() if i == 0 else layers[i - 1]
@@ -60,11 +73,8 @@ class TapCapture:
 def run_target(model, cap: TapCapture, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One right-padded batch (causal attention: padding never reaches a real position)."""
     dev = next(model.parameters()).device
-    width = max(len(s.ids) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s.ids)], attn[b, : len(s.ids)] = s.ids, 1
+    ids, lengths = right_padded(seqs)
+    attn = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
     cap.captured.clear()
     final = model.get_decoder()(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
     taps = torch.cat([cap.captured[i] for i in cap.taps], dim=-1)
@@ -76,11 +86,7 @@ def run_target(model, cap: TapCapture, seqs: list[Sequence]) -> list[tuple[torch
 def run_native(target: NativeTarget, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """run_target on dspark's native runtime (its taps are set to the draft's): one right-padded
     batch through a fresh cache, the final states post-norm as `last_hidden_state` is."""
-    width = max(len(s.ids) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s.ids)] = s.ids
-    counts = torch.tensor([len(s.ids) for s in seqs])
+    ids, counts = right_padded(seqs)
     final, taps = target.forward(target.new_state(len(seqs)), ids, counts, logits="final")
     return [(taps[b, : len(s.ids)], final[b, : len(s.ids)]) for b, s in enumerate(seqs)]
 
@@ -98,11 +104,8 @@ class Extractor:
         if runtime == "native":
             if not ok:
                 raise TrainError(f"--feature-runtime native: {why}")
-            bad = [i for i in taps if not 0 <= i <= model.config.num_hidden_layers]
-            if bad:
-                raise TrainError(f"taps {bad} outside 0..{model.config.num_hidden_layers} for this target")
-            fmt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
-            self.native = NativeTarget(model, tap_indices=tuple(taps), weights=fmt)
+            check_taps(taps, model.config.num_hidden_layers)
+            self.native = NativeTarget(model, tap_indices=tuple(taps), weights=FLOAT_NAMES[model.dtype])
         else:
             self.cap = TapCapture(model, taps)
         self.model = model
