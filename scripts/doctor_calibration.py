@@ -96,6 +96,10 @@ def real_drafts(args) -> None:
             truth = declared if lie == "none" else truth
             best = r.get("explained_by")
             verdict = r["verdict"] + (f" -> {best}" if best and r["verdict"] == "misread" else "")
+            if best and r["verdict"] == "misread":  # which statistic decided, and by how much
+                c = next(x["vs_declared"] for x in readings if x["name"] == best)
+                verdict += (f" ({c['gain']:+.0%}, z {c['z']:.1f}; {c['loglik_gain']:+.3f} nats, z {c['loglik_z']:.1f}; "
+                            f"by {c['by'] or 'the evidence reading'})")
             t = r.get("text") or {}
             print(f"| {draft.name} | {truth if truth is None else round(truth, 2)} | {lie} | {verdict} | "
                   f"{proc.returncode} | {t.get('generated_tokens')} / {t.get('anchors')} | {wall:.0f} | {load_time} |",

@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the scale's)")
     ap.add_argument("--anchors", type=int, default=None, help="anchors per sequence (default: the scale's)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the scale's)")
+    ap.add_argument("--init", default=None, metavar="DRAFT",
+                    help="warm start every fit from this draft (its architecture: use with --runs of the same layers and rank)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--data-s", type=float, default=None, help="override the scale's data-generation seconds")
     ap.add_argument("--fit-s", type=float, default=None, help="override the scale's training seconds")
@@ -165,7 +167,8 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
            "--batch-size", str(c["batch"]), "--lr", str(c["lr"]), "--chunk-anchors", str(c["chunk"]),
            "--draft-vocab", str(c["draft_vocab"]), "--eval-every", str(c["eval_every"]),
            "--eval-max-anchors", "256", "--ckpt-every", "100000", "--warmup", "0.05",
-           "--feature-batch-tokens", "65536", "--time-budget", str(c["fit_s"])]
+           "--feature-batch-tokens", "65536", *(["--init", args.init] if args.init else []),
+           "--time-budget", str(c["fit_s"])]
     # steps: the cosine schedule should end near the budget; a short probe measures the step rate
     probe = out / "runs" / "probe"
     wait_all([sh(dspark("fit", *common, *fit[:-2], "--time-budget", str(args.probe_s), "--steps", "100000", "--layers", "1",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspark.api import EngineConfig, build_engine
-from dspark.bench.doctor import (EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget, accepted_drafts, context_for, diagnose,
+from dspark.bench.doctor import (EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget, score_anchors, context_for, diagnose,
                                  generate_texts, layout_readings, quick_check)
 from dspark.cli import main
 from dspark.engine.sampling import SamplingParams
@@ -93,8 +93,13 @@ def test_lies_are_diagnosed_naming_the_key(trained, strength, lie):
     msg = report.diagnoses[0]
     assert says in msg and fix in msg, msg
     c = report.comparisons[report.best.name]
-    assert c.status == "better" and c.gain >= report.thresholds["min_gain"] and c.z >= report.thresholds["z_better"]
+    th = report.thresholds
+    by_acceptance = c.gain >= th["min_gain"] and c.z >= th["z_better"]
+    by_likelihood = c.ll_gain >= th["loglik_min_gain"] and c.ll_z >= th["z_better"] and c.z > -th["z_better"]
+    assert c.status == "better" and {"acceptance": by_acceptance, "likelihood": by_likelihood}[c.by]
+    assert c.tau_alt > c.tau_declared and c.ll_alt > c.ll_declared  # the true reading wins on both
     assert f"{c.tau_declared:.2f} -> {c.tau_alt:.2f} tokens per step" in msg
+    assert f"{c.ll_declared:.2f} -> {c.ll_alt:.2f} nats per slot" in msg
 
 
 def test_two_misreads_at_once_are_both_named(trained):
@@ -186,7 +191,7 @@ def test_measured_acceptance_is_the_engines(trained):
     req = engine.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
     text = generate_texts(engine.target, None, (), [prompt], 48, TAPS)[0]
     assert text.ids[len(prompt):].tolist() == req.output_ids  # the engine's plain decoding, same text
-    L = accepted_drafts(draft, draft.spec, text, draft.spec.gamma, context_for(draft, draft.spec, text))
+    L, _ = score_anchors(draft, draft.spec, text, draft.spec.gamma, context_for(draft, draft.spec, text))
     pos, measured = 0, []  # anchor index of each engine step: the first generated token, then after each commit
     for a in steps:
         if pos >= L.numel():
@@ -213,3 +218,33 @@ def test_no_reading_is_dropped_on_a_handful_of_texts_and_explanations_stand_on_t
     combo = next(r for r in report.readings if r.name == f"taps-1 mask={MASK}")
     assert {r.name for r in simpler_readings(report.readings, combo)} == {f"mask={MASK}", "taps-1"}
     assert simpler_readings(report.readings, best) == []
+
+
+def _series(seed, n, mean, sd):
+    return mean + sd * torch.randn(n, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_likelihood_decides_where_acceptance_cannot_and_never_against_it():
+    """paired.compare: a reading that gives the target's tokens clearly more log-probability is
+    better even when acceptance cannot separate the two (a weak draft's shifted taps), unless its
+    acceptance is itself clearly worse; excluded only when both statistics exclude it."""
+    from dspark.bench.paired import compare
+
+    n, segs = 2000, [200] * 10
+    acc = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(0))
+    kw = dict(min_gain=0.03, z_better=3.7, z_not_better=2.8, ll_min_gain=0.02)
+    declared_ll = _series(1, n, -5.0, 1.0)
+    same_acc_better_ll = compare(acc, acc, segs, 4, ll=(declared_ll, declared_ll + 0.1), **kw)
+    assert same_acc_better_ll.status == "better" and same_acc_better_ll.by == "likelihood"
+    assert abs(same_acc_better_ll.ll_gain - 0.1) < 1e-9 and same_acc_better_ll.gain == 0.0
+    worse_ll = compare(acc, acc, segs, 4, ll=(declared_ll, declared_ll - 0.1), **kw)
+    assert worse_ll.status == "not better" and worse_ll.by == ""
+    # more log-probability but clearly fewer accepted tokens: not a finding
+    fewer = torch.zeros_like(acc)
+    assert compare(acc, fewer, segs, 4, ll=(declared_ll, declared_ll + 0.1), **kw).status != "better"
+    # equal on both, noise only: open or excluded, never better
+    noisy = compare(acc, acc, segs, 4, ll=(declared_ll, _series(2, n, -5.0, 1.0)), **kw)
+    assert noisy.status != "better"
+    # acceptance alone still decides as before
+    more = (acc + 1).clamp(max=4)
+    assert compare(acc, more, segs, 4, ll=(declared_ll, declared_ll), **kw).by == "acceptance"

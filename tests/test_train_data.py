@@ -88,6 +88,18 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
+def test_several_data_sets_comma_separated_train_as_one_in_order(tmp_path):
+    a = synthetic_shard(tmp_path / "a.jsonl", 3)
+    b = synthetic_shard(tmp_path / "b.jsonl", 5, seed=1)
+    sa, sb = load_sequences(a, vocab_size=96), load_sequences(b, vocab_size=96)
+    both = load_sequences(f"{a},{b}", vocab_size=96)
+    assert [s.ids.tolist() for s in both] == [s.ids.tolist() for s in sa + sb]
+    with pytest.raises(TrainError, match="empty name"):
+        load_sequences(f"{a},", vocab_size=96)
+    with pytest.raises(TrainError, match="does not exist"):
+        load_sequences(f"{a},{tmp_path / 'missing'}", vocab_size=96)
+
+
 def test_bundled_prompt_sets_are_varied_disjoint_and_not_evaluation_data():
     train, held = load_prompts("train"), load_prompts("heldout")
     assert len(train) >= 300 and 35 <= len(held) <= 50

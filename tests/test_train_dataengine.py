@@ -198,6 +198,10 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
                       init=str(run / "draft")), progress=False)
     assert abs(warm.eval["tau_greedy"] - res.eval["tau_greedy"]) < 0.05
     assert abs(warm.eval["loss"] - res.eval["loss"]) < 0.02
+    # ... measured before the first step too: the init draft is the best checkpoint until beaten
+    first = json.loads((tmp_path / "warm" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and abs(first["eval"]["tau_greedy"] - warm.eval["tau_greedy"]) < 1e-4  # lr ~0
+    assert json.loads((tmp_path / "warm" / "best.json").read_text())["tau_greedy"] >= first["eval"]["tau_greedy"]
     with pytest.raises(TrainError, match="does not fit"):
         train(_cfg(tmp_path, target, data, out=str(tmp_path / "bad"), init=str(run / "draft"),
                    draft=DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3)), progress=False)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.engine.sampling import SamplingParams
-from dspark.engine.step import Batch, propose
+from dspark.engine.step import Batch, propose, teacher_forced
 from dspark.train.errors import TrainError
 from dspark.train.loss import (
     LossWeights,
@@ -157,6 +157,10 @@ def test_teacher_forced_rows_equal_what_decoding_samples_from(layout, markov, ra
     assert out.logits.shape[0] == 4
     assert torch.allclose(out.logits.softmax(-1), prop.q[0], atol=1e-5)
     assert out.labels.tolist() == prop.tokens[0].tolist()
+    # the doctor's teacher-forced scores: fed the sampled tokens, the same q, slot by slot
+    _, logp = teacher_forced(draft, torch.tensor([anchor_tok]), ctx, prop.tokens)
+    want = prop.q[0].gather(1, prop.tokens[0][:, None])[:, 0].log().clamp(min=-10.0)
+    assert torch.allclose(logp[0], want, atol=1e-4)
     if draft.confidence_head is not None:
         assert torch.allclose(out.conf_logits, prop.conf_logits[0], atol=1e-5)
 

@@ -5,21 +5,26 @@ Reading the config cannot catch them; measuring can. The target writes text thro
 engine's own plain (greedy) decoding; one target forward over that text gives its argmax and
 its hidden states at every tap index needed. Each *reading* of the draft (the declared one;
 the other block layout, keeping gamma or keeping block_size; hidden_state_indices shifted by
--1 and +1; other mask token ids) then runs through the draft's own `propose` path
-(`DSparkDraft.read_as` + `engine.step.propose`) at every anchor of that text at once. Under
+-1 and +1; other mask token ids) then runs through the draft's own block forward, the one
+`propose` uses (`DSparkDraft.read_as` + `engine.step.teacher_forced`), at every anchor of that
+text at once. Under
 greedy decoding the leading proposals that equal the target's argmax are exactly what
 verification accepts, so each reading gets L(i), the drafts accepted at anchor i, and its
-acceptance length tau = 1 + mean L on this text.
+acceptance length tau = 1 + mean L on this text; and, from the same block forward with the
+Markov head fed the target's tokens, the log-probability the draft gives each of the target's
+tokens (the objective it was trained on, under its true reading).
 
 The verdict compares every alternative with the declared reading on the same anchors
-(`dspark.bench.paired`): an alternative is *better* when it gives at least MIN_GAIN (10%) more
-tokens per step with a one-sided p below ALPHA (0.01) shared by all alternatives and all looks
-(Bonferroni), and *not better* when a MIN_GAIN advantage is excluded at the same level. It is
-sequential: while some alternative is open, the target writes more text (rounds of doubling
-size, up to a token bound) and only the open readings are measured again.
+(`dspark.bench.paired`): an alternative is *better* when it gives at least MIN_GAIN (3%) more
+tokens per step, or LL_MIN_GAIN more log-probability per slot (a far less noisy statistic: it
+sees a weak draft's shifted taps, which barely move acceptance), with a one-sided p below ALPHA
+(0.01) shared by all alternatives and all looks (Bonferroni); *not better* when both gains are
+excluded at the same level. It is sequential: while some alternative is open, the target
+writes more text (rounds of doubling size, up to a token bound) and only the open readings
+are measured again.
 
     misread    an alternative is better (exit 3): the file's keys to change and the numbers
-    healthy    every alternative is excluded from being MIN_GAIN better (exit 0)
+    healthy    every alternative is excluded from being better on either statistic (exit 0)
     undecided  the bound was reached first (exit 4): the figures, never "healthy"
 
 `quick_check(engine)` is the same statistic on a short sample, at load time.
@@ -38,7 +43,7 @@ import torch
 from dspark.bench.paired import Comparison, compare, z_for
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
-from dspark.engine.step import Batch, propose
+from dspark.engine.step import teacher_forced
 from dspark.errors import FormatError
 from dspark.formats.load import force_layout, load_spec, load_weights
 from dspark.formats.spec import query_slots_for
@@ -51,6 +56,7 @@ EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNDECIDED = 0, 3, 4
 MIN_GAIN = 0.03  # an alternative reading "better" gives this much more tokens per step (tau) ...
 ALPHA = 0.01  # ... at this one-sided level, shared by every alternative and every look; and a
 # reading is "not better" when a MIN_GAIN advantage is excluded at ALPHA shared by the looks
+LL_MIN_GAIN = 0.02  # ... or gives the target's tokens this much more log-probability per slot (nats)
 LOW_FIRST_SLOT = 0.05  # first-slot acceptance below this under every reading: barely predicts this target
 EMBED_COSINE_MIN = 0.9  # a draft's own embed_tokens copy should be the target's
 MAX_MASK_ALTERNATIVES = 3
@@ -77,7 +83,9 @@ class Budget:
     prompts: int = 4  # texts in the first round (then 2x, 4x, ... the first round)
     tokens: int = 64  # tokens the target writes per text
     max_tokens: int = 8192  # bound on the generated tokens over all rounds (the bundled draft's taps lie needs ~3 400)
-    stop_when_quiet: bool = False  # load time: stop once no open alternative leads by MIN_GAIN
+    # load time: stop once no open alternative leads (by a margin, at z >= quiet_z) on either statistic
+    stop_when_quiet: bool = False
+    quiet_z: float = 2.0
 
     def rounds(self) -> list[int]:
         """Texts per round; the number of rounds is the number of looks the test pays for."""
@@ -111,6 +119,7 @@ class Reading:
     factors: tuple[str, ...] = ()  # which FACTORS differ from the declared reading
     label: str = ""  # the layout part of the name
     accepted: list = field(default_factory=list)  # per measured text: [anchors] drafts accepted (0..gamma)
+    loglik: list = field(default_factory=list)  # per measured text: [anchors, gamma] log q(target token)
 
     @property
     def name(self) -> str:
@@ -135,6 +144,11 @@ class Reading:
         """1 + mean accepted drafts: the greedy acceptance length on the measured text."""
         a = self.all_accepted
         return 1.0 + float(a.float().mean()) if a.numel() else 1.0
+
+    @property
+    def mean_loglik(self) -> float:
+        """Mean log-probability the draft gives the target's token per slot (teacher-forced), nats."""
+        return float(torch.cat(self.loglik).float().mean()) if self.loglik else float("nan")
 
     @property
     def per_slot(self) -> list[float]:
@@ -219,6 +233,7 @@ class Report:
                  "block_size": r.spec.query_slots, "hidden_state_indices": list(r.spec.hidden_state_indices),
                  "mask_token_id": r.spec.mask_token_id, "anchors": r.anchors,
                  "accept_length": round(r.accept_length, 4), "per_slot_acceptance": [round(x, 4) for x in r.per_slot],
+                 "loglik": round(r.mean_loglik, 4) if r.loglik else None,
                  **({"vs_declared": self.comparisons[r.name].to_json()} if r.name in self.comparisons else {})}
                 for r in self.readings
             ],
@@ -291,12 +306,11 @@ def generate_texts(target, tokenizer, eos, prompts: list[list[int]], new_tokens:
 
 # ---- one reading -------------------------------------------------------------------------------
 
-GREEDY = SamplingParams(max_new_tokens=1)
-
-
-def accepted_drafts(draft, spec, text: Text, g_max: int, ctx=None) -> torch.Tensor:
-    """[anchors] drafts greedy verification accepts at each anchor of `text` when the draft is
-    read as `spec`: the draft's own propose path, all anchors of the text batched.
+def score_anchors(draft, spec, text: Text, g_max: int, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [anchors], loglik [anchors, gamma]) at each anchor of `text` when the draft is read
+    as `spec`: the drafts greedy verification accepts, and the log-probability of the target's
+    token per slot, from the draft's own block forward (`engine.step.teacher_forced`, which shares
+    it with `propose`), all anchors of the text batched.
 
     Anchor i is position prompt_len + i (the engine's anchors: the token committed last, not yet
     run through the target); its context is every position before it (the draft's context mask
@@ -307,20 +321,19 @@ def accepted_drafts(draft, spec, text: Text, g_max: int, ctx=None) -> torch.Tens
     ids, argmax = text.ids.to(dev), text.argmax.to(dev)
     T = int(ids.shape[0])
     anchors = torch.arange(text.prompt_len, max(text.prompt_len, T - g_max + 1), device=dev)
+    g = spec.gamma
     if anchors.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, g)
     if ctx is None:
         ctx = context_for(draft, spec, text)
-    g = spec.gamma
-    out = []
+    acc, lls = [], []
     for chunk in anchors.split(ANCHOR_CHUNK):
-        n = int(chunk.shape[0])
-        batch = Batch(None, ContextCache(ctx, chunk.clone()), ids[chunk], [GREEDY] * n, [None] * n)
-        tokens = propose(view, batch).tokens  # [n, g]
-        pos = (chunk[:, None] + torch.arange(g, device=dev)[None, :]).clamp(max=T - 1)
-        ok = (tokens == argmax[pos]) & (chunk[:, None] + torch.arange(g, device=dev)[None, :] < T)
-        out.append(ok.long().cumprod(1).sum(1).cpu())
-    return torch.cat(out)
+        pos = chunk[:, None] + torch.arange(g, device=dev)[None, :]  # [n, g], inside the text (see above)
+        want = argmax[pos]  # the target's token at each slot
+        tokens, ll = teacher_forced(view, ids[chunk], ContextCache(ctx, chunk.clone()), want)
+        acc.append((tokens == want).long().cumprod(1).sum(1).cpu())
+        lls.append(ll.float().cpu())
+    return torch.cat(acc), torch.cat(lls)
 
 
 @torch.inference_mode()
@@ -392,10 +405,11 @@ class Rule:
     min_gain: float
     z_better: float
     z_not_better: float
+    ll_min_gain: float = LL_MIN_GAIN
 
     def to_json(self) -> dict:
-        return {"min_gain": self.min_gain, "alpha": ALPHA, "z_better": round(self.z_better, 3),
-                "z_not_better": round(self.z_not_better, 3)}
+        return {"min_gain": self.min_gain, "loglik_min_gain": self.ll_min_gain, "alpha": ALPHA,
+                "z_better": round(self.z_better, 3), "z_not_better": round(self.z_not_better, 3)}
 
 
 def rule_for(alternatives: int, looks: int, min_gain: float = MIN_GAIN, alpha: float = ALPHA) -> Rule:
@@ -405,13 +419,29 @@ def rule_for(alternatives: int, looks: int, min_gain: float = MIN_GAIN, alpha: f
     return Rule(min_gain, z_for(alpha, alternatives * looks), z_for(alpha, looks))
 
 
+def _add(r: Reading, scored: tuple[torch.Tensor, torch.Tensor]) -> None:
+    r.accepted.append(scored[0])
+    r.loglik.append(scored[1])
+
+
 def paired(a: Reading, b: Reading, rule: Rule) -> Comparison:
     """b against a on the texts both were measured on, over their common slots."""
     n = min(len(a.accepted), len(b.accepted))
     x, y = a.accepted[:n], b.accepted[:n]
-    cat = (lambda v: torch.cat(v) if v else torch.zeros(0, dtype=torch.long))  # noqa: E731
-    return compare(cat(x), cat(y), [int(t.numel()) for t in x], min(a.spec.gamma, b.spec.gamma),
-                   min_gain=rule.min_gain, z_better=rule.z_better, z_not_better=rule.z_not_better)
+    if not n:
+        return compare(torch.zeros(0), torch.zeros(0), [], 1, min_gain=rule.min_gain, z_better=rule.z_better,
+                       z_not_better=rule.z_not_better)
+    slots = min(a.spec.gamma, b.spec.gamma)
+    ll = (torch.cat(a.loglik[:n]), torch.cat(b.loglik[:n]))
+    return compare(torch.cat(x), torch.cat(y), [int(t.numel()) for t in x], slots, min_gain=rule.min_gain,
+                   z_better=rule.z_better, z_not_better=rule.z_not_better, ll=ll, ll_min_gain=rule.ll_min_gain)
+
+
+def leads(c: Comparison, rule: Rule, z: float) -> bool:
+    """An alternative ahead of the declared reading by the rule's margin on either statistic, at
+    z >= `z`: worth more text at load time (noise alone rarely puts a reading there; a misread's
+    true reading stays there as the text grows)."""
+    return (c.gain >= rule.min_gain and c.z >= z) or (c.ll_gain >= rule.ll_min_gain and c.ll_z >= z)
 
 
 def explain(readings: list[Reading], comparisons: dict, rule: Rule) -> tuple[Reading | None, Reading | None, bool]:
@@ -427,7 +457,9 @@ def explain(readings: list[Reading], comparisons: dict, rule: Rule) -> tuple[Rea
     better = [r for r in readings[1:] if comparisons[r.name].status == "better"]
     if not better:
         return None, None, True
-    evidence = best = max(better, key=lambda r: comparisons[r.name].tau_alt)
+    # the likelihood ranks readings far more precisely than acceptance (paired.py); gains, each on
+    # the slots the reading shares with the declared one, not levels over different slot counts
+    evidence = best = max(better, key=lambda r: (comparisons[r.name].ll_gain, comparisons[r.name].gain))
     by_key = {r.key: r for r in readings}
     d = declared.spec
 
@@ -498,7 +530,8 @@ def diagnosis(declared: Reading, best: Reading, factor: str, cmp: Comparison, ev
     the better reading measured), and the config keys to change."""
     d, a = declared.spec, best.spec
     nums = (f"acceptance length {cmp.tau_declared:.2f} -> {cmp.tau_alt:.2f} tokens per step ({cmp.gain:+.0%}, "
-            f"z {cmp.z:.1f}, p {cmp.p:.1g}, {cmp.anchors} anchors, {cmp.slots} slots)")
+            f"z {cmp.z:.1f}, p {cmp.p:.1g}), log-likelihood of the target's tokens {cmp.ll_declared:.2f} -> "
+            f"{cmp.ll_alt:.2f} nats per slot (z {cmp.ll_z:.1f}, p {cmp.ll_p:.1g}); {cmp.anchors} anchors, {cmp.slots} slots")
     if len(evidence.factors) > 1 or evidence is not best:
         nums += f" reading it as {evidence.name}"
     if factor == "layout":
@@ -550,7 +583,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
                     shift = r.shift
                     if shift not in ctx:
                         ctx[shift] = context_for(draft, r.spec, text)
-                    r.accepted.append(accepted_drafts(draft, r.spec, text, g_max, ctx[shift]))
+                    _add(r, score_anchors(draft, r.spec, text, g_max, ctx[shift]))
         kept.extend(texts)
         for r in open_:
             report.comparisons[r.name] = paired(declared, r, rule)
@@ -566,7 +599,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
                 break  # otherwise more text decides which changes are needed
         if not open_:
             break
-        if budget.stop_when_quiet and all(report.comparisons[r.name].gain < rule.min_gain for r in open_):
+        if budget.stop_when_quiet and not any(leads(report.comparisons[r.name], rule, budget.quiet_z) for r in open_):
             break
     report.measured = declared.anchors > 0
     report.texts = {"prompts": n_texts, "generated_tokens": generated, "anchors": declared.anchors}
@@ -585,7 +618,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
         with torch.inference_mode():
             for r in stale:
                 for text in kept[len(r.accepted):]:
-                    r.accepted.append(accepted_drafts(draft, r.spec, text, g_max, context_for(draft, r.spec, text)))
+                    _add(r, score_anchors(draft, r.spec, text, g_max, context_for(draft, r.spec, text)))
                 report.comparisons[r.name] = paired(declared, r, rule)
         best, evidence, _ = explain(readings, report.comparisons, rule)
     if best is not None:
@@ -698,7 +731,7 @@ def diagnose(engine, draft_path: str, *, budget: Budget | None = None, prompts: 
 
 
 # Load time: four prompts of 64 tokens; more text (doubling) only while some open alternative
-# leads the declared reading by MIN_GAIN, up to the doctor's bound.
+# leads the declared reading (`leads`), up to 3072 tokens.
 QUICK_BUDGET = Budget(prompts=4, tokens=64, max_tokens=3072, stop_when_quiet=True)
 
 

@@ -17,6 +17,18 @@ texts (texts are independent).
                 E(i) = (1 + L_alt(i)) - (1 + min_gain)(1 + L_declared(i)),
                 z_margin = -mean E / se(E) >= z_not_better;
 - otherwise "open": more text decides.
+
+The same paired test runs on a second, far less noisy statistic: the draft's mean
+log-probability of the target's tokens over the common slots of each anchor (teacher-forced:
+the Markov head is fed the target's tokens; `engine.step.teacher_forced`). That is the
+objective the draft was trained on under its true reading, so a wrong reading costs
+likelihood even where it barely moves acceptance (a weak draft whose taps are shifted by one
+layer loses under 1% of its tokens per step, but clearly loses likelihood). With margin
+ll_min_gain nats per slot (additive): "better" at z >= z_better, "not better" when
+E(i) = D(i) - ll_min_gain is excluded from being positive at z_not_better.
+
+An alternative is *better* on either statistic (likelihood only while its acceptance is not
+itself clearly worse), *not better* when both exclude it, and open otherwise.
 """
 
 from __future__ import annotations
@@ -67,33 +79,63 @@ class Comparison:
     z: float  # mean (L_alt - L_declared) / se: evidence that the alternative is better at all
     p: float  # one-sided p-value of z
     z_margin: float  # evidence that the alternative is *not* min_gain better
-    status: str  # "better" | "not better" | "open"
+    status: str  # "better" | "not better" | "open": both statistics together
+    ll_declared: float = float("nan")  # mean log q(target token) per slot, nats
+    ll_alt: float = float("nan")
+    ll_z: float = 0.0
+    ll_z_margin: float = 0.0
+    by: str = ""  # which statistic made it "better": "acceptance" | "likelihood" | ""
+
+    @property
+    def ll_gain(self) -> float:
+        return self.ll_alt - self.ll_declared
+
+    @property
+    def ll_p(self) -> float:
+        return p_of(self.ll_z)
 
     def to_json(self) -> dict:
         r = lambda v: round(v, 4) if math.isfinite(v) else (1e9 if v > 0 else -1e9)  # noqa: E731
         return {"anchors": self.anchors, "slots": self.slots, "tau_declared": r(self.tau_declared),
                 "tau_alt": r(self.tau_alt), "gain": r(self.gain), "z": r(self.z), "p": float(f"{self.p:.3g}"),
-                "z_margin": r(self.z_margin), "status": self.status}
+                "z_margin": r(self.z_margin), "loglik_declared": r(self.ll_declared), "loglik_alt": r(self.ll_alt),
+                "loglik_gain": r(self.ll_gain), "loglik_z": r(self.ll_z), "loglik_z_margin": r(self.ll_z_margin),
+                "status": self.status, "by": self.by}
+
+
+def _z_pair(d: torch.Tensor, e: torch.Tensor, segments: list[int], lag: int) -> tuple[float, float]:
+    """(z of mean d > 0, z of mean e < 0): the paired test and the margin test on one series."""
+    n = int(d.shape[0])
+    # floor: one anchor's worth of difference (all-equal samples, e.g. a draft that accepts nothing
+    # under every reading, must not look infinitely certain)
+    se_d, se_e = max(long_run_se(d, segments, lag), 1.0 / n), max(long_run_se(e, segments, lag), 1.0 / n)
+    md, me = float(d.mean()), float(e.mean())
+    return md / se_d, -me / se_e
 
 
 def compare(declared: torch.Tensor, alt: torch.Tensor, segments: list[int], slots: int, *, min_gain: float,
-            z_better: float, z_not_better: float) -> Comparison:
-    """declared, alt: [n] accepted drafts per anchor (same anchors, in text order); segments: anchors per text."""
+            z_better: float, z_not_better: float, ll: tuple[torch.Tensor, torch.Tensor] | None = None,
+            ll_min_gain: float = 0.0) -> Comparison:
+    """declared, alt: [n] accepted drafts per anchor (same anchors, in text order); segments: anchors
+    per text; ll: (declared, alt) [n, >= slots] log q(target token) per anchor and slot, or None."""
     a = declared.clamp(max=slots).double()
     b = alt.clamp(max=slots).double()
     n = int(a.shape[0])
     if n == 0:
         return Comparison(0, slots, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, "open")
     lag = 2 * slots
-    d = b - a
-    e = (1.0 + b) - (1.0 + min_gain) * (1.0 + a)
     tau_a, tau_b = 1.0 + float(a.mean()), 1.0 + float(b.mean())
-    # floor: one anchor's worth of difference (all-equal samples, e.g. a draft that accepts nothing
-    # under every reading, must not look infinitely certain)
-    se_d, se_e = max(long_run_se(d, segments, lag), 1.0 / n), max(long_run_se(e, segments, lag), 1.0 / n)
-    md, me = float(d.mean()), float(e.mean())
-    z = md / se_d if se_d > 0 else (0.0 if md == 0 else math.copysign(math.inf, md))
-    zm = -me / se_e if se_e > 0 else (0.0 if me == 0 else math.copysign(math.inf, -me))
+    z, zm = _z_pair(b - a, (1.0 + b) - (1.0 + min_gain) * (1.0 + a), segments, lag)
     gain = tau_b / tau_a - 1.0
-    status = "better" if (z >= z_better and gain >= min_gain) else "not better" if zm >= z_not_better else "open"
-    return Comparison(n, slots, tau_a, tau_b, gain, z, p_of(z), zm, status)
+    acc = "better" if (z >= z_better and gain >= min_gain) else "not better" if zm >= z_not_better else "open"
+    if ll is None:
+        return Comparison(n, slots, tau_a, tau_b, gain, z, p_of(z), zm, acc, by="acceptance" if acc == "better" else "")
+    la, lb = (x[:, :slots].double().mean(1) for x in ll)
+    lz, lzm = _z_pair(lb - la, (lb - la) - ll_min_gain, segments, lag)
+    ll_gain = float((lb - la).mean())
+    lik = ("better" if (lz >= z_better and ll_gain >= ll_min_gain and z > -z_better)
+           else "not better" if lzm >= z_not_better else "open")
+    status = ("better" if "better" in (acc, lik) else "not better" if acc == lik == "not better" else "open")
+    by = "acceptance" if acc == "better" else "likelihood" if lik == "better" else ""
+    return Comparison(n, slots, tau_a, tau_b, gain, z, p_of(z), zm, status, float(la.mean()), float(lb.mean()),
+                      lz, lzm, by)

@@ -1,6 +1,7 @@
 """`dspark doctor`: the doctor's check (dspark.bench.doctor) on the command line, and its report.
 
-Exit codes: 0 healthy (every other reading is excluded from being 3% better), 3 a misread or a
+Exit codes: 0 healthy (every other reading is excluded from giving 3% more tokens per step or
+0.02 nats more log-probability per slot to the target's tokens), 3 a misread or a
 failed static check (and, with --strict, any warning), 4 undecided (the token bound was reached
 before the comparison was decisive: rerun with a larger --max-tokens), 2 bad input.
 """
@@ -68,7 +69,7 @@ def run(args) -> int:
 def _cmp_cell(c) -> RText:
     if c is None:
         return RText("-")
-    text = f"{c.gain:+.0%} z {c.z:+.1f}"
+    text = f"{c.gain:+.0%} z {c.z:+.1f}, {c.ll_gain:+.3f} nats z {c.ll_z:+.1f}"
     style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
     return RText(f"{text} {c.status}", style=style)
 
@@ -91,11 +92,13 @@ def print_report(report: Report) -> None:
         t, th = report.texts, report.thresholds
         rt = Table(title=f"greedy acceptance on the target's own text ({t['generated_tokens']} generated tokens, "
                          f"{t['prompts']} texts, {t['anchors']} anchors, {len(report.rounds)} rounds; "
-                         f"better = {th['min_gain']:.0%} more tokens per step at z >= {th['z_better']:.2f})")
+                         f"better = {th['min_gain']:.0%} more tokens per step or {th['loglik_min_gain']} nats more "
+                         f"log-probability per slot, at z >= {th['z_better']:.2f})")
         rt.add_column("reading", no_wrap=True)
         rt.add_column("anchors", justify="right")
         rt.add_column("tau", justify="right")
         rt.add_column("per slot", no_wrap=True)
+        rt.add_column("loglik", justify="right")
         rt.add_column("vs declared")
         # The declared reading, each single change, open ones and the explaining reading; --json lists all.
         shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best
@@ -103,7 +106,7 @@ def print_report(report: Report) -> None:
         for r in shown:
             c = report.comparisons.get(r.name)
             rt.add_row(r.name, str(r.anchors), f"{r.accept_length:.2f}",
-                       " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), _cmp_cell(c))
+                       " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), f"{r.mean_loglik:.3f}", _cmp_cell(c))
         console.print(rt)
     for w in report.warnings:
         console.print(RText("warning: ", style="yellow") + RText(w))
@@ -113,9 +116,11 @@ def print_report(report: Report) -> None:
     if v == "healthy":
         extra = "" if not report.warnings else ", but see the warnings above"
         console.print(RText(f"healthy: no other reading gives {report.thresholds['min_gain']:.0%} more tokens per step "
+                            f"or {report.thresholds['loglik_min_gain']} nats more log-probability per slot "
                             f"({report.texts['anchors']} anchors, {report.seconds:.0f} s){extra}", style="bold green"))
     elif v == "undecided":
-        rows = [f"{n} ({report.comparisons[n].gain:+.0%}, z {report.comparisons[n].z:+.1f})" for n in report.undecided]
+        rows = [f"{n} ({c.gain:+.0%}, z {c.z:+.1f}; {c.ll_gain:+.3f} nats, z {c.ll_z:+.1f})"
+                for n, c in ((n, report.comparisons[n]) for n in report.undecided)]
         console.print(RText(f"undecided after {report.texts['generated_tokens']} generated tokens: "
                             f"{', '.join(rows)} neither clearly better nor excluded; rerun with a larger --max-tokens",
                             style="bold yellow"))

@@ -34,6 +34,7 @@ from dspark.train.prompts import bundled_path, load_prompts
 from dspark.train.store import pack
 from dspark.train.trainer import eval_line, train
 
+DATA_HELP = "a shard (.jsonl) or packed data set; several, comma-separated, train as one"
 STAGES = ("prompts", "data", "pack", "features", "fit", "export", "eval", "all")
 
 
@@ -155,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("features", help="cache the target's tapped and final hidden states (bf16)")
     _target_args(p)
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--out", required=True, help="cache directory")
     p.add_argument("--taps", type=_int_tuple, default=None)
     p.add_argument("--n-taps", type=int, default=3)
@@ -166,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("fit", help="train a draft (resumes from <out> when it holds a checkpoint)")
     _target_args(p)
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--heldout", default=None, help="held-out shard for periodic evaluation")
     p.add_argument("--features", default="online", help="'online' or a feature-cache directory (built if absent)")
     p.add_argument("--out", required=True, help="run directory")

@@ -61,12 +61,14 @@ class StepResult:
 
 
 @torch.inference_mode()
-def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
-    spec, anchors = draft.spec, batch.anchors
+def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache):
+    """The draft's one forward over [anchor, MASK, ...]: (h [B, S, H], base logits of the sampled
+    rows [B, g, Vd], the Markov head's state before the first sampled row, or None)."""
+    spec = draft.spec
     B = anchors.shape[0]
     block = anchors.new_full((B, spec.query_slots), spec.mask_token_id)
     block[:, 0] = anchors
-    h = draft(block, batch.ctx.layers, batch.ctx.lengths)  # [B, S, H]
+    h = draft(block, ctx.layers, ctx.lengths)  # [B, S, H]
     rows = spec.sampled_rows
     base = draft.lm_head(h[:, rows.start : rows.stop])  # [B, g, Vd]
     mh = draft.markov_head
@@ -74,6 +76,14 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
     if mh is not None and mh.head_type == "rnn" and rows.start == 1:
         # bonus-anchor row 0 is never sampled, but training ran the recurrence through it
         _, _, state = mh.step(anchors, h[:, 0], state)
+    return h, base, state
+
+
+@torch.inference_mode()
+def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
+    anchors, rows, mh = batch.anchors, draft.spec.sampled_rows, draft.markov_head
+    B = anchors.shape[0]
+    h, base, state = draft_block(draft, anchors, batch.ctx)
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
     prev, tokens, confs = anchors, [], []
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -99,6 +109,35 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
         q=[torch.stack(q) if q else None for q in qs],
         conf_logits=torch.stack(confs, 1) if draft.confidence_head is not None else None,
     )
+
+
+@torch.inference_mode()
+def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, targets: torch.Tensor,
+                   floor: float = -10.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block of `propose` with the Markov head fed the given tokens instead of its own:
+    targets [B, g] -> (the draft's greedy token per slot [B, g], log q(target) per slot [B, g],
+    clamped at `floor`; a target outside a reduced draft vocabulary scores the floor).
+
+    While every earlier slot matched, the fed tokens are the draft's own, so the leading matches
+    are exactly what greedy verification accepts; the log-probabilities are the draft's training
+    objective on the same slots (`dspark doctor` compares readings on both)."""
+    rows, mh = draft.spec.sampled_rows, draft.markov_head
+    h, base, state = draft_block(draft, anchors, ctx)
+    V, Vd = draft.spec.vocab_size, base.shape[-1]
+    index = torch.full((V,), -1, dtype=torch.long, device=base.device)  # target id -> draft id
+    index[draft.to_target_ids(torch.arange(Vd, device=base.device))] = torch.arange(Vd, device=base.device)
+    prev, tokens, logps = anchors, [], []
+    for k, row in enumerate(rows):
+        logits = base[:, k]
+        if mh is not None:
+            bias, _, state = mh.step(prev, h[:, row], state)
+            logits = logits + bias
+        tokens.append(draft.to_target_ids(logits.argmax(-1)))
+        lp = logits.float().log_softmax(-1)
+        di = index[targets[:, k]]
+        logps.append(torch.where(di >= 0, lp.gather(1, di.clamp(min=0)[:, None])[:, 0], floor).clamp(min=floor))
+        prev = targets[:, k]
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
 def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, batch: Batch, q) -> tuple[torch.Tensor, torch.Tensor]:

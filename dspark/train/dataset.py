@@ -53,7 +53,13 @@ def read_records(path: Path, repair: bool = False) -> list[dict]:
 
 
 def load_sequences(path, vocab_size: int | None = None, max_len: int | None = None) -> list[Sequence]:
-    """A JSONL shard or a packed data set (a directory with manifest.json, see store.py)."""
+    """A JSONL shard or a packed data set (a directory with manifest.json, see store.py); several,
+    comma-separated, are read in the order given (one data set of all their sequences)."""
+    parts = str(path).split(",")
+    if len(parts) > 1:
+        if any(not p.strip() for p in parts):
+            raise TrainError(f"training data {str(path)!r}: an empty name in the comma-separated list")
+        return [s for p in parts for s in load_sequences(p.strip(), vocab_size, max_len)]
     path = Path(path)
     if path.is_dir() and (path / "manifest.json").is_file():
         records = read_packed(path)

@@ -381,6 +381,12 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
     if ctx.main:
         cfg.save(run.out / CONFIG)
     result = TrainResult(run.step, run.total)
+    if ctx.main and cfg.init and run.step == 0 and run.held is not None:
+        # a warm start's baseline: the init draft is the best checkpoint until training beats it
+        result.eval = run.evaluate()
+        run.log({"step": 0, "eval": result.eval})
+        echo(eval_line(0, result.eval))
+        result.best = run.save_best(result.eval)
     bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not (progress and ctx.main))
     t0 = session_start = time.perf_counter()
     try:
