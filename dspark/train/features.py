@@ -82,7 +82,6 @@ def run_target(model, cap: TapCapture, seqs: list[Sequence]) -> list[tuple[torch
 
 
 @torch.no_grad()  # not inference_mode: the features feed autograd-tracked draft layers
-@torch.no_grad()  # not inference_mode: the features feed autograd-tracked draft layers
 def run_native(target: NativeTarget, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """run_target on dspark's native runtime (its taps are set to the draft's): one right-padded
     batch through a fresh cache, the final states post-norm as `last_hidden_state` is."""
