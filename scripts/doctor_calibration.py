@@ -68,6 +68,8 @@ def real_drafts(args) -> None:
     for draft in map(Path, args.draft):
         truth = None
         for lie, edit in CONFIG_LIES.items():
+            if args.lies and lie.replace(" ", "") not in args.lies.split(","):
+                continue
             path = root / f"{draft.name}-{lie.replace(' ', '')}"
             shutil.rmtree(path, ignore_errors=True)
             shutil.copytree(draft, path)
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2", help="with --draft: the target")
     ap.add_argument("--prompts", default=None, help="with --draft: a prompt file the doctor uses first")
     ap.add_argument("--threads", type=int, default=None, help="with --draft: the doctor's --threads")
+    ap.add_argument("--lies", default=None,
+                    help="with --draft: comma-separated subset of none,layoutflipped,taps-1,mask2 (default: all)")
     args = ap.parse_args()
     if args.draft:
         return real_drafts(args)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.bench.paired import Comparison, compare, z_for
+from dspark.bench.paired import Comparison, compare, slot_weights, z_for
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.step import teacher_forced
@@ -147,8 +147,11 @@ class Reading:
 
     @property
     def mean_loglik(self) -> float:
-        """Mean log-probability the draft gives the target's token per slot (teacher-forced), nats."""
-        return float(torch.cat(self.loglik).float().mean()) if self.loglik else float("nan")
+        """Log-probability the draft gives the target's token per slot (teacher-forced; slots
+        weighted as in the paired test), nats."""
+        if not self.loglik:
+            return float("nan")
+        return float((torch.cat(self.loglik).double() @ slot_weights(self.spec.gamma)).mean())
 
     @property
     def per_slot(self) -> list[float]:

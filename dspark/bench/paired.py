@@ -18,8 +18,9 @@ texts (texts are independent).
                 z_margin = -mean E / se(E) >= z_not_better;
 - otherwise "open": more text decides.
 
-The same paired test runs on a second, far less noisy statistic: the draft's mean
-log-probability of the target's tokens over the common slots of each anchor (teacher-forced:
+The same paired test runs on a second, far less noisy statistic: the draft's log-probability
+of the target's tokens over the common slots of each anchor, slot k (from 0) weighted
+exp(-k / LL_SLOT_DECAY) (teacher-forced:
 the Markov head is fed the target's tokens; `engine.step.teacher_forced`). That is the
 objective the draft was trained on under its true reading, so a wrong reading costs
 likelihood even where it barely moves acceptance (a weak draft whose taps are shifted by one
@@ -80,7 +81,7 @@ class Comparison:
     p: float  # one-sided p-value of z
     z_margin: float  # evidence that the alternative is *not* min_gain better
     status: str  # "better" | "not better" | "open": both statistics together
-    ll_declared: float = float("nan")  # mean log q(target token) per slot, nats
+    ll_declared: float = float("nan")  # slot-weighted mean log q(target token), nats per slot
     ll_alt: float = float("nan")
     ll_z: float = 0.0
     ll_z_margin: float = 0.0
@@ -101,6 +102,15 @@ class Comparison:
                 "z_margin": r(self.z_margin), "loglik_declared": r(self.ll_declared), "loglik_alt": r(self.ll_alt),
                 "loglik_gain": r(self.ll_gain), "loglik_z": r(self.ll_z), "loglik_z_margin": r(self.ll_z_margin),
                 "status": self.status, "by": self.by}
+
+
+LL_SLOT_DECAY = 2.0  # the first slots decide speed, and separated misreads best where measured
+
+
+def slot_weights(slots: int) -> torch.Tensor:
+    """[slots] weights summing to 1 that make per-slot log-probabilities one number per anchor."""
+    w = torch.exp(-torch.arange(slots, dtype=torch.float64) / LL_SLOT_DECAY)
+    return w / w.sum()
 
 
 def _z_pair(d: torch.Tensor, e: torch.Tensor, segments: list[int], lag: int) -> tuple[float, float]:
@@ -130,7 +140,8 @@ def compare(declared: torch.Tensor, alt: torch.Tensor, segments: list[int], slot
     acc = "better" if (z >= z_better and gain >= min_gain) else "not better" if zm >= z_not_better else "open"
     if ll is None:
         return Comparison(n, slots, tau_a, tau_b, gain, z, p_of(z), zm, acc, by="acceptance" if acc == "better" else "")
-    la, lb = (x[:, :slots].double().mean(1) for x in ll)
+    w = slot_weights(slots)
+    la, lb = (x[:, :slots].double() @ w for x in ll)
     lz, lzm = _z_pair(lb - la, (lb - la) - ll_min_gain, segments, lag)
     ll_gain = float((lb - la).mean())
     lik = ("better" if (lz >= z_better and ll_gain >= ll_min_gain and z > -z_better)
