@@ -56,7 +56,7 @@ EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNDECIDED = 0, 3, 4
 MIN_GAIN = 0.03  # an alternative reading "better" gives this much more tokens per step (tau) ...
 ALPHA = 0.01  # ... at this one-sided level, shared by every alternative and every look; and a
 # reading is "not better" when a MIN_GAIN advantage is excluded at ALPHA shared by the looks
-LL_MIN_GAIN = 0.02  # ... or gives the target's tokens this much more log-probability per slot (nats)
+LL_MIN_GAIN = 0.05  # ... or gives the target's tokens this much more log-probability per slot (nats)
 LOW_FIRST_SLOT = 0.05  # first-slot acceptance below this under every reading: barely predicts this target
 EMBED_COSINE_MIN = 0.9  # a draft's own embed_tokens copy should be the target's
 MAX_MASK_ALTERNATIVES = 3
@@ -85,7 +85,7 @@ class Budget:
     max_tokens: int = 8192  # bound on the generated tokens over all rounds (the bundled draft's taps lie needs ~3 400)
     # load time: stop once no open alternative leads (by a margin, at z >= quiet_z) on either statistic
     stop_when_quiet: bool = False
-    quiet_z: float = 2.0
+    quiet_z: float = 1.0
 
     def rounds(self) -> list[int]:
         """Texts per round; the number of rounds is the number of looks the test pays for."""

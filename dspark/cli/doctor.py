@@ -1,7 +1,7 @@
 """`dspark doctor`: the doctor's check (dspark.bench.doctor) on the command line, and its report.
 
 Exit codes: 0 healthy (every other reading is excluded from giving 3% more tokens per step or
-0.02 nats more log-probability per slot to the target's tokens), 3 a misread or a
+0.05 nats more log-probability per slot to the target's tokens), 3 a misread or a
 failed static check (and, with --strict, any warning), 4 undecided (the token bound was reached
 before the comparison was decisive: rerun with a larger --max-tokens), 2 bad input.
 """
