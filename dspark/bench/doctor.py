@@ -602,7 +602,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
                 break  # otherwise more text decides which changes are needed
         if not open_:
             break
-        if budget.stop_when_quiet and not any(leads(report.comparisons[r.name], rule, budget.quiet_z) for r in open_):
+        if budget.stop_when_quiet and n_texts >= MIN_TEXTS_TO_EXCLUDE and not any(leads(report.comparisons[r.name], rule, budget.quiet_z) for r in open_):
             break
     report.measured = declared.anchors > 0
     report.texts = {"prompts": n_texts, "generated_tokens": generated, "anchors": declared.anchors}
@@ -733,8 +733,9 @@ def diagnose(engine, draft_path: str, *, budget: Budget | None = None, prompts: 
     return check_engine(with_draft, prompts=prompts, budget=budget, extra_masks=extra_masks, report=report)
 
 
-# Load time: four prompts of 64 tokens; more text (doubling) only while some open alternative
-# leads the declared reading (`leads`), up to 3072 tokens.
+# Load time: four prompts of 64 tokens, then eight (a handful of texts can point the wrong way:
+# a barely trained draft's layout lie looked healthy on the first four); more text (doubling)
+# only while some open alternative leads the declared reading (`leads`), up to 3072 tokens.
 QUICK_BUDGET = Budget(prompts=4, tokens=64, max_tokens=3072, stop_when_quiet=True)
 
 
