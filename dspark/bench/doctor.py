@@ -743,8 +743,9 @@ def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int]
     """The doctor's cheap version for load time; returns warnings (empty: nothing found).
 
     The same statistic and thresholds as the doctor on a short sample (QUICK_BUDGET) and fewer
-    readings (layout x taps, single mask changes). On SmolLM2 on 2 CPU cores it costs about as
-    much as decoding 96 tokens when no alternative leads. Leaves the engine as it found it."""
+    readings (layout x taps, single mask changes). On SmolLM2 with its weak drafts it costs about
+    24 s on one Zen 4 core when no alternative leads (8 texts, 732 tokens; docs/BENCHMARKS.md).
+    Leaves the engine as it found it."""
     draft = engine.draft
     if draft is None:
         return []
