@@ -117,6 +117,7 @@ class Extractor:
             self.cap.close()
 
 
+@torch.no_grad()  # a check: no graph (and no requires_grad-to-scalar warning)
 def check_head(model, seq: Sequence) -> None:
     """The target's logits must equal lm_head(post-norm final hidden state) on a real sequence."""
     dev = next(model.parameters()).device
