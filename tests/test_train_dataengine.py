@@ -207,6 +207,29 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
                    draft=DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3)), progress=False)
 
 
+def test_a_resumed_warm_start_with_a_reduced_vocabulary_trains_against_its_own_head_rows(tmp_path):
+    """Found resuming the SmolLM2 fit of session 5: the resumed run recomputed the vocabulary from
+    its data, restored the checkpoint's rows, but kept a bf16 copy of the recomputed rows for the
+    frozen head matmul -- acceptance fell from 1.58 to 1.04. The copy must be the checkpoint's."""
+    from dspark.train import distributed
+    from dspark.train.trainer import Run
+
+    target = _tiny_dir(tmp_path)
+    d = DraftOptions(gamma=3, num_layers=1, markov_rank=8, n_taps=2, mask_token_id=3, draft_vocab=40)
+    first = synthetic_shard(tmp_path / "a.jsonl", 24, seed=0)
+    train(_cfg(tmp_path, target, first, draft=d, out=str(tmp_path / "init")), progress=False)
+    other = synthetic_shard(tmp_path / "b.jsonl", 24, seed=7)  # another vocabulary would be chosen from this
+    cfg = _cfg(tmp_path, target, other, draft=d, out=str(tmp_path / "warm"), steps=20, time_budget=1e-3,
+               init=str(tmp_path / "init" / "draft"))
+    assert train(cfg, progress=False).stopped_early
+    run = Run(_cfg(tmp_path, target, other, draft=d, out=str(tmp_path / "warm"), steps=20,
+                   init=str(tmp_path / "init" / "draft")), distributed.setup(), progress=False)
+    assert run.resumed and run.head_weight is not None
+    assert torch.equal(run.head_weight, run.draft.lm_head.weight.detach().to(torch.bfloat16))
+    init = load_file(str(tmp_path / "init" / "draft" / "model.safetensors"))
+    assert torch.equal(run.draft.d2t.cpu(), init["d2t"])  # the init's vocabulary, kept through the resume
+
+
 @pytest.mark.slow
 def test_scale_recipe_runs_every_stage_at_tiny_scale(tmp_path):
     target = _tiny_dir(tmp_path)

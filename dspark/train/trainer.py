@@ -141,10 +141,6 @@ class Run:
             self.draft.lm_head.weight.requires_grad_(False)
         self.draft.train()
         self.lm_head = self.model.get_output_embeddings()
-        w = self.draft.lm_head.weight
-        self.head_weight = None
-        if cfg.head_dtype == "bf16" and not w.requires_grad:  # a trainable (reduced-vocab) head stays fp32
-            self.head_weight = w.detach().to(torch.bfloat16)
         self.weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.conf_weight, cfg.decay)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         # fused: one kernel over all parameters instead of ~10 elementwise passes per tensor (CPU and CUDA)
@@ -156,6 +152,12 @@ class Run:
         saved = load_state(self.out) if self.resumed else None
         if saved is not None:
             self._restore(saved)
+        # after the restore: a resumed warm start's head rows (and d2t) are the checkpoint's, not the
+        # vocabulary recomputed from the data above; a copy taken before would train against other rows
+        w = self.draft.lm_head.weight
+        self.head_weight = None
+        if cfg.head_dtype == "bf16" and not w.requires_grad:  # a trainable head stays fp32
+            self.head_weight = w.detach().to(torch.bfloat16)
         distributed.broadcast_parameters(ctx, self.draft)
         self.features = self._features()
         self.held_features = None
