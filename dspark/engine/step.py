@@ -123,9 +123,6 @@ def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache,
     objective on the same slots (`dspark doctor` compares readings on both)."""
     rows, mh = draft.spec.sampled_rows, draft.markov_head
     h, base, state = draft_block(draft, anchors, ctx)
-    V, Vd = draft.spec.vocab_size, base.shape[-1]
-    index = torch.full((V,), -1, dtype=torch.long, device=base.device)  # target id -> draft id
-    index[draft.to_target_ids(torch.arange(Vd, device=base.device))] = torch.arange(Vd, device=base.device)
     prev, tokens, logps = anchors, [], []
     for k, row in enumerate(rows):
         logits = base[:, k]
@@ -133,9 +130,9 @@ def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache,
             bias, _, state = mh.step(prev, h[:, row], state)
             logits = logits + bias
         tokens.append(draft.to_target_ids(logits.argmax(-1)))
-        lp = logits.float().log_softmax(-1)
-        di = index[targets[:, k]]
-        logps.append(torch.where(di >= 0, lp.gather(1, di.clamp(min=0)[:, None])[:, 0], floor).clamp(min=floor))
+        # -inf outside a reduced draft vocabulary, then the floor
+        lp = draft.to_target_vocab(logits.float().log_softmax(-1))  # [B, V]
+        logps.append(lp.gather(1, targets[:, k : k + 1])[:, 0].clamp(min=floor))
         prev = targets[:, k]
     return torch.stack(tokens, 1), torch.stack(logps, 1)
 

@@ -361,6 +361,14 @@ class Run:
         path.write_text(json.dumps(best) + "\n")
         return best
 
+    def evaluate_and_keep(self, result: TrainResult, echo: Echo | None) -> None:
+        """Held-out evaluation at this step: logged, echoed (unless echo is None), best kept."""
+        result.eval = self.evaluate()
+        self.log({"step": self.step, "eval": result.eval})
+        if echo is not None:
+            echo(eval_line(self.step, result.eval))
+        result.best = self.save_best(result.eval) or result.best
+
     def log(self, record: dict) -> None:
         with open(self.out / METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -385,10 +393,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
     result = TrainResult(run.step, run.total)
     if ctx.main and cfg.init and run.step == 0 and run.held is not None:
         # a warm start's baseline: the init draft is the best checkpoint until training beats it
-        result.eval = run.evaluate()
-        run.log({"step": 0, "eval": result.eval})
-        echo(eval_line(0, result.eval))
-        result.best = run.save_best(result.eval)
+        run.evaluate_and_keep(result, echo)
     bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not (progress and ctx.main))
     t0 = session_start = time.perf_counter()
     try:
@@ -404,10 +409,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
             if ctx.main:
                 run.log({**rec, "elapsed": round(run.elapsed, 2)})
                 if run.held is not None and (run.step % cfg.eval_every == 0 or last):
-                    result.eval = run.evaluate()
-                    run.log({"step": run.step, "eval": result.eval})
-                    echo(eval_line(run.step, result.eval))
-                    result.best = run.save_best(result.eval) or result.best
+                    run.evaluate_and_keep(result, echo)
                 if run.step % cfg.ckpt_every == 0 or last:
                     result.draft_dir = run.save()
             distributed.barrier(ctx)
@@ -420,9 +422,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
             if over and run.step < run.total:
                 if ctx.main:
                     if run.held is not None and run.step % cfg.eval_every:
-                        result.eval = run.evaluate()
-                        run.log({"step": run.step, "eval": result.eval})
-                        result.best = run.save_best(result.eval) or result.best
+                        run.evaluate_and_keep(result, None)
                     result.draft_dir = run.save()
                     echo(f"time budget of {cfg.time_budget:.0f} s reached at step {run.step}/{run.total}: "
                               "checkpoint saved; rerun the same command to continue")
