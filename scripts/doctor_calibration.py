@@ -84,10 +84,12 @@ def real_drafts(args) -> None:
             wall = time.perf_counter() - t0
             (root / f"{path.name}.json").write_text(proc.stdout)
             # the engine's load-time check (what `dspark generate` runs before decoding) on the same file
-            t1 = time.perf_counter()
-            warned = quick_check(build_engine(EngineConfig(target=args.target, draft=str(path), check=False,
-                                                           threads=args.threads)))
-            load_time = f"{'warns' if warned else 'quiet'}, {time.perf_counter() - t1:.0f} s"
+            load_time = "-"
+            if not args.no_load_time:
+                t1 = time.perf_counter()
+                warned = quick_check(build_engine(EngineConfig(target=args.target, draft=str(path), check=False,
+                                                               threads=args.threads)))
+                load_time = f"{'warns' if warned else 'quiet'}, {time.perf_counter() - t1:.0f} s"
             try:
                 r = json.loads(proc.stdout)
             except json.JSONDecodeError:
@@ -98,7 +100,11 @@ def real_drafts(args) -> None:
             truth = declared if lie == "none" else truth
             best = r.get("explained_by")
             verdict = r["verdict"] + (f" -> {best}" if best and r["verdict"] == "misread" else "")
-            if best and r["verdict"] == "misread":  # which statistic decided, and by how much
+            if best and r.get("found_by") == "weights":
+                fits = r["fingerprint"]
+                verdict += (f" (by fc's weights: misfit {fits['declared']['misfit']:.3f} -> {fits[best]['misfit']:.3f}, "
+                            f"correlation {fits[best]['correlation']:.2f})")
+            elif best and r["verdict"] == "misread":  # which statistic decided, and by how much
                 c = next(x["vs_declared"] for x in readings if x["name"] == best)
                 verdict += (f" ({c['gain']:+.0%}, z {c['z']:.1f}; {c['loglik_gain']:+.3f} nats, z {c['loglik_z']:.1f}; "
                             f"by {c['by'] or 'the evidence reading'})")
@@ -116,6 +122,7 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2", help="with --draft: the target")
     ap.add_argument("--prompts", default=None, help="with --draft: a prompt file the doctor uses first")
     ap.add_argument("--threads", type=int, default=None, help="with --draft: the doctor's --threads")
+    ap.add_argument("--no-load-time", action="store_true", help="with --draft: skip the load-time check")
     ap.add_argument("--lies", default=None,
                     help="with --draft: comma-separated subset of none,layoutflipped,taps-1,mask2 (default: all)")
     args = ap.parse_args()

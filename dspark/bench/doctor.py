@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.bench import fingerprint
 from dspark.bench.paired import Comparison, compare, slot_weights, z_for
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
@@ -185,6 +186,8 @@ class Report:
     rounds: list[dict] = field(default_factory=list)
     thresholds: dict = field(default_factory=dict)
     best: Reading | None = None  # the reading that explains a misread file
+    fits: dict = field(default_factory=dict)  # taps reading name -> fingerprint.TapFit (declared included)
+    found_by: str = ""  # "behaviour" | "weights" (the fingerprint) when misread
     measured: bool = False
     seconds: float = 0.0
 
@@ -241,6 +244,8 @@ class Report:
                 for r in self.readings
             ],
             "explained_by": self.best.name if self.best is not None else None,
+            "found_by": self.found_by,
+            "fingerprint": {n: f.to_json() for n, f in self.fits.items()},
             "verdict": self.verdict,
             "diagnoses": self.diagnoses,
             "warnings": self.warnings,
@@ -625,15 +630,52 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
                 report.comparisons[r.name] = paired(declared, r, rule)
         best, evidence, _ = explain(readings, report.comparisons, rule)
     if best is not None:
-        report.best = best
+        report.best, report.found_by = best, "behaviour"
         report.diagnoses = [diagnosis(declared, best, f, report.comparisons[evidence.name], evidence)
                             for f in best.factors]
+    else:
+        weights_finding(report, readings, draft, kept)
     top = max(r.per_slot[0] if r.per_slot else 0.0 for r in readings if r.accepted)
     if best is None and top < LOW_FIRST_SLOT:
         report.warnings.append(
             f"the draft's first token is accepted {top:.0%} of the time under every reading tried: an untrained "
             "draft, a draft for another target, or a mismatch this doctor does not vary (RoPE settings, dtype)")
     return report
+
+
+def weights_finding(report: Report, readings: list[Reading], draft, texts: list[Text]) -> None:
+    """Taps that behaviour cannot tell apart, named by fc's weights (bench/fingerprint.py).
+
+    Only where behaviour found nothing: a shifted-taps reading whose layers fc fits FIT_RATIO
+    times better than the declared ones, and which behaves as well as the declared reading (no
+    worse than either margin on either statistic), is a finding. A draft trained on raw taps has
+    no fingerprint (low correlation) and never gets one."""
+    declared = readings[0]
+    taps_only = [r for r in readings if r.factors in ((), ("hidden_state_indices",))]
+    rms = fingerprint.layer_rms([(t.taps, t.prompt_len) for t in texts], {i for r in taps_only for i in r.spec.hidden_state_indices})
+    report.fits = {r.name: fingerprint.tap_fit(draft.fc.weight, rms, r.spec.hidden_state_indices) for r in taps_only}
+    base = report.fits[declared.name]
+    for r in taps_only[1:]:
+        fit, cmp = report.fits[r.name], report.comparisons.get(r.name)
+        if cmp is None or not fingerprint.points_to(base, fit):
+            continue
+        if cmp.gain <= -MIN_GAIN or cmp.ll_gain <= -LL_MIN_GAIN:
+            continue  # behaviour prefers the declared taps: it outranks the weights' shape
+        report.best, report.found_by = r, "weights"
+        report.diagnoses = [taps_diagnosis(declared.spec, r, base, fit, cmp)]
+        return
+
+
+def taps_diagnosis(d, r: Reading, base, fit, cmp: Comparison) -> str:
+    key, off, _ = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))
+    now, want = [i + off for i in d.hidden_state_indices], [i + off for i in r.spec.hidden_state_indices]
+    return (f"{_says(d)} {key} {now} but fc's weights were fitted to {want} (hidden_state_indices shifted by "
+            f"{r.shift:+d}): fc's column norms follow the per-dimension scale of those layers' hidden states "
+            f"(misfit {fit.misfit:.4f} against {base.misfit:.4f} for the declared layers, correlation "
+            f"{fit.correlation:.2f}; `dspark train` folds each tap's scale into fc), while this draft's behaviour "
+            f"cannot tell the two apart (acceptance length {cmp.tau_declared:.2f} -> {cmp.tau_alt:.2f}, "
+            f"log-likelihood {cmp.ll_declared:.2f} -> {cmp.ll_alt:.2f} nats per slot; {cmp.anchors} anchors). "
+            f"Fix: set {key}: {want}")
 
 
 # ---- static checks -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from dspark.model.taps import SINK_OUTLIER, per_dim_rms
 from dspark.target.hf import decoder_layers
 from dspark.target.native import FLOAT_NAMES, NativeTarget, supports as native_supports
 from dspark.train.config import FEATURE_RUNTIMES
@@ -243,7 +244,7 @@ class CachedFeatures:
 
 # ---- input conditioning ---------------------------------------------------------------------
 
-def tap_scale(features, indices: list[int], n_taps: int, outlier: float = 8.0) -> torch.Tensor:
+def tap_scale(features, indices: list[int], n_taps: int, outlier: float = SINK_OUTLIER) -> torch.Tensor:
     """[W] per-dimension RMS of the tapped states over the sequences `indices`.
 
     Residual streams carry a few "massive" dimensions (SmolLM2's layer-28 input has two at
@@ -255,13 +256,7 @@ def tap_scale(features, indices: list[int], n_taps: int, outlier: float = 8.0) -
     median (sinks) do not set the scale.
     """
     rows = torch.cat([t.float() for t, _ in features.get(indices)])  # [N, W]
-    per_tap = rows.view(rows.shape[0], n_taps, -1)
-    rms = per_tap.pow(2).mean(dim=2).sqrt()  # [N, n_taps]
-    keep = (rms <= outlier * rms.median(dim=0).values).all(dim=1)
-    if int(keep.sum()) < 2:
-        keep = torch.ones_like(keep)
-    scale = rows[keep].pow(2).mean(dim=0).sqrt()
-    return scale.clamp_min(1e-3)
+    return per_dim_rms(rows, n_taps, outlier)
 
 
 def fold_tap_scale(fc_weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
