@@ -134,10 +134,13 @@ def test_cli_json_and_table(trained, capsys):
     best = next(r for r in out["readings"] if r["name"] == "anchor-first")
     assert best["vs_declared"]["status"] == "better" and best["accept_length"] > out["readings"][0]["accept_length"]
     assert out["rounds"] and out["thresholds"]["min_gain"] == 0.03
+    assert out["found_by"] == "behaviour" and set(out["fingerprint"]) == {"declared", "taps-1"}
+    assert out["fingerprint"]["declared"]["taps"] == list(TAPS)
     rc = main(["doctor", "--target", trained["target"], "--draft", trained["healthy"], "--dtype", "fp32",
                "--device", "cpu"])
     text = capsys.readouterr().out
     assert rc == 0 and "healthy: no other reading gives 3% more tokens per step" in text and "taps-1" in text
+    assert "misfit" in text  # the taps readings' fc fingerprint column
     # without --draft only smollm2 has a default (the bundled draft); any other target must name one
     assert main(["doctor", "--target", trained["target"], "--device", "cpu"]) == 2
     assert "no draft given" in capsys.readouterr().err
@@ -248,3 +251,43 @@ def test_likelihood_decides_where_acceptance_cannot_and_never_against_it():
     # acceptance alone still decides as before
     more = (acc + 1).clamp(max=4)
     assert compare(acc, more, segs, 4, ll=(declared_ll, declared_ll), **kw).by == "acceptance"
+
+
+def test_weights_name_taps_that_behaviour_cannot_tell_apart(trained):
+    """A barely trained draft as `dspark train` exports it (fc folded with its taps' per-dimension
+    RMS; tests/trained.py scaled=True). Where behaviour cannot tell the taps readings apart (as on
+    SmolLM2's weakly trained drafts, docs/BENCHMARKS.md), fc's weights name the true taps; they
+    never outrank behaviour that prefers the declared taps, and a healthy file gets no finding."""
+    from dspark.bench.doctor import Report, readings_for, weights_finding
+    from dspark.bench.paired import Comparison
+    from tests.trained import _train_draft
+
+    draft = _train_draft(trained["model"], steps=15, scaled=True)
+    engine = build_engine(EngineConfig(target=trained["target"], dtype="fp32", device="cpu", no_spec=True, check=False))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, 64, (8,), generator=g).tolist() for _ in range(8)]
+    texts = generate_texts(engine.target, None, (), prompts, 40, (0, 1, 2))
+    lie = replace(draft.spec, hidden_state_indices=tuple(i - 1 for i in TAPS), format="speculators")
+
+    def finding(spec, fc_of, ll_gain=0.0):
+        """weights_finding where every reading behaves like the declared one (ll_gain aside)."""
+        readings = readings_for(spec, 2, [])
+        report = Report("", "", spec)
+        for r in readings[1:]:
+            report.comparisons[r.name] = Comparison(600, 4, 1.2, 1.2, 0.0, 0.0, 0.5, 4.0, "not better", -3.0,
+                                                    -3.0 + ll_gain, 0.0, 4.0)
+        weights_finding(report, readings, fc_of, texts)
+        return report
+
+    r = finding(lie, draft)
+    assert r.found_by == "weights" and r.best.name == "taps+1" and len(r.diagnoses) == 1, r.to_json()
+    msg = r.diagnoses[0]
+    assert "aux_hidden_state_layer_ids [0, 1] but fc's weights were fitted to [1, 2]" in msg, msg
+    assert "Fix: set aux_hidden_state_layer_ids: [1, 2]" in msg and "1.20 -> 1.20" in msg
+    assert r.fits["declared"].misfit >= 1.4 * r.fits["taps+1"].misfit
+    assert not finding(lie, draft, ll_gain=-0.2).diagnoses  # behaviour prefers the declared taps: it decides
+    healthy = finding(draft.spec, draft)
+    assert not healthy.diagnoses and healthy.found_by == "" and set(healthy.fits) == {"declared", "taps-1"}
+    # the fixture's drafts were fitted to raw taps: whatever their files say, the weights name nothing
+    weak = load_draft(trained["weak"], trained["model"], dtype=torch.float32)
+    assert not finding(weak.spec, weak).diagnoses and not finding(lie, weak).diagnoses

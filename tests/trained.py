@@ -40,7 +40,9 @@ def _train_target(steps: int = 140):
     return model.eval()
 
 
-def _train_draft(model, steps: int = 240, layout: str = "anchor_first"):
+def _train_draft(model, steps: int = 240, layout: str = "anchor_first", scaled: bool = False, seed: int = 123):
+    """scaled: as `dspark train` does by default, fc reads taps / their per-dimension RMS over the
+    answers, and the scale is folded into fc at the end (its weight fingerprint)."""
     from dspark.model.factory import make_spec
     from dspark.model.load import build_draft
     from dspark.train.dataset import Sequence
@@ -48,7 +50,10 @@ def _train_draft(model, steps: int = 240, layout: str = "anchor_first"):
     from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, sample_anchors
     from dspark.train.trainer import init_weights
 
-    g = torch.Generator().manual_seed(123)
+    from dspark.model.taps import per_dim_rms
+    from dspark.train.features import fold_tap_scale
+
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # equal-length prompts: one batched greedy call, no padding
         prompts = torch.randint(4, VOCAB, (32, 8), generator=g)
         out = model.generate(prompts, max_new_tokens=36, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -64,6 +69,10 @@ def _train_draft(model, steps: int = 240, layout: str = "anchor_first"):
     with torch.no_grad():
         feats = run_target(model, cap, seqs)
     cap.close()
+    scale = None
+    if scaled:
+        scale = per_dim_rms(torch.cat([t[8:] for t, _ in feats]), len(TAPS))
+        feats = [(t / scale, f) for t, f in feats]
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
     head, weights = model.get_output_embeddings(), LossWeights()
@@ -79,6 +88,9 @@ def _train_draft(model, steps: int = 240, layout: str = "anchor_first"):
             (loss_sums(draft_rows(draft, kv, blk, seqs[i].ids, final, head), weights).total / denom).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+    if scale is not None:
+        with torch.no_grad():
+            draft.fc.weight.copy_(fold_tap_scale(draft.fc.weight, scale))
     return draft.eval()
 
 

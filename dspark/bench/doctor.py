@@ -633,8 +633,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
         report.best, report.found_by = best, "behaviour"
         report.diagnoses = [diagnosis(declared, best, f, report.comparisons[evidence.name], evidence)
                             for f in best.factors]
-    else:
-        weights_finding(report, readings, draft, kept)
+    weights_finding(report, readings, draft, kept)
     top = max(r.per_slot[0] if r.per_slot else 0.0 for r in readings if r.accepted)
     if best is None and top < LOW_FIRST_SLOT:
         report.warnings.append(
@@ -646,7 +645,7 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
 def weights_finding(report: Report, readings: list[Reading], draft, texts: list[Text]) -> None:
     """Taps that behaviour cannot tell apart, named by fc's weights (bench/fingerprint.py).
 
-    Only where behaviour found nothing: a shifted-taps reading whose layers fc fits FIT_RATIO
+    Fits every taps reading (reported); decides only where behaviour found nothing: a shifted-taps reading whose layers fc fits FIT_RATIO
     times better than the declared ones, and which behaves as well as the declared reading (no
     worse than either margin on either statistic), is a finding. A draft trained on raw taps has
     no fingerprint (low correlation) and never gets one."""
@@ -655,6 +654,8 @@ def weights_finding(report: Report, readings: list[Reading], draft, texts: list[
     rms = fingerprint.layer_rms([(t.taps, t.prompt_len) for t in texts], {i for r in taps_only for i in r.spec.hidden_state_indices})
     report.fits = {r.name: fingerprint.tap_fit(draft.fc.weight, rms, r.spec.hidden_state_indices) for r in taps_only}
     base = report.fits[declared.name]
+    if report.best is not None:
+        return
     for r in taps_only[1:]:
         fit, cmp = report.fits[r.name], report.comparisons.get(r.name)
         if cmp is None or not fingerprint.points_to(base, fit):

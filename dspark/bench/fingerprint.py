@@ -11,8 +11,8 @@ dimensions grow layer by layer), so
     misfit(layer) = variance over j of ( log ||fc[:, j]|| + log RMS_layer(j) )
 
 is smallest at the layer fc was fitted to. It is summed over the taps of a reading. Drafts
-trained on raw taps (other trainers) do not carry the profile: the fit's correlation is then
-low and the fingerprint says nothing (`present`).
+trained on raw taps (other trainers) do not carry the profile: the profile then explains little
+of the column norms' spread and the fingerprint says nothing (`points_to`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from dspark.model.taps import per_dim_rms
 
 FIT_RATIO = 1.4  # a reading's taps fit fc this many times better than the declared ones: a finding
-MIN_CORRELATION = 0.8  # mean over taps of corr(log ||fc[:, j]||, -log RMS(j)): fc carries a tap scale at all
+MIN_EXPLAINED = 0.5  # share of the variance of log ||fc[:, j]|| that a reading's RMS profile explains: fc carries a tap scale at all
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,18 @@ class TapFit:
 
     taps: tuple[int, ...]
     misfit: float  # summed over taps
-    correlation: float  # mean over taps
+    spread: float  # variance of log ||fc[:, j]||, summed over taps
+    correlation: float  # mean over taps of corr(log ||fc[:, j]||, -log RMS(j))
+
+    @property
+    def explained(self) -> float:
+        """1 - misfit / spread: near 1 when the profile accounts for fc's column norms, below 0 when
+        the norms do not follow it at all (adding an unrelated profile adds variance)."""
+        return 1.0 - self.misfit / max(self.spread, 1e-12)
 
     def to_json(self) -> dict:
-        return {"taps": list(self.taps), "misfit": round(self.misfit, 5), "correlation": round(self.correlation, 4)}
+        return {"taps": list(self.taps), "misfit": round(self.misfit, 5), "explained": round(self.explained, 4),
+                "correlation": round(self.correlation, 4)}
 
 
 def layer_rms(texts: list[tuple[dict, int]], layers) -> dict[int, torch.Tensor]:
@@ -53,15 +61,16 @@ def tap_fit(fc_weight: torch.Tensor, rms: dict[int, torch.Tensor], taps: tuple[i
     """fc_weight [H, n_taps * Hin]; rms: layer -> [Hin]."""
     w = fc_weight.detach().float().cpu()
     h_in = w.shape[1] // len(taps)
-    misfit, corr = 0.0, 0.0
+    misfit, spread, corr = 0.0, 0.0, 0.0
     for k, layer in enumerate(taps):
         y = w[:, k * h_in : (k + 1) * h_in].norm(dim=0).clamp_min(1e-12).log()  # [Hin]
         x = rms[layer].log()
         misfit += float((y + x).var())
+        spread += float(y.var())
         corr += float(torch.corrcoef(torch.stack([y, -x]))[0, 1])
-    return TapFit(tuple(taps), misfit, corr / len(taps))
+    return TapFit(tuple(taps), misfit, spread, corr / len(taps))
 
 
 def points_to(declared: TapFit, alt: TapFit) -> bool:
     """The weights say `alt`'s layers, not the declared ones, are what fc was fitted to."""
-    return alt.correlation >= MIN_CORRELATION and declared.misfit >= FIT_RATIO * alt.misfit
+    return alt.explained >= MIN_EXPLAINED and declared.misfit >= FIT_RATIO * alt.misfit

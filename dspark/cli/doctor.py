@@ -66,14 +66,6 @@ def run(args) -> int:
     return report.exit_code(args.strict)
 
 
-def _cmp_cell(c) -> RText:
-    if c is None:
-        return RText("-")
-    text = f"{c.gain:+.0%} z {c.z:+.1f}, {c.ll_gain:+.3f} nats z {c.ll_z:+.1f}"
-    style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
-    return RText(f"{text} {c.status}", style=style)
-
-
 def print_report(report: Report) -> None:
     console = Console()
     d = report.declared
@@ -95,19 +87,29 @@ def print_report(report: Report) -> None:
                          f"better = {th['min_gain']:.0%} more tokens per step or {th['loglik_min_gain']} nats more "
                          f"log-probability per slot, at z >= {th['z_better']:.2f})")
         rt.add_column("reading", no_wrap=True)
-        rt.add_column("anchors", justify="right")
         rt.add_column("tau", justify="right")
-        rt.add_column("per slot", no_wrap=True)
+        rt.add_column("slots 1-4", no_wrap=True)
         rt.add_column("loglik", justify="right")
-        rt.add_column("vs declared")
+        rt.add_column("fc misfit", justify="right")  # the weights' fingerprint of the taps (bench/fingerprint.py)
+        # Two narrow tables instead of one wide one: they stay readable in an 80-column terminal.
+        vt = Table(title="each reading against the declared one, paired on the same anchors")
+        vt.add_column("reading", no_wrap=True)
+        vt.add_column("tau gain (z)", justify="right", no_wrap=True)
+        vt.add_column("nats gain (z)", justify="right", no_wrap=True)
+        vt.add_column("status", no_wrap=True)
         # The declared reading, each single change, open ones and the explaining reading; --json lists all.
         shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best
                  or r.name in report.undecided]
         for r in shown:
+            rt.add_row(r.name, f"{r.accept_length:.2f}", " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot[:4]),
+                       f"{r.mean_loglik:.3f}", f"{report.fits[r.name].misfit:.3f}" if r.name in report.fits else "-")
             c = report.comparisons.get(r.name)
-            rt.add_row(r.name, str(r.anchors), f"{r.accept_length:.2f}",
-                       " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot), f"{r.mean_loglik:.3f}", _cmp_cell(c))
+            if c is not None:
+                style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
+                vt.add_row(r.name, f"{c.gain:+.0%} ({c.z:+.1f})", f"{c.ll_gain:+.3f} ({c.ll_z:+.1f})",
+                           RText(c.status + (f" ({c.by})" if c.by else ""), style=style))
         console.print(rt)
+        console.print(vt)
     for w in report.warnings:
         console.print(RText("warning: ", style="yellow") + RText(w))
     for dgn in report.diagnoses:
