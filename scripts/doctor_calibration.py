@@ -1,7 +1,8 @@
 """Calibration of `dspark doctor` on tiny trained drafts (docs/BENCHMARKS.md, "Calibration").
 
-Trains the tiny pattern target of tests/trained.py and four drafts of it with dspark.train's
-pieces (strong: 240 steps, weak: 90 steps; anchor-first and bonus-anchor), writes each healthy
+Trains the tiny pattern target of tests/trained.py and eight drafts of it with dspark.train's
+pieces (strong: 240 steps, weak: 90 steps; anchor-first and bonus-anchor; fc fitted to raw taps,
+and to RMS-scaled taps with the scale folded in as `dspark train` does), writes each healthy
 draft and its lying variants (layout flipped with block_size adjusted, taps shifted by -1 (+1 would
 name a layer the 2-layer target lacks: a static failure), wrong mask token) as speculators files, and runs the doctor's default check on several
 prompt sets (seeded random prompts: the tiny target has no tokenizer). Prints one JSON line per
@@ -133,33 +134,38 @@ def main() -> None:
     model = _train_target()
     model.save_pretrained(root / "target")
     rows = []
-    for strength, steps in (("strong", 240), ("weak", WEAK_STEPS)):
-        for layout in ("anchor_first", "bonus_anchor"):
-            draft = _train_draft(model, steps=steps, layout=layout)
-            tensors = draft.own_state_dict()
-            for lie, edit in LIES.items():
-                path = root / f"{strength}-{layout}-{lie.replace(' ', '')}"
-                write_speculators(edit(draft.spec), tensors, path)
-                for seed in range(1, args.sets + 1):
-                    g = torch.Generator().manual_seed(seed)
-                    prompts = [torch.randint(4, 64, (8,), generator=g).tolist() for _ in range(64)]
-                    t0 = time.perf_counter()
-                    r = diagnose(build_engine(EngineConfig(target=str(root / "target"), dtype="fp32", device="cpu",
-                                                         no_spec=True, check=False)), str(path), prompts=prompts)
-                    row = {"draft": f"tiny {strength} {layout}", "lie": lie, "set": seed,
-                           "true_tau": None, "declared_tau": round(r.readings[0].accept_length, 2) if r.readings else None,
-                           "verdict": r.verdict, "exit": r.exit_code(), "explained_by": r.best.name if r.best else None,
-                           "anchors": r.texts.get("anchors"), "seconds": round(time.perf_counter() - t0, 1),
-                           "correct": (r.verdict == "healthy") if lie == "none" else (r.exit_code() == EXIT_UNHEALTHY)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    plan = [(strength, steps, layout, scaled) for scaled in (False, True)
+            for strength, steps in (("strong", 240), ("weak", WEAK_STEPS)) for layout in ("anchor_first", "bonus_anchor")]
+    for strength, steps, layout, scaled in plan:
+        # scaled: fc fitted to taps / RMS and the scale folded in, as `dspark train` does (its weight fingerprint)
+        draft = _train_draft(model, steps=steps, layout=layout, scaled=scaled)
+        tensors = draft.own_state_dict()
+        name = f"{strength}{'-scaled' if scaled else ''}"
+        for lie, edit in LIES.items():
+            path = root / f"{name}-{layout}-{lie.replace(' ', '')}"
+            write_speculators(edit(draft.spec), tensors, path)
+            for seed in range(1, args.sets + 1):
+                g = torch.Generator().manual_seed(seed)
+                prompts = [torch.randint(4, 64, (8,), generator=g).tolist() for _ in range(64)]
+                t0 = time.perf_counter()
+                r = diagnose(build_engine(EngineConfig(target=str(root / "target"), dtype="fp32", device="cpu",
+                                                     no_spec=True, check=False)), str(path), prompts=prompts)
+                row = {"draft": f"tiny {name} {layout}", "lie": lie, "set": seed,
+                       "true_tau": None, "declared_tau": round(r.readings[0].accept_length, 2) if r.readings else None,
+                       "verdict": r.verdict, "exit": r.exit_code(), "explained_by": r.best.name if r.best else None,
+                       "found_by": r.found_by,
+                       "anchors": r.texts.get("anchors"), "seconds": round(time.perf_counter() - t0, 1),
+                       "correct": (r.verdict == "healthy") if lie == "none" else (r.exit_code() == EXIT_UNHEALTHY)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     truth = {(r["draft"], r["set"]): r["declared_tau"] for r in rows if r["lie"] == "none"}
     print("\n| draft | true tau | lie | verdict (per prompt set) | anchors | seconds (max) |\n|---|---|---|---|---|---|")
     keys = sorted({(r["draft"], r["lie"]) for r in rows}, key=lambda k: (k[0], list(LIES).index(k[1])))
     for d, lie in keys:
         rs = [r for r in rows if r["draft"] == d and r["lie"] == lie]
         taus = [truth[(d, r["set"])] for r in rs]
-        print(f"| {d} | {min(taus):.2f}-{max(taus):.2f} | {lie} | {', '.join(r['verdict'] for r in rs)} | "
+        verdicts = ", ".join(r["verdict"] + (" (weights)" if r["found_by"] == "weights" else "") for r in rs)
+        print(f"| {d} | {min(taus):.2f}-{max(taus):.2f} | {lie} | {verdicts} | "
               f"{'/'.join(str(r['anchors']) for r in rs)} | {max(r['seconds'] for r in rs):.1f} |")
 
 
