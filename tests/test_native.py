@@ -280,6 +280,7 @@ def test_hf_target_last_logits_match_full_ragged():
 def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
     """bf16 weights on a CPU go through oneDNN's prepacked linear (faster at 1-8 rows); its output
     equals F.linear's within bf16 rounding, and DSPARK_PACK_BF16=0 keeps plain F.linear."""
+    import dspark.kernels as kernels
     import dspark.target.native as native
 
     if not torch.backends.mkldnn.is_available():
@@ -296,10 +297,41 @@ def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
         torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
     model = tiny_target(seed=3)
     packed = NativeTarget(model, weights="bf16")
-    monkeypatch.setattr(native, "PACK_BF16", False)
+    monkeypatch.setattr(kernels, "PACK_BF16", False)
     plain = NativeTarget(model, weights="bf16")
     assert plain.layers[0].w13.packed is None and packed.layers[0].w13.packed is not None
     ids = torch.randint(4, model.config.vocab_size, (1, 12), generator=g)
     a, _ = packed.forward(packed.new_state(1), ids)
     c, _ = plain.forward(plain.new_state(1), ids)
     torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2)
+
+
+def test_draft_linears_decode_packed_and_train_plain():
+    """A bf16 draft on a CPU decodes through packed linears (same outputs as nn.Linear); with
+    gradients on it runs the plain forward, and a weight changed in place is repacked."""
+    from torch import nn
+
+    from dspark.model.packed import PackedLinear, pack_linears
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    g = torch.Generator().manual_seed(1)
+    net = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
+    ref = [type(m)(m.in_features, m.out_features, bias=m.bias is not None).to(torch.bfloat16) for m in net]
+    for r, m in zip(ref, net):
+        r.load_state_dict(m.state_dict())
+    keys = set(net.state_dict())
+    assert pack_linears(net) == 2 and all(isinstance(m, PackedLinear) for m in net)
+    assert set(net.state_dict()) == keys  # same parameters, same names
+    x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+    want = ref[1](ref[0](x))
+    with torch.inference_mode():
+        torch.testing.assert_close(net(x).float(), want.float(), rtol=1.6e-2, atol=1e-2)
+        assert net[0]._packed is not None
+    out = net(x)  # grad enabled, trainable weights: plain nn.Linear, differentiable
+    out.float().sum().backward()
+    assert net[0].weight.grad is not None
+    with torch.no_grad():
+        net[1].weight.mul_(2.0)
+        ref[1].weight.mul_(2.0)
+        torch.testing.assert_close(net(x).float(), ref[1](ref[0](x)).float(), rtol=1.6e-2, atol=2e-2)

@@ -8,6 +8,7 @@ from dspark.errors import FormatError
 from dspark.formats.load import load_spec, load_weights
 from dspark.formats.spec import DraftSpec
 from dspark.model.draft import DSparkDraft
+from dspark.model.packed import pack_linears
 
 log = logging.getLogger("dspark")
 
@@ -46,6 +47,7 @@ def build_draft(spec: DraftSpec, target_model, tensors: dict | None = None, dtyp
     for name, p in draft.named_parameters():
         if name in draft.borrowed:
             p.requires_grad_(False)  # the target's own weights stay frozen
+    pack_linears(draft)  # bf16 on a CPU: decoding runs oneDNN's packed weights (training is unaffected)
     return draft.eval()
 
 

@@ -23,12 +23,12 @@ set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from dspark import kernels
 from dspark.errors import DSparkError, RequestError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -108,20 +108,6 @@ def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
     return bool((err <= 1e-6 * (d.abs() + lo.abs())[..., None] + 1e-12).all())
 
 
-# bf16 weights on a CPU run through oneDNN's prepacked linear (DSPARK_PACK_BF16=0: plain F.linear)
-PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
-
-
-def _pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
-    """w [N, K] -> oneDNN's prepacked bf16 weight, or None where this torch build cannot."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous())
-    except (RuntimeError, AttributeError):
-        return None
-
-
 class Linear:
     """y = x @ W.T (+ b) with W held in one format. x [..., K] in the activation dtype -> [..., N]."""
 
@@ -130,10 +116,8 @@ class Linear:
         self.b = None if b is None else b.detach().to(act)
         self.packed = None
         w = w.detach()
-        if fmt == "bf16" and act == torch.bfloat16 and w.device.type == "cpu" and PACK_BF16:
-            # oneDNN's prepacked layout: 1.3-1.8x faster than F.linear at 1-8 rows on Zen 4, same
-            # numbers bit for bit (docs/BENCHMARKS.md); only the packed copy is kept
-            self.packed = _pack_bf16(w)
+        if fmt == "bf16" and act == torch.bfloat16:
+            self.packed = kernels.pack_bf16(w)  # only the packed copy is kept
         if self.packed is not None:
             self.w = None
         elif fmt in FLOATS:
@@ -154,8 +138,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.b, "none", [], "")
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return kernels.packed_linear(x, self.packed, self.b, self.out_features)
         if self.fmt in FLOATS:
             return F.linear(x, self.w, self.b)
         x2 = x.reshape(-1, x.shape[-1])
