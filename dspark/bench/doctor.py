@@ -533,6 +533,12 @@ def layout_fix(declared, alt) -> str:
     return f"write it as a speculators file with sample_from_anchor: true and block_size: {alt.query_slots}, or run with --layout anchor_first"
 
 
+def _taps_keys(d, a) -> tuple[str, list[int], list[int]]:
+    """(the file's taps key, its value as declared, the value that reads the file as `a`)."""
+    key, off, _ = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))
+    return key, [i + off for i in d.hidden_state_indices], [i + off for i in a.hidden_state_indices]
+
+
 def diagnosis(declared: Reading, best: Reading, factor: str, cmp: Comparison, evidence: Reading) -> str:
     """One finding: what the file says, what the weights behave like, the numbers (of `evidence`,
     the better reading measured), and the config keys to change."""
@@ -546,12 +552,12 @@ def diagnosis(declared: Reading, best: Reading, factor: str, cmp: Comparison, ev
         return (f"{_says(d)} {_PRETTY[d.layout]} (gamma {d.gamma}, block_size {d.query_slots}) but the weights behave "
                 f"like {_PRETTY[a.layout]} (gamma {a.gamma}, block_size {a.query_slots}): {nums}. Fix: "
                 f"{layout_fix(d, a)} (docs/DESIGN.md §3)")
-    key, off, mask_key = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))
     if factor == "hidden_state_indices":
-        now, want = [i + off for i in d.hidden_state_indices], [i + off for i in a.hidden_state_indices]
+        key, now, want = _taps_keys(d, a)
         return (f"{_says(d)} {key} {now} but the weights behave like {want} (hidden_state_indices shifted by "
                 f"{best.shift:+d}: DeepSpec target_layer_ids t are speculators aux_hidden_state_layer_ids t+1): {nums}. "
                 f"Fix: set {key}: {want}")
+    mask_key = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))[2]
     return (f"{_says(d)} {mask_key} {d.mask_token_id} but the weights behave like {mask_key} {a.mask_token_id}: "
             f"{nums}. Fix: set {mask_key}: {a.mask_token_id}")
 
@@ -645,13 +651,15 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
 def weights_finding(report: Report, readings: list[Reading], draft, texts: list[Text]) -> None:
     """Taps that behaviour cannot tell apart, named by fc's weights (bench/fingerprint.py).
 
-    Fits every taps reading (reported); decides only where behaviour found nothing: a shifted-taps reading whose layers fc fits FIT_RATIO
-    times better than the declared ones, and which behaves as well as the declared reading (no
-    worse than either margin on either statistic), is a finding. A draft trained on raw taps has
-    no fingerprint (low correlation) and never gets one."""
+    Fits every taps reading (reported); decides only where behaviour found nothing: a shifted-taps
+    reading whose layers fc fits FIT_RATIO times better than the declared ones, and which behaves
+    as well as the declared reading (no worse than either margin on either statistic), is a
+    finding. A draft trained on raw taps has no fingerprint (its profile explains too little of
+    fc's column norms, `fingerprint.points_to`) and never gets one."""
     declared = readings[0]
     taps_only = [r for r in readings if r.factors in ((), ("hidden_state_indices",))]
-    rms = fingerprint.layer_rms([(t.taps, t.prompt_len) for t in texts], {i for r in taps_only for i in r.spec.hidden_state_indices})
+    layers = {i for r in taps_only for i in r.spec.hidden_state_indices}
+    rms = fingerprint.layer_rms([(t.taps, t.prompt_len) for t in texts], layers)
     report.fits = {r.name: fingerprint.tap_fit(draft.fc.weight, rms, r.spec.hidden_state_indices) for r in taps_only}
     base = report.fits[declared.name]
     if report.best is not None:
@@ -668,8 +676,7 @@ def weights_finding(report: Report, readings: list[Reading], draft, texts: list[
 
 
 def taps_diagnosis(d, r: Reading, base, fit, cmp: Comparison) -> str:
-    key, off, _ = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))
-    now, want = [i + off for i in d.hidden_state_indices], [i + off for i in r.spec.hidden_state_indices]
+    key, now, want = _taps_keys(d, r.spec)
     return (f"{_says(d)} {key} {now} but fc's weights were fitted to {want} (hidden_state_indices shifted by "
             f"{r.shift:+d}): fc's column norms follow the per-dimension scale of those layers' hidden states "
             f"(misfit {fit.misfit:.4f} against {base.misfit:.4f} for the declared layers, correlation "
