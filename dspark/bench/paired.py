@@ -29,7 +29,15 @@ ll_min_gain nats per slot (additive): "better" at z >= z_better, "not better" wh
 E(i) = D(i) - ll_min_gain is excluded from being positive at z_not_better.
 
 An alternative is *better* on either statistic (likelihood only while its acceptance is not
-itself clearly worse), *not better* when both exclude it, and open otherwise.
+itself clearly worse), *not better* when both exclude it, and open otherwise, with one more
+exclusion: an alternative the draft's own objective clearly ranks *below* the declared reading
+(its log-probability lower at z >= z_better, the level a finding needs the other way), and whose
+acceptance gain is under min_gain, is not better either, once the comparison rests on
+MIN_TEXTS_TO_EXCLUDE texts. Acceptance alone could leave it open
+indefinitely: on code and math text a healthy file's taps read one layer off gave 1.4% more
+tokens per step at z 2.1 after 7 424 anchors (docs/BENCHMARKS.md, session 7), too noisy to exclude
+a 3% margin, while the likelihood put the declared taps ahead at z 7.9. A misread's true reading is
+the one the draft was trained on, so it is the more likely one and this never excludes it.
 """
 
 from __future__ import annotations
@@ -104,6 +112,9 @@ class Comparison:
                 "status": self.status, "by": self.by}
 
 
+# A statistic excludes a reading on its own only once it rests on this many texts: the long-run
+# variance of a handful of texts is unreliable (a weak draft's true mask was once excluded after 4).
+MIN_TEXTS_TO_EXCLUDE = 8
 LL_SLOT_DECAY = 2.0  # the first slots decide speed, and separated misreads best where measured
 
 
@@ -147,6 +158,9 @@ def compare(declared: torch.Tensor, alt: torch.Tensor, segments: list[int], slot
     lik = ("better" if (lz >= z_better and ll_gain >= ll_min_gain and z > -z_better)
            else "not better" if lzm >= z_not_better else "open")
     status = ("better" if "better" in (acc, lik) else "not better" if acc == lik == "not better" else "open")
+    if (status == "open" and lik == "not better" and lz <= -z_better and gain < min_gain
+            and len(segments) >= MIN_TEXTS_TO_EXCLUDE):
+        status = "not better"  # the draft's objective clearly prefers the declared reading (docstring)
     by = "acceptance" if acc == "better" else "likelihood" if lik == "better" else ""
     return Comparison(n, slots, tau_a, tau_b, gain, z, p_of(z), zm, status, float(la.mean()), float(lb.mean()),
                       lz, lzm, by)
