@@ -306,6 +306,23 @@ def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
     torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2)
 
 
+def test_greedy_argmax_widens_half_precision_with_the_same_choice():
+    """kernels.argmax (greedy acceptance, the draft's greedy tokens, the doctor's text) widens bf16
+    logits to fp32 for speed: the same index as torch's argmax, ties to the first maximum."""
+    from dspark.kernels import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, 4096, generator=g).to(torch.bfloat16)
+    x[0, 0, 7] = x[0, 0, 4000] = 50.0  # a tie: the first index wins, as in torch.argmax
+    x[1, 2, :] = 1.0  # all equal
+    out = argmax(x)
+    assert out.dtype == torch.long and torch.equal(out, x.argmax(-1))
+    assert int(out[0, 0]) == 7 and int(out[1, 2]) == 0
+    assert torch.equal(argmax(x, dim=1), x.argmax(1))
+    f = x.float()
+    assert torch.equal(argmax(f), f.argmax(-1))
+
+
 def test_draft_linears_decode_packed_and_train_plain():
     """A bf16 draft on a CPU decodes through packed linears (same outputs as nn.Linear); with
     gradients on it runs the plain forward, and a weight changed in place is repacked."""

@@ -49,6 +49,7 @@ from dspark.errors import FormatError
 from dspark.formats.load import force_layout, load_spec, load_weights
 from dspark.formats.spec import query_slots_for
 from dspark.formats.weights import WeightsMeta, iter_tensors
+from dspark.kernels import argmax
 from dspark.model.draft import ContextCache
 from dspark.model.load import build_draft, check_compatible
 from dspark.target.text import encode_prompt
@@ -305,7 +306,7 @@ def generate_texts(target, tokenizer, eos, prompts: list[list[int]], new_tokens:
                 logits, taps = target.forward(target.new_state(1), ids)
                 H = target.hidden_size
                 per_tap = {i: taps[0, :, j * H : (j + 1) * H] for j, i in enumerate(target.tap_indices)}
-                texts.append(Text(ids[0], len(prompt), logits[0].argmax(-1), per_tap))
+                texts.append(Text(ids[0], len(prompt), argmax(logits[0]), per_tap))
     finally:
         target.set_taps(old)
     return texts

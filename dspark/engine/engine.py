@@ -21,6 +21,7 @@ from dspark.engine.sampling import SamplingParams, probs, sample
 from dspark.engine.scheduler import FullScheduler, VerifyPolicy
 from dspark.engine.step import Batch, StepResult, decode_step, flush_context
 from dspark.errors import DSparkError, RequestError
+from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget
 from dspark.target.text import encode_prompt
@@ -170,7 +171,7 @@ class Engine:
             self.draft.extend_context(ctx, taps, torch.tensor([prompt.shape[1]], device=dev))
         gen = self._generator(req.params)
         last = logits[0, -1]
-        first = int(last.argmax()) if req.params.greedy else sample(probs(last, req.params), gen)
+        first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
         batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen])
         req.t_first_token = time.perf_counter()
         self._emit(req, [first])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.errors import RequestError
+from dspark.kernels import argmax
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor, n: torch.Te
 
     Returns (accepted [B], next_token [B]): the target's argmax after the last accepted draft.
     """
-    best = target_logits.argmax(-1)  # [B, S]
+    best = argmax(target_logits)  # [B, S]
     g = drafts.shape[1]
     verified = torch.arange(g, device=drafts.device)[None, :] < n[:, None]
     match = (best[:, :g] == drafts) & verified

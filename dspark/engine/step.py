@@ -21,6 +21,7 @@ import torch
 from dspark.engine.sampling import SamplingParams, greedy_accept, probs, rejection_accept, sample
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.engine.timing import now
+from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget, TargetState
 
@@ -85,17 +86,17 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
     B = anchors.shape[0]
     h, base, state = draft_block(draft, anchors, batch.ctx)
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
-    prev, tokens, confs = anchors, [], []
+    prev, tokens, embs = anchors, [], []
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     for k, row in enumerate(rows):
-        logits, emb = base[:, k], None
+        logits = base[:, k]
         if mh is not None:
             bias, emb, state = mh.step(prev, h[:, row], state)
             logits = logits + bias
-        confs.append(draft.confidence_logits(h[:, row], emb))
+            embs.append(emb)
         # greedy rows: argmax in the draft vocabulary (a reduced one maps through d2t); only sampled
         # rows need the full [V] distribution q that verification divides by
-        tok = draft.to_target_ids(logits.argmax(-1))  # [B]
+        tok = draft.to_target_ids(argmax(logits))  # [B]
         if sampled:
             full = draft.to_target_vocab(logits[sampled]).float()  # [len(sampled), V]
             for i, b in enumerate(sampled):
@@ -104,11 +105,9 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
                 qs[b].append(dist)
         tokens.append(tok)
         prev = tok
-    return Proposal(
-        tokens=torch.stack(tokens, 1),
-        q=[torch.stack(q) if q else None for q in qs],
-        conf_logits=torch.stack(confs, 1) if draft.confidence_head is not None else None,
-    )
+    # confidences of all slots in one call (slot k reads h_k and the token before it, nothing later)
+    conf = draft.confidence_logits(h[:, rows.start : rows.stop], torch.stack(embs, 1) if embs else None)
+    return Proposal(tokens=torch.stack(tokens, 1), q=[torch.stack(q) if q else None for q in qs], conf_logits=conf)
 
 
 @torch.inference_mode()
@@ -129,7 +128,7 @@ def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache,
         if mh is not None:
             bias, _, state = mh.step(prev, h[:, row], state)
             logits = logits + bias
-        tokens.append(draft.to_target_ids(logits.argmax(-1)))
+        tokens.append(draft.to_target_ids(argmax(logits)))
         # -inf outside a reduced draft vocabulary, then the floor
         lp = draft.to_target_vocab(logits.float().log_softmax(-1))  # [B, V]
         logps.append(lp.gather(1, targets[:, k : k + 1])[:, 0].clamp(min=floor))
