@@ -178,6 +178,33 @@ def test_draft_output_norm_starts_at_the_targets_final_norm():
     assert torch.equal(draft.norm.weight, model.get_decoder().norm.weight.detach())
 
 
+def test_draft_layers_can_start_as_the_targets_last_layers(setup, tmp_path):
+    """`--init-layers target`: each draft layer starts as one of the target's last layers (the
+    draft-only q/k norms at 1), trains from there; mismatched shapes and --init are clear errors."""
+    d = DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3)
+    run = trainer.Run(cfg_for(setup, "init-target", draft=d, init_layers="target", steps=2, heldout=None),
+                      trainer.distributed.setup(), False)
+    source = list(run.model.get_decoder().layers)[-2:]
+    for mine, theirs in zip(run.draft.layers, source):
+        assert torch.equal(mine.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight.float())
+        assert torch.equal(mine.self_attn.k_proj.weight, theirs.self_attn.k_proj.weight.float())
+        assert torch.equal(mine.input_layernorm.weight, theirs.input_layernorm.weight.float())
+        assert bool((mine.self_attn.q_norm.weight == 1).all())
+    fresh = trainer.Run(cfg_for(setup, "init-random", draft=d, steps=2, heldout=None), trainer.distributed.setup(), False)
+    assert not torch.equal(fresh.draft.layers[1].mlp.gate_proj.weight, run.draft.layers[1].mlp.gate_proj.weight)
+    rec = run.train_step(0)
+    assert torch.isfinite(torch.tensor(rec["loss"]))
+    narrow = DraftOptions(gamma=3, num_layers=1, markov_rank=8, n_taps=2, mask_token_id=3, intermediate_size=24)
+    with pytest.raises(TrainError, match="init-layers target"):
+        trainer.Run(cfg_for(setup, "init-narrow", draft=narrow, init_layers="target", heldout=None),
+                    trainer.distributed.setup(), False)
+    with pytest.raises(TrainError, match="choose one"):
+        train(cfg_for(setup, "init-both", init_layers="target", init=str(tmp_path)), progress=False)
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["train", "fit", "--target", setup["target"], "--data", setup["data"], "--out", str(tmp_path / "r"),
+              "--init-layers", "last"])
+
+
 def test_tap_scaling_is_folded_into_fc_so_the_export_reads_raw_taps(setup):
     """Training conditions fc's input (taps / per-dim RMS); the exported draft must compute the
     same context from raw taps, or the engine would see a different draft than the one trained."""

@@ -108,6 +108,8 @@ def _fit_args(p) -> None:
                    help="train on a seeded subset of about N answer tokens (data-scaling curves)")
     g.add_argument("--init", default=None,
                    help="warm start from this draft (same architecture; its draft vocabulary is kept)")
+    g.add_argument("--init-layers", default="random", choices=("random", "target"),
+                   help="start the draft's decoder layers random (default) or as copies of the target's last layers")
     g.add_argument("--time-budget", type=float, default=None,
                    help="seconds: stop this session after training that long (checkpoint saved; rerun to continue)")
     g.add_argument("--eval-every", type=int, default=100)
@@ -307,7 +309,8 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
                        eval_every=args.eval_every, eval_max_anchors=args.eval_max_anchors, ckpt_every=args.ckpt_every,
                        feature_batch_tokens=args.feature_batch_tokens, chunk_anchors=args.chunk_anchors, feature_runtime=args.feature_runtime,
                        export_format=args.format, verifier=args.verifier,
-                       data_tokens=args.data_tokens, time_budget=args.time_budget, init=args.init)
+                       data_tokens=args.data_tokens, time_budget=args.time_budget, init=args.init,
+                       init_layers=args.init_layers)
 
 
 def _report_fit(res) -> None:

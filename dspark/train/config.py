@@ -18,6 +18,8 @@ from dspark.train.errors import TrainError
 
 FEATURE_RUNTIMES = ("auto", "native", "hf")  # the target runtime of training features; auto: native where supported
 
+INIT_LAYERS = ("random", "target")
+
 # May differ between a run and its resume: they do not change what is computed.
 RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "chunk_anchors", "feature_runtime",
                      "out", "features",
@@ -96,6 +98,7 @@ class TrainConfig:
     verifier: str | None = None  # recorded in exported speculators configs; default from the target
     data_tokens: int | None = None  # train on a seeded subset of about this many answer tokens (scaling curves)
     init: str | None = None  # warm start: a draft (directory) of this architecture; its vocabulary is kept
+    init_layers: str = "random"  # "target": the draft's decoder layers start as copies of the target's last ones
     time_budget: float | None = None  # seconds: stop (and save) once a session has trained this long
 
     def check(self) -> None:
@@ -110,6 +113,10 @@ class TrainConfig:
             raise TrainError(f"--data-tokens must be >= 1, got {self.data_tokens}")
         if self.time_budget is not None and self.time_budget <= 0:
             raise TrainError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
+        if self.init_layers not in INIT_LAYERS:
+            raise TrainError(f"--init-layers must be one of {', '.join(INIT_LAYERS)}, got {self.init_layers!r}")
+        if self.init_layers != "random" and self.init is not None:
+            raise TrainError("--init-layers target and --init both set the draft's layers: choose one")
         if self.steps is not None and self.steps < 1:
             raise TrainError(f"--steps must be >= 1, got {self.steps}")
         if self.max_anchors is not None and self.max_anchors < 1:

@@ -100,6 +100,29 @@ def init_output_norm(draft, target_model) -> bool:
     return True
 
 
+def init_layers_from_target(draft, target_model) -> list[str]:
+    """`--init-layers target`: the draft's N decoder layers start as the target's last N (attention
+    projections, MLP, the two norms). Those layers already map late hidden states to the next
+    token, which is what the draft's block must learn; the draft's own q/k norms (Qwen3-style
+    layers) have no counterpart in a Llama target and stay at 1. Returns the parameters copied."""
+    source = list(target_model.get_decoder().layers)[-len(draft.layers):]
+    copied, skipped = [], []
+    with torch.no_grad():
+        for i, (mine, theirs) in enumerate(zip(draft.layers, source)):
+            src = theirs.state_dict()
+            for name, p in mine.named_parameters():
+                w = src.get(name)
+                if w is not None and tuple(w.shape) == tuple(p.shape):
+                    p.copy_(w.detach().to(p.dtype))
+                    copied.append(f"layers.{i}.{name}")
+                elif not name.startswith("self_attn.q_norm") and not name.startswith("self_attn.k_norm"):
+                    skipped.append(f"layers.{i}.{name}")
+    if skipped or not copied:
+        raise TrainError(f"--init-layers target: the target's last layers do not fit the draft's ({skipped[:4]} "
+                         "have no same-shaped counterpart; --intermediate-size must be the target's)")
+    return copied
+
+
 def _seed(*parts: int) -> int:
     x = 0
     for p in parts:
@@ -134,6 +157,10 @@ class Run:
         self.draft = build_draft(self.spec, self.model, dtype=torch.float32)
         init_weights(self.draft, cfg.seed)
         init_output_norm(self.draft, self.model)
+        if cfg.init_layers == "target" and not self.resumed:
+            n = len(init_layers_from_target(self.draft, self.model))
+            if ctx.main:
+                self.echo(f"draft layers start as the target's last {len(self.draft.layers)} ({n} tensors copied)")
         warm = self._load_init() if cfg.init and not self.resumed else None
         if self.spec.has_d2t and warm is None:
             self._reduce_vocab()
