@@ -22,7 +22,7 @@ from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.formats.load import LAYOUTS
 from dspark.model.factory import default_taps
 from dspark.target.load import RUNTIMES, load_target, resolve_target_file
-from dspark.train.config import FEATURE_RUNTIMES, DraftOptions, TrainConfig
+from dspark.train.config import FEATURE_RUNTIMES, INIT_LAYERS, DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, eos_ids, generate_shard
 from dspark.train.dataset import load_sequences
 from dspark.train.e2e import engine_eval
@@ -108,7 +108,7 @@ def _fit_args(p) -> None:
                    help="train on a seeded subset of about N answer tokens (data-scaling curves)")
     g.add_argument("--init", default=None,
                    help="warm start from this draft (same architecture; its draft vocabulary is kept)")
-    g.add_argument("--init-layers", default="random", choices=("random", "target"),
+    g.add_argument("--init-layers", default="random", choices=INIT_LAYERS,
                    help="start the draft's decoder layers random (default) or as copies of the target's last layers")
     g.add_argument("--time-budget", type=float, default=None,
                    help="seconds: stop this session after training that long (checkpoint saved; rerun to continue)")

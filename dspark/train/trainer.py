@@ -115,7 +115,7 @@ def init_layers_from_target(draft, target_model) -> list[str]:
                 if w is not None and tuple(w.shape) == tuple(p.shape):
                     p.copy_(w.detach().to(p.dtype))
                     copied.append(f"layers.{i}.{name}")
-                elif not name.startswith("self_attn.q_norm") and not name.startswith("self_attn.k_norm"):
+                elif not name.startswith(("self_attn.q_norm", "self_attn.k_norm")):
                     skipped.append(f"layers.{i}.{name}")
     if skipped or not copied:
         raise TrainError(f"--init-layers target: the target's last layers do not fit the draft's ({skipped[:4]} "
