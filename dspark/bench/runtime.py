@@ -8,6 +8,8 @@ round (the machine is shared and noisy: only a side-by-side figure means anythin
 - tokens/s of plain greedy decoding: transformers `generate` (bf16, fp32) and dspark's engine
   without a draft on each runtime/weight format, with the engine's overhead (the share of its
   wall time spent outside target forwards);
+- optionally (arm `llamacpp`, when llama-cpp-python is installed), llama.cpp's own greedy decoding
+  of the target's GGUF file: the native-code bar (dspark.bench.llamacpp);
 - the cost of one forward of 1, 2, 4 and 8 tokens on a cache of --context tokens, and the ratio
   8 tokens / 1 token (what speculation has to pay to verify gamma+1 = 8 tokens);
 - the weight format `auto` picks for this model on this machine.
@@ -22,6 +24,7 @@ import statistics
 
 import torch
 
+from dspark.bench import llamacpp
 from dspark.bench.runner import ForwardTimer
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
@@ -32,6 +35,7 @@ from dspark.target.load import SMOLLM2, cpu_model_and_flags, load_target
 from dspark.target.native import WEIGHTS, NativeTarget
 
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto"
+LLAMACPP = llamacpp.ARM  # optional: llama.cpp decoding the target's GGUF file (dspark.bench.llamacpp)
 PROMPT = ("Explain in a few paragraphs how a hash table works, what a collision is and how open addressing "
           "and chaining resolve it.")
 
@@ -92,21 +96,46 @@ def _verify_costs(target, context: int, device, sizes=(1, 2, 4, 8), reps: int = 
 
 
 def arm_kind(arm: str) -> tuple[str, str]:
-    """'native-int4' -> ('native', 'int4'); an unknown arm is refused by name."""
+    """'native-int4' -> ('native', 'int4'); 'llamacpp' -> ('llamacpp', 'gguf'); an unknown arm is refused by name."""
+    if arm == LLAMACPP:
+        return LLAMACPP, "gguf"
     kind, _, fmt = arm.partition("-")
     if not ((kind == "hf" and fmt in ("bf16", "fp32")) or (kind == "native" and fmt in WEIGHTS)):
-        raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>)")
+        raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>, {LLAMACPP})")
     return kind, fmt
 
 
 def parse_arms(text: str) -> list[str]:
-    """'hf-bf16,native-auto' -> the arm names, refused by name when unknown (before anything loads)."""
+    """'hf-bf16,native-auto' -> the arm names, refused by name when unknown or not installed
+    (before anything loads)."""
     arms = [a.strip() for a in text.split(",") if a.strip()]
     for a in arms:
-        arm_kind(a)
+        if arm_kind(a)[0] == LLAMACPP:
+            llamacpp.check_installed()
     if not arms or len(set(arms)) != len(arms):
         raise DSparkError(f"runtime arms {text!r}: give each arm once, at least one")
     return arms
+
+
+class _TorchArm:
+    """transformers `generate` (model given) or dspark's engine without a draft (model None) on `target`."""
+
+    def __init__(self, model, target, timer: ForwardTimer, device):
+        self.model, self.target, self.timer, self.device = model, target, timer, device
+        self.runtime = "transformers generate" if model is not None else "dspark engine, native"
+        self.format = getattr(target, "weights", str(target.dtype).removeprefix("torch."))
+        self.head = getattr(target, "head_format", "")
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, float | None]:
+        if self.model is not None:
+            return _hf_decode(self.model, torch.tensor([ids]), n, self.device), None
+        return _engine_decode(self.target, torch.tensor([ids]), n, self.timer, self.device)
+
+    def forward_costs(self, context: int, reps: int = 5) -> dict[int, float]:
+        return _verify_costs(self.target, context, self.device, reps=reps)
+
+    def close(self) -> None:
+        pass
 
 
 def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, target: str = SMOLLM2,
@@ -116,49 +145,48 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
     if tok is None:
         raise DSparkError(f"target {target!r} has no tokenizer: the runtime arms decode a text prompt")
     m16 = load_target(target, "bf16", device)[0] if any(a == "hf-bf16" for a in arms) else None
-    ids = _prompt_ids(tok)
+    ids = _prompt_ids(tok)[0].tolist()
     if context + 8 + 1 > m32.config.max_position_embeddings:
         raise DSparkError(f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions")
-    runners = {}
-    for a in arms:
-        kind, fmt = arm_kind(a)
-        if kind == "hf":
-            model = m16 if fmt == "bf16" else m32
-            runners[a] = (model, HFTarget(model))
-        else:
-            runners[a] = (None, NativeTarget(m32, weights=fmt))
-    tps = {a: [] for a in arms}
-    over = {a: [] for a in arms}
-    cost = {a: [] for a in arms}
     timer = ForwardTimer(m32, device)  # native targets: their forward; hf-fp32 engine arms: the module
+    runners = {}
     try:
+        for a in arms:
+            kind, fmt = arm_kind(a)
+            if kind == "hf":
+                model = m16 if fmt == "bf16" else m32
+                runners[a] = _TorchArm(model, HFTarget(model), timer, device)
+            elif kind == "native":
+                runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt), timer, device)
+            else:
+                runners[a] = llamacpp.LlamaCppArm(target, threads, n_ctx=max(len(ids) + tokens, context + 8) + 16)
+        tps = {a: [] for a in arms}
+        over = {a: [] for a in arms}
+        cost = {a: [] for a in arms}
         with torch.inference_mode():
             for a in arms:  # warm-up: first calls pay allocator and kernel selection
-                model, tgt = runners[a]
-                (_hf_decode(model, ids, 8, device) if model is not None else _engine_decode(tgt, ids, 8, timer, device))
-                _verify_costs(tgt, 32, device, reps=1)
+                runners[a].decode(ids, 8)
+                runners[a].forward_costs(32, reps=1)
             for r in range(rounds):
                 order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
                 for a in order:
-                    model, tgt = runners[a]
-                    if model is not None:
-                        tps[a].append(_hf_decode(model, ids, tokens, device))
-                    else:
-                        rate, o = _engine_decode(tgt, ids, tokens, timer, device)
-                        tps[a].append(rate)
+                    rate, o = runners[a].decode(ids, tokens)
+                    tps[a].append(rate)
+                    if o is not None:
                         over[a].append(o)
-                    cost[a].append(_verify_costs(tgt, context, device))
+                    cost[a].append(runners[a].forward_costs(context))
     finally:
         timer.close()
+        for arm in runners.values():
+            arm.close()
     rows = []
     for a in arms:
         t = {s: statistics.median(c[s] for c in cost[a]) for s in cost[a][0]}
-        tgt = runners[a][1]
         rows.append({
             "arm": a,
-            "runtime": "transformers generate" if a.startswith("hf") else "dspark engine, native",
-            "format": getattr(tgt, "weights", str(tgt.dtype).removeprefix("torch.")),
-            "head": getattr(tgt, "head_format", ""),
+            "runtime": runners[a].runtime,
+            "format": runners[a].format,
+            "head": runners[a].head,
             "tokens_per_s": statistics.median(tps[a]),
             "engine_overhead": statistics.median(over[a]) if over[a] else None,
             "ms": {s: 1e3 * v for s, v in t.items()},

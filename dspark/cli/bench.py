@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the lookup arm")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every arm")
     p.add_argument("--runtimes", default=None, metavar="ARMS",
-                   help="also measure target runtimes side by side (e.g. hf-bf16,hf-fp32,native-bf16,native-auto): "
+                   help="also measure target runtimes side by side (e.g. hf-bf16,hf-fp32,native-bf16,native-auto; llamacpp with "
+                        "the optional extra llama-cpp-python): "
                         "plain-decoding tokens/s against transformers generate, engine overhead and the cost of an "
                         "8-token verify against a 1-token step, in results.json/md under 'runtimes'")
     p.add_argument("--runtime-rounds", type=int, default=3, help="alternated rounds of the runtime arms")

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from dspark.bench.runtime import DEFAULT_ARMS, parse_arms, run as run_arms, table
+from dspark.bench.runtime import DEFAULT_ARMS, LLAMACPP, parse_arms, run as run_arms, table
 from dspark.target.load import SMOLLM2, load_target
 from dspark.target.native import resolve_weights
 
@@ -14,7 +14,8 @@ from dspark.target.native import resolve_weights
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=SMOLLM2, help="'smollm2' (default) or a Hugging Face model directory")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS})")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS}); also {LLAMACPP}: llama.cpp decoding the target's "
+                        "GGUF file (needs the optional extra llama-cpp-python)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode measurement")
     p.add_argument("--rounds", type=int, default=3)
