@@ -14,7 +14,9 @@ s tokens needs), the cache cut back to `context` before each forward.
 from __future__ import annotations
 
 import importlib.util
+import random
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from dspark.engine.timing import now
@@ -77,8 +79,6 @@ class LlamaCppArm:
 
     def forward_costs(self, context: int, sizes=(1, 2, 4, 8), reps: int = 5, seed: int = 0) -> dict[int, float]:
         """Median seconds of a forward of s tokens on `context` cached tokens, logits for all s."""
-        import random
-
         llm = self.verify
         rng = random.Random(seed)
         vocab = llm.n_vocab()
@@ -103,8 +103,6 @@ class LlamaCppArm:
 
 def _gguf_type(path: Path) -> str:
     """'gguf Q4_1': the file's dominant tensor type, read with the `gguf` package (a dependency)."""
-    from collections import Counter
-
     from gguf import GGUFReader
 
     counts = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) > 1)
