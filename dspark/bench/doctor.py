@@ -63,9 +63,6 @@ LOW_FIRST_SLOT = 0.05  # first-slot acceptance below this under every reading: b
 EMBED_COSINE_MIN = 0.9  # a draft's own embed_tokens copy should be the target's
 MAX_MASK_ALTERNATIVES = 3
 ANCHOR_CHUNK = 96  # anchors per propose call (bounds the [anchors, rows, context] attention)
-# A reading is dropped as "not better" only once the comparison rests on MIN_TEXTS_TO_EXCLUDE texts
-# (paired.py): a weak draft (tau 1.1-1.2, mostly zero accepted drafts) once had its true reading
-# excluded after 4 texts (203 anchors).
 
 BUILTIN_PROMPTS = (
     "Explain step by step how to compute 17 times 23.",
