@@ -8,13 +8,26 @@ Greedy choices (`argmax`) widen bf16 logits to fp32 first: exact (every bf16 val
 value, and ties still go to the first index), and torch's CPU argmax runs 3-4x faster on fp32
 (measured on Zen 4, one thread: 214 -> 50 us over SmolLM2's 49 152 logits, 1.4 -> 0.44 ms for an
 8-token verify, 61 -> 19 us over the draft's 16 384).
+
+int4 weights on a CPU with AVX512-BF16 run through dspark's own kernel (`csrc/q4.cpp`), compiled
+on first use (~1 min, once per machine and source version, cached under `~/.cache/dspark`):
+torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so an 8-token verify
+costs 3.4x a 1-token step in its matmuls; the dspark kernel unpacks once per call (docs/
+BENCHMARKS.md "Session 10"). Anywhere else, or if it cannot be compiled, torch's kernel runs and
+`q4_status()` says why.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import time
+from pathlib import Path
 
 import torch
+
+log = logging.getLogger("dspark")
 
 # DSPARK_PACK_BF16=0: plain F.linear everywhere (for comparisons)
 PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
@@ -42,3 +55,86 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
         x = x.float()
     return x.argmax(dim)
+
+
+# ---- int4 weights: dspark's AVX512-BF16 kernel ----------------------------------------------
+# DSPARK_Q4_KERNEL=0: torch's int4 kernel everywhere (for comparisons)
+Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
+Q4_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo names the kernel's instructions need
+# at::parallel_for is OpenMP in torch's CPU builds: an extension built without -fopenmp runs it on one thread
+Q4_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+_q4: dict = {}  # "ext": the compiled module or None, "why": what runs instead and why
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def q4_kernel():
+    """The compiled int4 kernel (a module with `q4_mm`), or None where it cannot run here."""
+    if "ext" in _q4:
+        return _q4["ext"]
+    _q4["ext"], _q4["why"] = None, ""
+    missing = [f for f in Q4_FLAGS if f not in _cpu_flags()]
+    if not Q4_KERNEL:
+        _q4["why"] = "DSPARK_Q4_KERNEL=0"
+    elif missing:
+        _q4["why"] = f"this CPU lacks {', '.join(missing)}"
+    else:
+        src = (Path(__file__).parent / "csrc" / "q4.cpp").read_text()
+        tag = hashlib.sha1(repr((src, torch.__version__, Q4_CFLAGS)).encode()).hexdigest()[:12]
+        name = f"dspark_q4_{tag}"
+        root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels")) / name
+        root.mkdir(parents=True, exist_ok=True)
+        fresh = not (root / f"{name}.so").exists()
+        if fresh:
+            log.warning("compiling dspark's int4 kernel (once per machine, about a minute)")
+        t0 = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            _q4["ext"] = load_inline(name, cpp_sources=[src], functions=["q4_mm"], build_directory=str(root),
+                                     extra_cflags=list(Q4_CFLAGS), extra_ldflags=["-fopenmp"])
+        except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel still works
+            _q4["why"] = f"dspark's kernel did not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+        else:
+            if fresh:
+                log.warning("dspark's int4 kernel compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
+    return _q4["ext"]
+
+
+def q4_status() -> str:
+    """Which int4 kernel runs here, and why."""
+    return "dspark AVX512-BF16" if q4_kernel() is not None else f"torch ({_q4['why']})"
+
+
+def q4_applies(n: int, k: int) -> bool:
+    """Can dspark's kernel hold an [n, k] int4 weight (16 output columns a vector, groups of 32)?"""
+    return n % 16 == 0 and k % 32 == 0 and q4_kernel() is not None
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
+    """q [N, K] in 0..15, d / lo [N, K/32] fp32 (w = q * d + lo) -> (P, D, L), csrc/q4.cpp's layout."""
+    N, K = q.shape
+    G = K // 32
+    qb = q.to(torch.int32).reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, quad, column, 4]
+    b0 = qb[..., 0] | (qb[..., 2] << 4)
+    b1 = qb[..., 1] | (qb[..., 3] << 4)
+    P = torch.stack([b0, b1], -1).reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous()
+
+    def cols(s):
+        return s.float().reshape(N // 16, 16, G).permute(0, 2, 1).contiguous()
+
+    return P, cols(d), cols(lo)
+
+
+def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q4`."""
+    return q4_kernel().q4_mm(x, *packed)

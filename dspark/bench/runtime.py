@@ -34,7 +34,7 @@ from dspark.target.hf import HFTarget
 from dspark.target.load import SMOLLM2, cpu_model_and_flags, load_target
 from dspark.target.native import WEIGHTS, NativeTarget
 
-DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto"
+DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto,native-auto@torch"
 LLAMACPP = llamacpp.ARM  # optional: llama.cpp decoding the target's GGUF file (dspark.bench.llamacpp)
 PROMPT = ("Explain in a few paragraphs how a hash table works, what a collision is and how open addressing "
           "and chaining resolve it.")
@@ -99,9 +99,12 @@ def arm_kind(arm: str) -> tuple[str, str]:
     """'native-int4' -> ('native', 'int4'); 'llamacpp' -> ('llamacpp', 'gguf'); an unknown arm is refused by name."""
     if arm == LLAMACPP:
         return LLAMACPP, "gguf"
-    kind, _, fmt = arm.partition("-")
-    if not ((kind == "hf" and fmt in ("bf16", "fp32")) or (kind == "native" and fmt in WEIGHTS)):
-        raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>, {LLAMACPP})")
+    base, at, kernel = arm.partition("@")  # native-<weights>@torch: torch's int4 kernel, not dspark's
+    kind, _, fmt = base.partition("-")
+    if not ((kind == "hf" and fmt in ("bf16", "fp32") and not at) or
+            (kind == "native" and fmt in WEIGHTS and kernel in (("torch",) if at else ("",)))):
+        raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>, "
+                          f"native-<weights>@torch for torch's int4 kernel, {LLAMACPP})")
     return kind, fmt
 
 
@@ -124,6 +127,9 @@ class _TorchArm:
         self.model, self.target, self.timer, self.device = model, target, timer, device
         self.runtime = "transformers generate" if model is not None else "dspark engine, native"
         self.format = getattr(target, "weights", str(target.dtype).removeprefix("torch."))
+        if self.format == "int4":  # which int4 kernel: the arms compare them
+            ly = target.layers[0].w13
+            self.format = f"int4, {'dspark' if ly.q4 is not None else 'torch'} kernel"
         self.head = getattr(target, "head_format", "")
 
     def decode(self, ids: list[int], n: int) -> tuple[float, float | None]:
@@ -157,7 +163,8 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
                 model = m16 if fmt == "bf16" else m32
                 runners[a] = _TorchArm(model, HFTarget(model), timer, device)
             elif kind == "native":
-                runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt), timer, device)
+                kernel = "torch" if a.endswith("@torch") else "auto"
+                runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt, int4_kernel=kernel), timer, device)
             else:
                 runners[a] = llamacpp.LlamaCppArm(target, threads, n_ctx=max(len(ids) + tokens, context + 8) + 16)
         tps = {a: [] for a in arms}

@@ -95,7 +95,7 @@ def is_int4_exact(w: torch.Tensor, group: int = GROUP, rows: int | None = None) 
     rows: check only the first `rows` output rows, a quick screen (one inexact row settles it;
     the int4 Linear re-checks the whole matrix as it packs it).
     """
-    if w.shape[1] % group:
+    if w.shape[1] % group or w.shape[0] % 16:  # the int4 kernels take 16 output columns at a time
         return False
     w = w if rows is None else w[:rows]
     return _int4_exact(w, *int4_groups(w, group), group)
@@ -111,10 +111,10 @@ def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
 class Linear:
     """y = x @ W.T (+ b) with W held in one format. x [..., K] in the activation dtype -> [..., N]."""
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype, int4_kernel: str = "auto"):
         self.fmt, self.out_features, self.exact = fmt, w.shape[0], fmt in FLOATS
         self.b = None if b is None else b.detach().to(act)
-        self.packed = None
+        self.packed = self.q4 = None
         w = w.detach()
         if fmt == "bf16" and act == torch.bfloat16:
             self.packed = kernels.pack_bf16(w)  # only the packed copy is kept
@@ -127,12 +127,21 @@ class Linear:
             self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self.s = s.to(act)
         elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
-            if w.shape[1] % GROUP:
-                raise DSparkError(f"int4 weights need an input size divisible by {GROUP}, got {w.shape[1]}")
+            if w.shape[1] % GROUP or w.shape[0] % 16:
+                raise DSparkError(f"int4 weights need an input size divisible by {GROUP} and an output size "
+                                  f"divisible by 16, got {w.shape[0]} x {w.shape[1]}")
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
-            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
+            if int4_kernel == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape):
+                # dspark's kernel: fp32 d and lo (the GGUF's own fp16 values survive), and a verify
+                # of 8 rows costs far less than 8 single rows (kernels.py)
+                self.q4, self.w = kernels.pack_q4(q, d, lo), None
+                self.kernel = "dspark AVX512-BF16"
+            else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
+                self.kernel = ("torch (asked for)" if int4_kernel == "torch" else
+                               kernels.q4_status() if act == torch.bfloat16 else "torch (fp32 activations)")
+                self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
         else:
             raise DSparkError(f"unknown weight format {fmt!r} (choose from {', '.join(WEIGHTS)})")
 
@@ -142,7 +151,9 @@ class Linear:
         if self.fmt in FLOATS:
             return F.linear(x, self.w, self.b)
         x2 = x.reshape(-1, x.shape[-1])
-        if self.fmt == "int8":
+        if self.q4 is not None:
+            y = kernels.q4_linear(x2, self.q4)
+        elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, GROUP, self.s)
@@ -239,10 +250,14 @@ class NativeTarget:
     act_dtype: activation/KV dtype; default fp32 for fp32 weights, else bf16 (torch's CPU
       int8/int4 kernels are vectorised for bf16 activations only). fp32 activations with
       int4/int8 weights are exact but slow: for tests.
+    int4_kernel: 'auto' (dspark's kernel where it runs, dspark.kernels) | 'torch' (torch's, to compare).
     """
 
     def __init__(self, model, tap_indices: tuple[int, ...] = (), weights: str = "auto", head: str | None = None,
-                 act_dtype: torch.dtype | None = None):
+                 act_dtype: torch.dtype | None = None, int4_kernel: str = "auto"):
+        if int4_kernel not in ("auto", "torch"):
+            raise DSparkError(f"unknown int4 kernel {int4_kernel!r} (choose auto or torch)")
+        self.int4_kernel = int4_kernel
         ok, why = supports(model)
         if not ok:
             raise DSparkError(f"the native runtime does not support this model: {why}")
@@ -279,7 +294,9 @@ class NativeTarget:
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
                 head = "fp32" if act == torch.float32 else "bf16"  # not 4-bit: kept in float, not re-quantised
             head = head or self.weights
-            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act))
+            if head == "int4" and lm_head.weight.shape[0] % 16:  # no int4 kernel holds it: the head stays float (describe() says so)
+                head = "fp32" if act == torch.float32 else "bf16"
+            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act), int4_kernel)
             if auto_int4_head and not self.head.exact:
                 head = "fp32" if act == torch.float32 else "bf16"
                 self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS[head])
@@ -304,19 +321,27 @@ class NativeTarget:
             layers.append(Layer(
                 ln1=layer.input_layernorm.weight.detach().to(act),
                 wqkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act),
+                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act, self.int4_kernel),
                 qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
                                    a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
                 if hasattr(a, "q_norm") else None,
-                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act),
+                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.int4_kernel),
                 ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act),
-                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act),
+                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act, self.int4_kernel),
+                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.int4_kernel),
             ))
         return layers
 
     def describe(self) -> str:
-        return f"native runtime, weights {self.weights} (head {self.head_format}), activations {str(self.dtype).removeprefix('torch.')}"
+        kernel = ""
+        lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
+        int4 = [lin for lin in lins if lin.fmt == "int4"]
+        if int4:
+            ours = sum(lin.q4 is not None for lin in int4)
+            kernel = (f", int4 kernel: dspark AVX512-BF16 ({ours} of {len(int4)} matrices)" if ours
+                      else f", int4 kernel: {int4[0].kernel}")
+        return (f"native runtime, weights {self.weights} (head {self.head_format}), "
+                f"activations {str(self.dtype).removeprefix('torch.')}{kernel}")
 
     # ---- hidden-state taps -------------------------------------------------------------
     def view(self, tap_indices: tuple[int, ...] = ()) -> "NativeTarget":

@@ -1,0 +1,135 @@
+// dspark's int4 weight-only matmul for CPUs with AVX512-BF16 (docs/BENCHMARKS.md, "Session 10").
+//
+// y [M, N] = x [M, K] @ W.T, W held as 4-bit groups of 32 inputs: w = q * d + lo (the GGUF Q4_1
+// rule), bf16 activations, fp32 sums, bf16 result. Compiled on first use by dspark/kernels.py.
+//
+// Why not torch's _weight_int4pack_mm_for_cpu: it vectorises along K, so every weight is
+// unpacked and scaled once per row and 8 rows cost 3.4x one row. Here a vector holds 16 output
+// columns x 2 inputs (one vdpbf16ps = 32 multiply-adds), each 4-bit weight is unpacked once per
+// call whatever M is, and the group scale is applied once per group and row.
+//
+// Batch invariance, which lossless verification relies on: every y[m, n] is computed by the same
+// operations in the same order whatever M is and whichever rows share the call (rows are taken
+// 8, 4, 2 or 1 at a time with the same per-row sequence; threads split columns, never a sum).
+//
+// Layout (made by kernels.pack_q4):
+//   P  [N/16, K/32, 8, 32] uint8: column block, group, quad r (inputs k = 32g + 4r + 0..3);
+//      byte 2c = q[c, k0] | q[c, k2] << 4, byte 2c+1 = q[c, k1] | q[c, k3] << 4
+//   D, L [N/16, K/32, 16] fp32: d and lo of each column of the block
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// u16 lane holding a nibble (in its low 5 bits: vpermw ignores the rest) -> that value as bf16
+inline __m512i nibble_to_bf16() {
+  return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                          0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                          0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+}
+
+// rows x[0..M), column blocks cb..cb+NB (16 columns each)
+template <int M, int NB>
+inline void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* P, const float* D, const float* L,
+                 uint16_t* y, int64_t N, int64_t cb) {
+  const int64_t G = K / 32;
+  const __m512i table = nibble_to_bf16();
+  __m512 acc[NB][M];
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 t[NB][M];  // sum over the group of q * x, per column
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) t[j][m] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = P + (((cb + j) * G + g) * 8 + r) * 32;
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m512bh w01 = (__m512bh)_mm512_permutexvar_epi16(v, table);                         // inputs k0, k1
+        const __m512bh w23 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);  // inputs k2, k3
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          uint32_t x01, x23;
+          std::memcpy(&x01, x + m * K + g * 32 + 4 * r, 4);
+          std::memcpy(&x23, x + m * K + g * 32 + 4 * r + 2, 4);
+          t[j][m] = _mm512_dpbf16_ps(t[j][m], w01, (__m512bh)_mm512_set1_epi32(static_cast<int>(x01)));
+          t[j][m] = _mm512_dpbf16_ps(t[j][m], w23, (__m512bh)_mm512_set1_epi32(static_cast<int>(x23)));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const __m512 d = _mm512_loadu_ps(D + ((cb + j) * G + g) * 16);
+      const __m512 lo = _mm512_loadu_ps(L + ((cb + j) * G + g) * 16);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        acc[j][m] = _mm512_fmadd_ps(t[j][m], d, acc[j][m]);
+        acc[j][m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xsum[m * G + g]), acc[j][m]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
+}
+
+template <int M, int NB>
+void rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* P, const float* D, const float* L,
+          uint16_t* y, int64_t N) {
+  const int64_t blocks = N / 16, tiles = blocks / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tile<M, NB>(x, xsum, K, P, D, L, y, N, t * NB);
+  });
+  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile<M, 1>(x, xsum, K, P, D, L, y, N, cb);
+}
+
+}  // namespace
+
+torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q4_mm: x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kUInt8 && P.size(2) == 8 && P.size(3) == 32 && P.is_contiguous(),
+              "q4_mm: P must be a contiguous uint8 [N/16, K/32, 8, 32] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16, G = K / 32;
+  TORCH_CHECK(K == P.size(1) * 32, "q4_mm: x has ", K, " inputs, the weight ", P.size(1) * 32);
+  for (const auto& s : {D, L})
+    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N / 16 * G * 16,
+                "q4_mm: D and L must be contiguous fp32 [N/16, K/32, 16] tensors");
+  auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<float> xsum(M * G);  // per row and group: sum of x (the lo term), fp32, in input order
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < 32; ++i) {
+        const uint32_t u = static_cast<uint32_t>(xp[m * K + g * 32 + i]) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        s += f;
+      }
+      xsum[m * G + g] = s;
+    }
+  auto y = torch::empty({M, N}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint8_t* p = P.data_ptr<uint8_t>();
+  const float* d = D.data_ptr<float>();
+  const float* l = L.data_ptr<float>();
+  // rows in tiles of 8, then 4, 2, 1; fewer rows take more column blocks a tile so that the
+  // vector units have independent sums to interleave
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) rows<8, 1>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
+  for (; m + 4 <= M; m += 4) rows<4, 2>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
+  for (; m + 2 <= M; m += 2) rows<2, 4>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
+  for (; m < M; ++m) rows<1, 2>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
+  return y;
+}

@@ -1,0 +1,121 @@
+"""Issue 12: dspark's int4 kernel (dspark/csrc/q4.cpp). It computes the Q4_1 model (w = q * d + lo,
+fp32 d and lo) up to the bf16 rounding of its result, gives every row the same bits whichever rows
+share the call (lossless verification relies on that), names bad input, and where it cannot run
+torch's kernel runs instead and the runtime says which one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import kernels
+from dspark.engine.engine import Engine
+from dspark.engine.sampling import SamplingParams
+from dspark.target.native import Linear, NativeTarget
+from tests.tiny import bigram_draft, q4_exact, tiny_target
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = kernels.q4_kernel()  # compiles on first use (about a minute, then cached)
+    if mod is None:
+        pytest.skip(f"dspark's int4 kernel does not run here: {kernels.q4_status()}")
+    return mod
+
+
+def _q4(N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g)
+    d = torch.rand(N, K // 32, generator=g) * 0.02 + 1e-3
+    lo = -torch.rand(N, K // 32, generator=g) * 0.15
+    w = (q.reshape(N, K // 32, 32).float() * d[..., None] + lo[..., None]).reshape(N, K)
+    return q, d, lo, w
+
+
+@pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (96, 576)])
+def test_kernel_is_the_q4_model_up_to_bf16_rounding(ext, N, K):
+    q, d, lo, w = _q4(N, K)
+    packed = kernels.pack_q4(q, d, lo)
+    for M in (1, 2, 3, 5, 8, 11):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+        y = kernels.q4_linear(x, packed)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        ref = x.double() @ w.double().T
+        scale = x.double().abs() @ w.double().abs().T
+        # the result's own bf16 rounding (unit roundoff 2^-8: 8 significant bits) plus fp32 sums
+        assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all(), M
+
+
+def test_rows_get_the_same_bits_in_any_batch(ext):
+    """Row tiles of 8, 4, 2 and 1 and the column split between threads never change a row's sum."""
+    q, d, lo, _ = _q4(64, 192, seed=1)
+    packed = kernels.pack_q4(q, d, lo)
+    x = torch.randn(19, 192, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    full = kernels.q4_linear(x, packed)
+    for i in range(19):
+        assert torch.equal(kernels.q4_linear(x[i:i + 1], packed), full[i:i + 1])
+    perm = torch.randperm(19, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(kernels.q4_linear(x[perm], packed), full[perm])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.q4_linear(x, packed), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_input_is_named(ext):
+    q, d, lo, _ = _q4(32, 64)
+    P, D, L = kernels.pack_q4(q, d, lo)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.q4_mm(torch.randn(2, 64), P, D, L)
+    with pytest.raises(RuntimeError, match="inputs"):
+        ext.q4_mm(torch.randn(2, 96).to(torch.bfloat16), P, D, L)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.q4_mm(torch.randn(2, 64).to(torch.bfloat16), P, D.double(), L)
+
+
+def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(ext):
+    """A target whose layers are exact 4-bit groups (a Q4 GGUF) runs its int4 matmuls on the kernel
+    with bf16 activations; greedy speculation reproduces that model's own plain greedy decoding."""
+    model = q4_exact(tiny_target())
+    target = NativeTarget(model, act_dtype=torch.bfloat16)
+    assert target.weights == "int4" and "int4 kernel: dspark AVX512-BF16" in target.describe()
+    assert all(lin.q4 is not None for ly in target.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2))
+    ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
+    lg, _ = target.forward(target.new_state(1), ids)
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert (lg - ref).abs().max() <= 0.05 * ref.abs().max()  # bf16 activations, the model's own weights
+    plain = Engine(target, None)
+    spec = Engine(NativeTarget(model, act_dtype=torch.bfloat16), bigram_draft(plain))
+    for prompt in ([5, 17, 33, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 23 + [3, 88]):
+        assert plain.generate(prompt, SamplingParams(max_new_tokens=40)).output_ids == \
+            spec.generate(prompt, SamplingParams(max_new_tokens=40)).output_ids
+    assert 0 < spec.metrics.accepted < spec.metrics.verified
+
+
+def test_torch_kernel_runs_where_dspark_cannot_and_says_why(monkeypatch):
+    monkeypatch.setattr(kernels, "_q4", {"ext": None, "why": "DSPARK_Q4_KERNEL=0"})
+    model = q4_exact(tiny_target())
+    target = NativeTarget(model, act_dtype=torch.bfloat16)
+    assert target.weights == "int4" and all(ly.w13.q4 is None for ly in target.layers)
+    assert "int4 kernel: torch (DSPARK_Q4_KERNEL=0)" in target.describe()
+    ids = torch.tensor([[5, 17, 33, 8, 9]])
+    lg, _ = target.forward(target.new_state(1), ids)
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert (lg - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_shapes_no_int4_kernel_holds_are_refused_by_name():
+    """Both int4 kernels take 16 output columns at a time: an explicit int4 request on another shape
+    is an error naming it, and 'auto' keeps such a model's own numbers."""
+    from dspark.errors import DSparkError
+    from dspark.target.native import is_int4_exact
+
+    q, d, lo, w = _q4(48, 64)
+    w = w[:40]  # 40 output columns
+    assert not is_int4_exact(w)
+    with pytest.raises(DSparkError, match="divisible by 16, got 40 x 64"):
+        Linear(w, None, "int4", torch.bfloat16)
