@@ -119,3 +119,17 @@ def test_shapes_no_int4_kernel_holds_are_refused_by_name():
     assert not is_int4_exact(w)
     with pytest.raises(DSparkError, match="divisible by 16, got 40 x 64"):
         Linear(w, None, "int4", torch.bfloat16)
+
+
+def test_a_cached_cost_curve_belongs_to_its_int4_kernel(ext):
+    """The adaptive policy's cached verify-cost curve is not reused across int4 kernels, whose
+    verify / step ratios differ."""
+    from dspark.engine.costs import cache_path, curve_identity
+
+    model = q4_exact(tiny_target())
+    ours = NativeTarget(model, act_dtype=torch.bfloat16)
+    theirs = NativeTarget(model, act_dtype=torch.bfloat16, int4_kernel="torch")
+    assert (ours.int4_kernels(), theirs.int4_kernels()) == ("dspark", "torch")
+    a, b = curve_identity(ours, [1, 8]), curve_identity(theirs, [1, 8])
+    assert a["int4_kernel"] == "dspark" and cache_path(a) != cache_path(b)
+    assert NativeTarget(tiny_target()).int4_kernels() is None

@@ -332,6 +332,12 @@ class NativeTarget:
             ))
         return layers
 
+    def int4_kernels(self) -> str | None:
+        """Which int4 kernel the matmuls run on ('dspark', 'torch', 'dspark+torch'), None without int4."""
+        lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
+        used = sorted({"dspark" if lin.q4 is not None else "torch" for lin in lins if lin.fmt == "int4"})
+        return "+".join(used) or None
+
     def describe(self) -> str:
         kernel = ""
         lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
