@@ -13,8 +13,9 @@ int4 weights on a CPU with AVX512-BF16 run through dspark's own kernel (`csrc/q4
 on first use (~1 min, once per machine and source version, cached under `~/.cache/dspark`):
 torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so an 8-token verify
 costs 3.4x a 1-token step in its matmuls; the dspark kernel unpacks once per call (docs/
-BENCHMARKS.md "Session 10"). Anywhere else, or if it cannot be compiled, torch's kernel runs and
-`q4_status()` says why.
+BENCHMARKS.md "Session 10"). The same extension fuses the native runtime's RMSNorms (and the
+residual add before each) for bf16 activations, with torch's bits (`csrc/norm.cpp`). Anywhere
+else, or if it cannot be compiled, torch's ops run and `q4_status()` says why.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 Q4_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo names the kernel's instructions need
 # at::parallel_for is OpenMP in torch's CPU builds: an extension built without -fopenmp runs it on one thread
+Q4_SOURCES = ("q4.cpp", "norm.cpp")  # one extension: the int4 matmul and the fused norms
+Q4_FUNCTIONS = ("q4_mm", "rms_bf16", "add_rms_bf16")
 Q4_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 _q4: dict = {}  # "ext": the compiled module or None, "why": what runs instead and why
 
@@ -78,7 +81,8 @@ def _cpu_flags() -> set[str]:
 
 
 def q4_kernel():
-    """The compiled int4 kernel (a module with `q4_mm`), or None where it cannot run here."""
+    """dspark's compiled CPU extension (`q4_mm`, `rms_bf16`, `add_rms_bf16`), or None where it
+    cannot run here."""
     if "ext" in _q4:
         return _q4["ext"]
     _q4["ext"], _q4["why"] = None, ""
@@ -88,25 +92,25 @@ def q4_kernel():
     elif missing:
         _q4["why"] = f"this CPU lacks {', '.join(missing)}"
     else:
-        src = (Path(__file__).parent / "csrc" / "q4.cpp").read_text()
+        src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in Q4_SOURCES)
         tag = hashlib.sha1(repr((src, torch.__version__, Q4_CFLAGS)).encode()).hexdigest()[:12]
         name = f"dspark_q4_{tag}"
         root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels")) / name
         root.mkdir(parents=True, exist_ok=True)
         fresh = not (root / f"{name}.so").exists()
         if fresh:
-            log.warning("compiling dspark's int4 kernel (once per machine, about a minute)")
+            log.warning("compiling dspark's CPU kernels (once per machine, about a minute)")
         t0 = time.perf_counter()
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _q4["ext"] = load_inline(name, cpp_sources=[src], functions=["q4_mm"], build_directory=str(root),
+            _q4["ext"] = load_inline(name, cpp_sources=[src], functions=list(Q4_FUNCTIONS), build_directory=str(root),
                                      extra_cflags=list(Q4_CFLAGS), extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel still works
             _q4["why"] = f"dspark's kernel did not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
         else:
             if fresh:
-                log.warning("dspark's int4 kernel compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
+                log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
     return _q4["ext"]
 
 

@@ -164,7 +164,7 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
                 runners[a] = _TorchArm(model, HFTarget(model), timer, device)
             elif kind == "native":
                 kernel = "torch" if a.endswith("@torch") else "auto"
-                runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt, int4_kernel=kernel), timer, device)
+                runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt, ops=kernel), timer, device)
             else:
                 runners[a] = llamacpp.LlamaCppArm(target, threads, n_ctx=max(len(ids) + tokens, context + 8) + 16)
         tps = {a: [] for a in arms}

@@ -111,7 +111,7 @@ def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
 class Linear:
     """y = x @ W.T (+ b) with W held in one format. x [..., K] in the activation dtype -> [..., N]."""
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype, int4_kernel: str = "auto"):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype, ops: str = "auto"):
         self.fmt, self.out_features, self.exact = fmt, w.shape[0], fmt in FLOATS
         self.b = None if b is None else b.detach().to(act)
         self.packed = self.q4 = None
@@ -132,13 +132,13 @@ class Linear:
                                   f"divisible by 16, got {w.shape[0]} x {w.shape[1]}")
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
-            if int4_kernel == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape):
+            if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape):
                 # dspark's kernel: fp32 d and lo (the GGUF's own fp16 values survive), and a verify
                 # of 8 rows costs far less than 8 single rows (kernels.py)
                 self.q4, self.w = kernels.pack_q4(q, d, lo), None
                 self.kernel = "dspark AVX512-BF16"
             else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
-                self.kernel = ("torch (asked for)" if int4_kernel == "torch" else
+                self.kernel = ("torch (asked for)" if ops == "torch" else
                                kernels.q4_status() if act == torch.bfloat16 else "torch (fp32 activations)")
                 self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
                 self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
@@ -250,14 +250,15 @@ class NativeTarget:
     act_dtype: activation/KV dtype; default fp32 for fp32 weights, else bf16 (torch's CPU
       int8/int4 kernels are vectorised for bf16 activations only). fp32 activations with
       int4/int8 weights are exact but slow: for tests.
-    int4_kernel: 'auto' (dspark's kernel where it runs, dspark.kernels) | 'torch' (torch's, to compare).
+    ops: 'auto' (dspark's compiled CPU ops where they run: the int4 matmul and the fused norms,
+      dspark.kernels) | 'torch' (torch's ops throughout, to compare).
     """
 
     def __init__(self, model, tap_indices: tuple[int, ...] = (), weights: str = "auto", head: str | None = None,
-                 act_dtype: torch.dtype | None = None, int4_kernel: str = "auto"):
-        if int4_kernel not in ("auto", "torch"):
-            raise DSparkError(f"unknown int4 kernel {int4_kernel!r} (choose auto or torch)")
-        self.int4_kernel = int4_kernel
+                 act_dtype: torch.dtype | None = None, ops: str = "auto"):
+        if ops not in ("auto", "torch"):
+            raise DSparkError(f"unknown ops {ops!r} (choose auto or torch)")
+        self.ops = ops
         ok, why = supports(model)
         if not ok:
             raise DSparkError(f"the native runtime does not support this model: {why}")
@@ -290,13 +291,15 @@ class NativeTarget:
                 self.embed = base.embed_tokens.weight.detach().to(act)
                 self.layers = self._build(base, self.weights, act)
             self.norm = base.norm.weight.detach().to(act)
+            # the fused norms of dspark's extension (bf16 only; torch's ops otherwise)
+            self._ext = kernels.q4_kernel() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
                 head = "fp32" if act == torch.float32 else "bf16"  # not 4-bit: kept in float, not re-quantised
             head = head or self.weights
             if head == "int4" and lm_head.weight.shape[0] % 16:  # no int4 kernel holds it: the head stays float (describe() says so)
                 head = "fp32" if act == torch.float32 else "bf16"
-            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act), int4_kernel)
+            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act), ops)
             if auto_int4_head and not self.head.exact:
                 head = "fp32" if act == torch.float32 else "bf16"
                 self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS[head])
@@ -321,14 +324,14 @@ class NativeTarget:
             layers.append(Layer(
                 ln1=layer.input_layernorm.weight.detach().to(act),
                 wqkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act, self.int4_kernel),
+                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act, self.ops),
                 qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
                                    a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
                 if hasattr(a, "q_norm") else None,
-                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.int4_kernel),
+                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.ops),
                 ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act, self.int4_kernel),
-                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.int4_kernel),
+                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act, self.ops),
+                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.ops),
             ))
         return layers
 
@@ -425,10 +428,10 @@ class NativeTarget:
         taps = {}
         x = F.embedding(tokens, self.embed)  # [B, S, H]
         bidx = torch.arange(B, device=dev)[:, None]
+        h = self._norm(x, self.layers[0].ln1)
         for li, layer in enumerate(self.layers):
             if li in self.tap_indices:
                 taps[li] = x
-            h = _rms(x, layer.ln1, self.eps)
             qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
             qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
             if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one op
@@ -445,28 +448,42 @@ class NativeTarget:
             qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
             o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
             o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
-            x = x + layer.wo(o)
-            h = _rms(x, layer.ln2, self.eps)
+            x, h = self._add_norm(x, layer.wo(o), layer.ln2)
             g, u = layer.w13(h).chunk(2, -1)
-            x = x + layer.w2(F.silu(g) * u)
+            # the residual add and the next layer's input norm (the final norm after the last)
+            x, h = self._add_norm(x, layer.w2(F.silu(g) * u),
+                                  self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm)
         if self.num_layers in self.tap_indices:
             taps[self.num_layers] = x  # pre-norm, like the HF target's hook on the last layer
         state.pending = S
         tapped = torch.cat([taps[i] for i in self.tap_indices], -1) if self.tap_indices else None
+        # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
         if logits == "final":
-            return _rms(x, self.norm, self.eps), tapped
+            return h, tapped
         if logits == "last":
-            x = x[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
-            return self._logits(x), tapped
+            h = h[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
+            return self._logits(h), tapped
         if full or bool((counts == S).all()):
-            return self._logits(x), tapped
+            return self._logits(h), tapped
         valid = torch.arange(S, device=dev)[None, :] < counts[:, None]  # [B, S]
         out = torch.zeros(B, S, self.vocab_size, device=dev)
-        out[valid] = self._logits(x[valid])
+        out[valid] = self._logits(h[valid])
         return out, tapped
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(_rms(x, self.norm, self.eps).to(self._head_act)).float()
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._ext.rms_bf16(x, w, self.eps) if self._ext is not None else _rms(x, w, self.eps)
+
+    def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, its norm with weight w): one call on dspark's extension."""
+        if self._ext is not None:
+            s, h = self._ext.add_rms_bf16(x, r, w, self.eps)
+            return s, h
+        x = x + r
+        return x, _rms(x, w, self.eps)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: final-normed hidden states -> fp32 logits."""
+        return self.head(h.to(self._head_act)).float()
 
     def commit(self, state: NativeState, keep: torch.Tensor) -> None:
         """Keep the first keep[b] pending entries of each row: a length update, nothing moves."""

@@ -1,7 +1,7 @@
-"""Issue 12: dspark's int4 kernel (dspark/csrc/q4.cpp). It computes the Q4_1 model (w = q * d + lo,
-fp32 d and lo) up to the bf16 rounding of its result, gives every row the same bits whichever rows
-share the call (lossless verification relies on that), names bad input, and where it cannot run
-torch's kernel runs instead and the runtime says which one."""
+"""Issue 12: dspark's compiled CPU kernels (dspark/csrc). The int4 matmul computes the Q4_1 model
+(w = q * d + lo, fp32 d and lo) up to the bf16 rounding of its result, gives every row the same bits
+whichever rows share the call (lossless verification relies on that) and names bad input; the fused
+norms give torch's bits; where the extension cannot run, torch's ops run and the runtime says so."""
 
 from __future__ import annotations
 
@@ -128,8 +128,39 @@ def test_a_cached_cost_curve_belongs_to_its_int4_kernel(ext):
 
     model = q4_exact(tiny_target())
     ours = NativeTarget(model, act_dtype=torch.bfloat16)
-    theirs = NativeTarget(model, act_dtype=torch.bfloat16, int4_kernel="torch")
+    theirs = NativeTarget(model, act_dtype=torch.bfloat16, ops="torch")
     assert (ours.int4_kernels(), theirs.int4_kernels()) == ("dspark", "torch")
     a, b = curve_identity(ours, [1, 8]), curve_identity(theirs, [1, 8])
     assert a["int4_kernel"] == "dspark" and cache_path(a) != cache_path(b)
     assert NativeTarget(tiny_target()).int4_kernels() is None
+
+
+@pytest.mark.parametrize("R,H", [(1, 576), (8, 576), (3, 100), (17, 64)])
+def test_fused_norms_give_torchs_bits(ext, R, H):
+    """rms_bf16 and add_rms_bf16 round exactly where the HF modules (and the torch path) round."""
+    from dspark.target.native import _rms
+
+    g = torch.Generator().manual_seed(R * H)
+    x = (torch.randn(R, H, generator=g) * 3).to(torch.bfloat16)
+    r = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(H, generator=g) * 0.5 + 1).to(torch.bfloat16)
+    assert torch.equal(ext.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
+    s, h = ext.add_rms_bf16(x, r, w, 1e-5)
+    assert torch.equal(s, x + r) and torch.equal(h, _rms(x + r, w, 1e-5))
+    with pytest.raises(RuntimeError, match="last dimension"):
+        ext.rms_bf16(x, w[:-1], 1e-5)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.rms_bf16(x.float(), w, 1e-5)
+
+
+def test_bf16_forward_is_the_same_with_or_without_the_extension(ext):
+    """bf16 weights touch only the fused norms: logits and taps equal torch's ops bit for bit."""
+    model = tiny_target(dtype=torch.bfloat16)
+    ours = NativeTarget(model, (1, 4))
+    theirs = NativeTarget(model, (1, 4), ops="torch")
+    assert ours._ext is not None and theirs._ext is None
+    ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
+    for kw in ({}, {"logits": "last"}, {"logits": "final"}):
+        a, ta = ours.forward(ours.new_state(1), ids, **kw)
+        b, tb = theirs.forward(theirs.new_state(1), ids, **kw)
+        assert torch.equal(a, b) and torch.equal(ta, tb), kw

@@ -1,0 +1,75 @@
+// Fused RMSNorm for bf16 activations (docs/BENCHMARKS.md, "Session 10"): torch spends ~25 us on
+// each of a forward's 61 norms (a cast, the fused norm's own reductions and copies, a cast back,
+// the weight), 1.6 ms of a 13 ms SmolLM2 step. Same rounding steps as the HF modules: normalise
+// in fp32, round to bf16, multiply by the bf16 weight, round. Rows are independent, so a row's
+// result does not depend on the batch.
+#include <torch/extension.h>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+inline float bf2f(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+void norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, int64_t H, float eps) {
+  for (int64_t r = 0; r < R; ++r) {
+    const uint16_t* xr = x + r * H;
+    float ss[16] = {0};  // 16 partial sums in a fixed order: vectorisable, and the same for every row
+    int64_t i = 0;
+    for (; i + 16 <= H; i += 16)
+      for (int j = 0; j < 16; ++j) { const float v = bf2f(xr[i + j]); ss[j] += v * v; }
+    for (; i < H; ++i) { const float v = bf2f(xr[i]); ss[0] += v * v; }
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += ss[j];
+    const float inv = 1.0f / std::sqrt(s / static_cast<float>(H) + eps);
+    for (int64_t k = 0; k < H; ++k) y[r * H + k] = f2bf(bf2f(f2bf(bf2f(xr[k]) * inv)) * bf2f(w[k]));
+  }
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
+              "rms_bf16: x and w must be bf16 CPU tensors");
+  TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_bf16: x's last dimension ", x.size(-1), " != w's ", w.numel());
+}
+
+}  // namespace
+
+// y = w * rms_norm(x) over the last dimension
+torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
+  check(x, w);
+  auto xc = x.contiguous(), wc = w.contiguous();
+  auto y = torch::empty_like(xc);
+  const int64_t H = w.size(0), R = xc.numel() / H;
+  norm_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()),
+            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), R, H, static_cast<float>(eps));
+  return y;
+}
+
+// (s, w * rms_norm(s)) with s = x + r rounded to bf16 (torch's bf16 add): the residual add and
+// the next norm in one call
+std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch::Tensor w, double eps) {
+  check(x, w);
+  TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == torch::kBFloat16, "add_rms_bf16: the residual must match x");
+  auto xc = x.contiguous(), rc = r.contiguous(), wc = w.contiguous();
+  auto s = torch::empty_like(xc), y = torch::empty_like(xc);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* rp = reinterpret_cast<const uint16_t*>(rc.data_ptr<at::BFloat16>());
+  uint16_t* sp = reinterpret_cast<uint16_t*>(s.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < xc.numel(); ++i) sp[i] = f2bf(bf2f(xp[i]) + bf2f(rp[i]));
+  const int64_t H = w.size(0), R = xc.numel() / H;
+  norm_rows(sp, reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+            R, H, static_cast<float>(eps));
+  return {s, y};
+}
