@@ -63,8 +63,8 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 Q4_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo names the kernel's instructions need
 # at::parallel_for is OpenMP in torch's CPU builds: an extension built without -fopenmp runs it on one thread
-Q4_SOURCES = ("q4.cpp", "norm.cpp")  # one extension: the int4 matmul and the fused norms
-Q4_FUNCTIONS = ("q4_mm", "rms_bf16", "add_rms_bf16")
+Q4_SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp")  # one extension: int4 matmul, fused norms, attention
+Q4_FUNCTIONS = ("q4_mm", "rms_bf16", "add_rms_bf16", "attn_bf16")
 Q4_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 _q4: dict = {}  # "ext": the compiled module or None, "why": what runs instead and why
 

@@ -153,14 +153,40 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
         ext.rms_bf16(x.float(), w, 1e-5)
 
 
-def test_bf16_forward_is_the_same_with_or_without_the_extension(ext):
-    """bf16 weights touch only the fused norms: logits and taps equal torch's ops bit for bit."""
+def test_a_verify_gives_each_position_a_single_steps_bits(ext):
+    """With the extension every op of a bf16 forward computes a row on its own (int4 matmul, norms,
+    attention by position; the rest is elementwise): verifying 6 tokens at once gives each position
+    exactly the logits and taps of 6 one-token steps, and a row of a ragged batch those of its solo
+    run. So greedy speculation in bf16 is lossless bit for bit, not only up to near-ties."""
+    for model in (tiny_target(dtype=torch.bfloat16), q4_exact(tiny_target())):
+        t = NativeTarget(model, (1, 4), act_dtype=torch.bfloat16)
+        assert t._ext is not None
+        prompt, new = torch.tensor([[5, 17, 33, 8, 9, 60, 2]]), torch.tensor([[11, 12, 40, 3, 77, 6]])
+        a = t.new_state(1)
+        t.forward(a, prompt); t.commit(a, torch.tensor([7]))
+        block, taps = t.forward(a, new)
+        b = t.new_state(1)
+        t.forward(b, prompt); t.commit(b, torch.tensor([7]))
+        for i in range(6):
+            one, tap = t.forward(b, new[:, i:i + 1]); t.commit(b, torch.tensor([1]))
+            assert torch.equal(one[0, 0], block[0, i]) and torch.equal(tap[0, 0], taps[0, i]), (t.weights, i)
+        # a ragged batch: row 1 is shorter and padded; each row's valid logits are its solo run's
+        rows = [[5, 17, 33, 8, 9], [40, 41, 42]]
+        st = t.new_state(2)
+        ids = torch.tensor([rows[0], rows[1] + [0, 0]])
+        lg, _ = t.forward(st, ids, counts=torch.tensor([5, 3]))
+        for r, row in enumerate(rows):
+            solo, _ = t.forward(t.new_state(1), torch.tensor([row]))
+            assert torch.equal(lg[r, :len(row)], solo[0]), (t.weights, r)
+
+
+def test_the_extensions_forward_stays_near_torchs(ext):
+    """The attention kernel sums in another order than torch's: logits agree to bf16 precision."""
     model = tiny_target(dtype=torch.bfloat16)
-    ours = NativeTarget(model, (1, 4))
-    theirs = NativeTarget(model, (1, 4), ops="torch")
+    ours, theirs = NativeTarget(model, (1, 4)), NativeTarget(model, (1, 4), ops="torch")
     assert ours._ext is not None and theirs._ext is None
     ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
     for kw in ({}, {"logits": "last"}, {"logits": "final"}):
         a, ta = ours.forward(ours.new_state(1), ids, **kw)
         b, tb = theirs.forward(theirs.new_state(1), ids, **kw)
-        assert torch.equal(a, b) and torch.equal(ta, tb), kw
+        assert (a - b).abs().max() <= 0.05 * b.abs().max() and (ta.float() - tb.float()).abs().max() <= 0.05 * tb.abs().max(), kw

@@ -416,7 +416,9 @@ class NativeTarget:
         else:
             p = pos.clamp(max=self.cos.shape[0] - 1)  # padding may run past the table; never read
             cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]  # [B, S, 1, D]
-        if uniform and S == 1:
+        # dspark's attention kernel (bf16 on a CPU with the extension) reads positions, not a mask
+        fused_attn = self._ext is not None and D % 16 == 0
+        if fused_attn or (uniform and S == 1):
             mask = None  # one new query per row sees every entry up to itself
         else:
             # key j visible to new position i of row b iff j <= lengths[b] + i: committed entries
@@ -445,9 +447,12 @@ class NativeTarget:
             else:
                 kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
                 vc[bidx, :, pos] = v.transpose(1, 2)
-            qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
-            o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
-            o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
+            if fused_attn:  # query (b, s) sees keys 0..pos[b, s]: no mask to build, no transposes
+                o = self._ext.attn_bf16(qk[:, :, :Hq], kc, vc, pos, D ** -0.5)  # [B, S, Hq*D]
+            else:
+                qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
+                o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
+                o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
             x, h = self._add_norm(x, layer.wo(o), layer.ln2)
             g, u = layer.w13(h).chunk(2, -1)
             # the residual add and the next layer's input norm (the final norm after the last)
