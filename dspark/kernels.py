@@ -95,8 +95,9 @@ def q4_kernel():
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in Q4_SOURCES)
         tag = hashlib.sha1(repr((src, torch.__version__, Q4_CFLAGS)).encode()).hexdigest()[:12]
         name = f"dspark_q4_{tag}"
+        # its own variable, not DSPARK_CACHE: tests point that at temporary folders, and the
+        # build should happen once per machine
         root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels")) / name
-        root.mkdir(parents=True, exist_ok=True)
         fresh = not (root / f"{name}.so").exists()
         if fresh:
             log.warning("compiling dspark's CPU kernels (once per machine, about a minute)")
@@ -104,10 +105,12 @@ def q4_kernel():
         try:
             from torch.utils.cpp_extension import load_inline
 
+            root.mkdir(parents=True, exist_ok=True)
+
             _q4["ext"] = load_inline(name, cpp_sources=[src], functions=list(Q4_FUNCTIONS), build_directory=str(root),
                                      extra_cflags=list(Q4_CFLAGS), extra_ldflags=["-fopenmp"])
-        except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel still works
-            _q4["why"] = f"dspark's kernel did not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+        except Exception as e:  # no compiler, no ninja, a failed build, no cache folder: torch's ops still work
+            _q4["why"] = f"dspark's kernels did not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)

@@ -190,3 +190,18 @@ def test_the_extensions_forward_stays_near_torchs(ext):
         a, ta = ours.forward(ours.new_state(1), ids, **kw)
         b, tb = theirs.forward(theirs.new_state(1), ids, **kw)
         assert (a - b).abs().max() <= 0.05 * b.abs().max() and (ta.float() - tb.float()).abs().max() <= 0.05 * tb.abs().max(), kw
+
+
+def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
+    """No compiler, no ninja or an unwritable cache: nothing breaks, the reason is reported."""
+    if not all(f in kernels._cpu_flags() for f in kernels.Q4_FLAGS):
+        pytest.skip("this CPU would not build the extension anyway")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(kernels, "_q4", {})
+    monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(blocker))  # the cache folder cannot be made
+    assert kernels.q4_kernel() is None
+    assert kernels.q4_status().startswith("torch (dspark's kernels did not compile")
+    model = q4_exact(tiny_target())
+    t = NativeTarget(model, act_dtype=torch.bfloat16)
+    assert t._ext is None and "int4 kernel: torch (dspark's kernels did not compile" in t.describe()
