@@ -59,14 +59,19 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 # ---- int4 weights: dspark's AVX512-BF16 kernel ----------------------------------------------
-# DSPARK_Q4_KERNEL=0: torch's int4 kernel everywhere (for comparisons)
+# DSPARK_Q4_KERNEL=0: torch's ops everywhere (for comparisons); DSPARK_KERNEL_ISA=avx2: build the
+# AVX2 variant on an AVX-512 machine (to test it)
 Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
-Q4_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo names the kernel's instructions need
-# at::parallel_for is OpenMP in torch's CPU builds: an extension built without -fopenmp runs it on one thread
 Q4_SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp")  # one extension: int4 matmul, fused norms, attention
 Q4_FUNCTIONS = ("q4_mm", "rms_bf16", "add_rms_bf16", "attn_bf16")
-Q4_CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-_q4: dict = {}  # "ext": the compiled module or None, "why": what runs instead and why
+# what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
+# builds, and an extension built without -fopenmp runs it on one thread
+ISAS = {
+    "avx512": (("avx512f", "avx512bw", "avx512_bf16"),
+               ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
+    "avx2": (("avx2", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mfma")),  # norms and attention; torch's int4 kernel
+}
+_q4: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 
 
 def _cpu_flags() -> set[str]:
@@ -80,37 +85,47 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _isa() -> tuple[str | None, str]:
+    """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
+    flags, forced = _cpu_flags(), os.environ.get("DSPARK_KERNEL_ISA")
+    for isa, (need, _) in ISAS.items():
+        if forced in (None, isa) and all(f in flags for f in need):
+            lacking = [f for f in ISAS["avx512"][0] if f not in flags]
+            why = f"this CPU lacks {', '.join(lacking)}" if lacking else f"DSPARK_KERNEL_ISA={forced}"
+            return isa, "" if isa == "avx512" else why
+    return None, f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in flags) or 'the asked-for ISA'}"
+
+
 def q4_kernel():
-    """dspark's compiled CPU extension (`q4_mm`, `rms_bf16`, `add_rms_bf16`), or None where it
-    cannot run here."""
+    """dspark's compiled CPU extension (`q4_mm` on AVX512-BF16 builds, `rms_bf16`,
+    `add_rms_bf16`, `attn_bf16`), or None where it cannot run here."""
     if "ext" in _q4:
         return _q4["ext"]
-    _q4["ext"], _q4["why"] = None, ""
-    missing = [f for f in Q4_FLAGS if f not in _cpu_flags()]
+    isa, why = _isa()
+    _q4.update(ext=None, isa=isa, why=why)
     if not Q4_KERNEL:
-        _q4["why"] = "DSPARK_Q4_KERNEL=0"
-    elif missing:
-        _q4["why"] = f"this CPU lacks {', '.join(missing)}"
-    else:
+        _q4.update(isa=None, why="DSPARK_Q4_KERNEL=0")
+    elif isa is not None:
+        cflags = ISAS[isa][1]
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in Q4_SOURCES)
-        tag = hashlib.sha1(repr((src, torch.__version__, Q4_CFLAGS)).encode()).hexdigest()[:12]
-        name = f"dspark_q4_{tag}"
+        tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
+        name = f"dspark_{isa}_{tag}"
         # its own variable, not DSPARK_CACHE: tests point that at temporary folders, and the
         # build should happen once per machine
         root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels")) / name
         fresh = not (root / f"{name}.so").exists()
         if fresh:
-            log.warning("compiling dspark's CPU kernels (once per machine, about a minute)")
+            log.warning("compiling dspark's CPU kernels (%s, once per machine, about a minute)", isa)
         t0 = time.perf_counter()
         try:
             from torch.utils.cpp_extension import load_inline
 
             root.mkdir(parents=True, exist_ok=True)
-
             _q4["ext"] = load_inline(name, cpp_sources=[src], functions=list(Q4_FUNCTIONS), build_directory=str(root),
-                                     extra_cflags=list(Q4_CFLAGS), extra_ldflags=["-fopenmp"])
+                                     extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, a failed build, no cache folder: torch's ops still work
-            _q4["why"] = f"dspark's kernels did not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+            _q4.update(isa=None, why=f"dspark's kernels did not compile ({type(e).__name__}: "
+                                     f"{str(e).strip().splitlines()[-1][:200]})")
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
@@ -119,12 +134,19 @@ def q4_kernel():
 
 def q4_status() -> str:
     """Which int4 kernel runs here, and why."""
-    return "dspark AVX512-BF16" if q4_kernel() is not None else f"torch ({_q4['why']})"
+    q4_kernel()
+    return "dspark AVX512-BF16" if _q4["isa"] == "avx512" else f"torch ({_q4['why']})"
+
+
+def extension_isa() -> str | None:
+    """The build of dspark's extension that runs here ('avx512' | 'avx2'), or None."""
+    q4_kernel()
+    return _q4["isa"]
 
 
 def q4_applies(n: int, k: int) -> bool:
     """Can dspark's kernel hold an [n, k] int4 weight (16 output columns a vector, groups of 32)?"""
-    return n % 16 == 0 and k % 32 == 0 and q4_kernel() is not None
+    return n % 16 == 0 and k % 32 == 0 and q4_kernel() is not None and _q4["isa"] == "avx512"
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):

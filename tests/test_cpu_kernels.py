@@ -17,10 +17,19 @@ from tests.tiny import bigram_draft, q4_exact, tiny_target
 
 @pytest.fixture(scope="module")
 def ext():
+    """The extension in this CPU's build: norms and attention (AVX2 or AVX-512)."""
     mod = kernels.q4_kernel()  # compiles on first use (about a minute, then cached)
     if mod is None:
-        pytest.skip(f"dspark's int4 kernel does not run here: {kernels.q4_status()}")
+        pytest.skip(f"dspark's CPU extension does not run here: {kernels.q4_status()}")
     return mod
+
+
+@pytest.fixture(scope="module")
+def q4(ext):
+    """The extension with its int4 kernel (AVX512-BF16 builds)."""
+    if kernels.extension_isa() != "avx512":
+        pytest.skip(f"dspark's int4 kernel does not run here: {kernels.q4_status()}")
+    return ext
 
 
 def _q4(N, K, seed=0):
@@ -33,7 +42,7 @@ def _q4(N, K, seed=0):
 
 
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (96, 576)])
-def test_kernel_is_the_q4_model_up_to_bf16_rounding(ext, N, K):
+def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
     q, d, lo, w = _q4(N, K)
     packed = kernels.pack_q4(q, d, lo)
     for M in (1, 2, 3, 5, 8, 11):
@@ -46,7 +55,7 @@ def test_kernel_is_the_q4_model_up_to_bf16_rounding(ext, N, K):
         assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all(), M
 
 
-def test_rows_get_the_same_bits_in_any_batch(ext):
+def test_rows_get_the_same_bits_in_any_batch(q4):
     """Row tiles of 8, 4, 2 and 1 and the column split between threads never change a row's sum."""
     q, d, lo, _ = _q4(64, 192, seed=1)
     packed = kernels.pack_q4(q, d, lo)
@@ -64,18 +73,18 @@ def test_rows_get_the_same_bits_in_any_batch(ext):
         torch.set_num_threads(threads)
 
 
-def test_bad_input_is_named(ext):
+def test_bad_input_is_named(q4):
     q, d, lo, _ = _q4(32, 64)
     P, D, L = kernels.pack_q4(q, d, lo)
     with pytest.raises(RuntimeError, match="bf16"):
-        ext.q4_mm(torch.randn(2, 64), P, D, L)
+        q4.q4_mm(torch.randn(2, 64), P, D, L)
     with pytest.raises(RuntimeError, match="inputs"):
-        ext.q4_mm(torch.randn(2, 96).to(torch.bfloat16), P, D, L)
+        q4.q4_mm(torch.randn(2, 96).to(torch.bfloat16), P, D, L)
     with pytest.raises(RuntimeError, match="fp32"):
-        ext.q4_mm(torch.randn(2, 64).to(torch.bfloat16), P, D.double(), L)
+        q4.q4_mm(torch.randn(2, 64).to(torch.bfloat16), P, D.double(), L)
 
 
-def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(ext):
+def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(q4):
     """A target whose layers are exact 4-bit groups (a Q4 GGUF) runs its int4 matmuls on the kernel
     with bf16 activations; greedy speculation reproduces that model's own plain greedy decoding."""
     model = q4_exact(tiny_target())
@@ -96,7 +105,7 @@ def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(ext):
 
 
 def test_torch_kernel_runs_where_dspark_cannot_and_says_why(monkeypatch):
-    monkeypatch.setattr(kernels, "_q4", {"ext": None, "why": "DSPARK_Q4_KERNEL=0"})
+    monkeypatch.setattr(kernels, "_q4", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
     model = q4_exact(tiny_target())
     target = NativeTarget(model, act_dtype=torch.bfloat16)
     assert target.weights == "int4" and all(ly.w13.q4 is None for ly in target.layers)
@@ -121,7 +130,7 @@ def test_shapes_no_int4_kernel_holds_are_refused_by_name():
         Linear(w, None, "int4", torch.bfloat16)
 
 
-def test_a_cached_cost_curve_belongs_to_its_int4_kernel(ext):
+def test_a_cached_cost_curve_belongs_to_its_int4_kernel(q4):
     """The adaptive policy's cached verify-cost curve is not reused across int4 kernels, whose
     verify / step ratios differ."""
     from dspark.engine.costs import cache_path, curve_identity
@@ -153,11 +162,13 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
         ext.rms_bf16(x.float(), w, 1e-5)
 
 
-def test_a_verify_gives_each_position_a_single_steps_bits(ext):
+def test_a_verify_gives_each_position_a_single_steps_bits(q4):
     """With the extension every op of a bf16 forward computes a row on its own (int4 matmul, norms,
     attention by position; the rest is elementwise): verifying 6 tokens at once gives each position
     exactly the logits and taps of 6 one-token steps, and a row of a ragged batch those of its solo
-    run. So greedy speculation in bf16 is lossless bit for bit, not only up to near-ties."""
+    run. So greedy speculation in bf16 is lossless bit for bit, not only up to near-ties. (Measured
+    on AVX512-BF16 builds, whose bf16 head and int4 kernel are row-invariant; elsewhere torch's
+    kernels decide.)"""
     for model in (tiny_target(dtype=torch.bfloat16), q4_exact(tiny_target())):
         t = NativeTarget(model, (1, 4), act_dtype=torch.bfloat16)
         assert t._ext is not None
@@ -194,7 +205,7 @@ def test_the_extensions_forward_stays_near_torchs(ext):
 
 def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
     """No compiler, no ninja or an unwritable cache: nothing breaks, the reason is reported."""
-    if not all(f in kernels._cpu_flags() for f in kernels.Q4_FLAGS):
+    if kernels._isa()[0] is None:
         pytest.skip("this CPU would not build the extension anyway")
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -205,3 +216,56 @@ def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
     model = q4_exact(tiny_target())
     t = NativeTarget(model, act_dtype=torch.bfloat16)
     assert t._ext is None and "int4 kernel: torch (dspark's kernels did not compile" in t.describe()
+
+
+
+def _attention_reference(q, k, v, pos):
+    B, S, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, S, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        for s in range(S):
+            n = int(pos[b, s]) + 1
+            for h in range(Hq):
+                kk, vv = k[b, h // G, :n].double(), v[b, h // G, :n].double()
+                out[b, s, h] = torch.softmax((kk @ q[b, s, h].double()) * D ** -0.5, 0) @ vv
+    return out.reshape(B, S, Hq * D)
+
+
+def _check_attention(mod):
+    g = torch.Generator().manual_seed(5)
+    B, S, Hq, Hkv, D, C = 2, 5, 6, 2, 32, 40
+    q = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
+    kv = (torch.randn(2, B, Hkv, C, D, generator=g) * 2).to(torch.bfloat16)
+    pos = torch.tensor([[20], [13]]) + torch.arange(S)[None]
+    o = mod.attn_bf16(q, kv[0], kv[1], pos, D ** -0.5)
+    ref = _attention_reference(q, kv[0], kv[1], pos)
+    assert ((o.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-4).all()
+    # a row alone, or with other rows around it, gets the same bits
+    assert torch.equal(mod.attn_bf16(q[1:, 2:3], kv[0][1:], kv[1][1:], pos[1:, 2:3], D ** -0.5)[0, 0], o[1, 2])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        mod.attn_bf16(q, kv[0], kv[1], pos + C, D ** -0.5)
+
+
+def test_attention_is_softmax_attention_by_position(ext):
+    _check_attention(ext)
+
+
+def test_the_avx2_build_computes_the_same(ext, monkeypatch):
+    """AVX2-only CPUs (no AVX-512) get the norms and attention from an 8-lane build; built and
+    checked here on this machine's AVX2 units."""
+    if "avx2" not in kernels._cpu_flags():
+        pytest.skip("no AVX2 here")
+    from dspark.target.native import _rms
+
+    monkeypatch.setattr(kernels, "_q4", {})
+    monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
+    mod = kernels.q4_kernel()
+    assert mod is not None and kernels.extension_isa() == "avx2"
+    assert kernels.q4_status().startswith("torch (") and not kernels.q4_applies(64, 64)
+    _check_attention(mod)
+    x = (torch.randn(5, 576) * 3).to(torch.bfloat16)
+    w = (torch.randn(576) * 0.5 + 1).to(torch.bfloat16)
+    assert torch.equal(mod.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
+    with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+        mod.q4_mm(x[:, :64], *kernels.pack_q4(*_q4(16, 64)[:3]))

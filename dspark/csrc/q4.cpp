@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 namespace {
 
 // u16 lane holding a nibble (in its low 5 bits: vpermw ignores the rest) -> that value as bf16
@@ -133,3 +134,10 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   for (; m < M; ++m) rows<1, 2>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
   return y;
 }
+#else
+// an AVX2 build (dspark/kernels.py) has the norms and attention but not this kernel
+torch::Tensor q4_mm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "q4_mm: this build of dspark's extension has no int4 kernel (it needs AVX512-BF16)");
+  return {};
+}
+#endif

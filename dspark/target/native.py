@@ -349,8 +349,9 @@ class NativeTarget:
             ours = sum(lin.q4 is not None for lin in int4)
             kernel = (f", int4 kernel: dspark AVX512-BF16 ({ours} of {len(int4)} matrices)" if ours
                       else f", int4 kernel: {int4[0].kernel}")
+        ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
         return (f"native runtime, weights {self.weights} (head {self.head_format}), "
-                f"activations {str(self.dtype).removeprefix('torch.')}{kernel}")
+                f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{ext}")
 
     # ---- hidden-state taps -------------------------------------------------------------
     def view(self, tap_indices: tuple[int, ...] = ()) -> "NativeTarget":
