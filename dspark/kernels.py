@@ -14,8 +14,10 @@ on first use (~1 min, once per machine and source version, cached under `~/.cach
 torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so an 8-token verify
 costs 3.4x a 1-token step in its matmuls; the dspark kernel unpacks once per call (docs/
 BENCHMARKS.md "Session 10"). The same extension fuses the native runtime's RMSNorms (and the
-residual add before each) for bf16 activations, with torch's bits (`csrc/norm.cpp`). Anywhere
-else, or if it cannot be compiled, torch's ops run and `q4_status()` says why.
+residual add before each) for bf16 activations, with torch's bits (`csrc/norm.cpp`), and runs
+attention by position (`csrc/attn.cpp`). CPUs with AVX2 but not AVX512-BF16 get a build with
+the norms and attention and torch's int4 kernel. Anywhere else, or if it cannot be compiled,
+torch's ops run and `q4_status()` says why.
 """
 
 from __future__ import annotations
