@@ -251,8 +251,10 @@ def test_attention_is_softmax_attention_by_position(ext):
     _check_attention(ext)
 
 
+@pytest.mark.slow
 def test_the_avx2_build_computes_the_same(ext, monkeypatch):
-    """AVX2-only CPUs (no AVX-512) get the norms and attention from an 8-lane build; built and
+    """AVX2-only CPUs (no AVX-512) get the norms and attention from an 8-lane build; built (about a
+    minute, hence slow: on an AVX2-only machine the default tests check that build already) and
     checked here on this machine's AVX2 units."""
     if "avx2" not in kernels._cpu_flags():
         pytest.skip("no AVX2 here")
