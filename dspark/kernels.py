@@ -65,7 +65,7 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # AVX2 variant on an AVX-512 machine (to test it)
 Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 Q4_SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp")  # one extension: int4 matmul, fused norms, attention
-Q4_FUNCTIONS = ("q4_mm", "rms_bf16", "add_rms_bf16", "attn_bf16")
+Q4_FUNCTIONS = ("q4_mm", "q8_mm", "rms_bf16", "add_rms_bf16", "attn_bf16")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
@@ -169,3 +169,16 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
 def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q4`."""
     return q4_kernel().q4_mm(x, *packed)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor):
+    """q [N, K] int8 values, d [N, K/32] fp32 (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout."""
+    N, K = q.shape
+    G = K // 32
+    qb = q.to(torch.int8).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, G, pair, column, 2]
+    return qb.reshape(N // 16, G, 16, 32).contiguous(), d.float().reshape(N // 16, 16, G).permute(0, 2, 1).contiguous()
+
+
+def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q8`."""
+    return q4_kernel().q8_mm(x, *packed)

@@ -271,3 +271,45 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     assert torch.equal(mod.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
     with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
         mod.q4_mm(x[:, :64], *kernels.pack_q4(*_q4(16, 64)[:3]))
+
+
+def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
+    g = torch.Generator().manual_seed(7)
+    N, K = 48, 96
+    q = torch.randint(-127, 128, (N, K), generator=g)
+    d = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-4
+    w = (q.reshape(N, K // 32, 32).float() * d[..., None]).reshape(N, K)
+    packed = kernels.pack_q8(q, d)
+    x = torch.randn(11, K, generator=g).to(torch.bfloat16)
+    y = kernels.q8_linear(x, packed)
+    ref, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+    assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all()
+    for i in range(11):
+        assert torch.equal(kernels.q8_linear(x[i:i + 1], packed), y[i:i + 1])
+
+
+def test_an_exact_q8_0_head_runs_as_shipped(q4):
+    """SmolLM2's GGUF head is Q8_0: 'auto' holds such a head as int8 groups on dspark's kernel
+    (bf16 would round 97 % of its values), and verification stays bit-exact per position."""
+    from dspark.target.native import is_q8_exact, q8_groups
+
+    model = q4_exact(tiny_target())
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        q, d = q8_groups(head.weight)
+        head.weight.copy_((q.float().reshape(q.shape[0], -1, 32) * d[..., None]).reshape_as(head.weight))
+    assert is_q8_exact(head.weight)
+    t = NativeTarget(model, act_dtype=torch.bfloat16)
+    assert t.head_format == "q8_0" and "head q8_0" in t.describe()
+    ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
+    lg, _ = t.forward(t.new_state(1), ids)
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert (lg - ref).abs().max() <= 0.05 * ref.abs().max()
+    st = t.new_state(1)
+    block, _ = t.forward(st, ids)
+    st2 = t.new_state(1)
+    for i in range(ids.shape[1]):
+        one, _ = t.forward(st2, ids[:, i:i + 1]); t.commit(st2, torch.tensor([1]))
+        assert torch.equal(one[0, 0], block[0, i])
+    assert NativeTarget(model, act_dtype=torch.bfloat16, ops="torch").head_format == "bf16"

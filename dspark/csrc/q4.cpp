@@ -95,7 +95,89 @@ void rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* P, con
   for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile<M, 1>(x, xsum, K, P, D, L, y, N, cb);
 }
 
+// Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
+// of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
+// byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] fp32.
+template <int M, int NB>
+inline void tile8(const uint16_t* x, int64_t K, const int8_t* P, const float* D, uint16_t* y, int64_t N, int64_t cb) {
+  const int64_t G = K / 32;
+  __m512 acc[NB][M];
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 t[NB][M];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) t[j][m] = _mm512_setzero_ps();
+    for (int p = 0; p < 16; p += 2) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* b = P + (((cb + j) * G + g) * 16 + p) * 32;
+        // 64 bytes: input pairs p and p + 1 of 16 columns, exact as bf16 (|q| <= 128)
+        const __m512 a0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+        const __m512 a1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
+        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32))));
+        const __m512 a3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48))));
+        const __m512bh w0 = _mm512_cvtne2ps_pbh(a1, a0), w1 = _mm512_cvtne2ps_pbh(a3, a2);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          uint32_t x0, x1;
+          std::memcpy(&x0, x + m * K + g * 32 + 2 * p, 4);
+          std::memcpy(&x1, x + m * K + g * 32 + 2 * p + 2, 4);
+          t[j][m] = _mm512_dpbf16_ps(t[j][m], w0, (__m512bh)_mm512_set1_epi32(static_cast<int>(x0)));
+          t[j][m] = _mm512_dpbf16_ps(t[j][m], w1, (__m512bh)_mm512_set1_epi32(static_cast<int>(x1)));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const __m512 d = _mm512_loadu_ps(D + ((cb + j) * G + g) * 16);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(t[j][m], d, acc[j][m]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
+}
+
+template <int M, int NB>
+void rows8(const uint16_t* x, int64_t K, const int8_t* P, const float* D, uint16_t* y, int64_t N) {
+  const int64_t blocks = N / 16, tiles = blocks / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tile8<M, NB>(x, K, P, D, y, N, t * NB);
+  });
+  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile8<M, 1>(x, K, P, D, y, N, cb);
+}
+
 }  // namespace
+
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q8_mm: x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kChar && P.size(2) == 16 && P.size(3) == 32 && P.is_contiguous(),
+              "q8_mm: P must be a contiguous int8 [N/16, K/32, 16, 32] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16, G = K / 32;
+  TORCH_CHECK(K == P.size(1) * 32, "q8_mm: x has ", K, " inputs, the weight ", P.size(1) * 32);
+  TORCH_CHECK(D.scalar_type() == torch::kFloat && D.is_contiguous() && D.numel() == N / 16 * G * 16,
+              "q8_mm: D must be a contiguous fp32 [N/16, K/32, 16] tensor");
+  auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int8_t* p = P.data_ptr<int8_t>();
+  const float* d = D.data_ptr<float>();
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) rows8<8, 1>(xp + m * K, K, p, d, yp + m * N, N);
+  for (; m + 4 <= M; m += 4) rows8<4, 2>(xp + m * K, K, p, d, yp + m * N, N);
+  for (; m + 2 <= M; m += 2) rows8<2, 4>(xp + m * K, K, p, d, yp + m * N, N);
+  for (; m < M; ++m) rows8<1, 2>(xp + m * K, K, p, d, yp + m * N, N);
+  return y;
+}
 
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q4_mm: x must be a 2-D bf16 CPU tensor");
@@ -138,6 +220,10 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 // an AVX2 build (dspark/kernels.py) has the norms and attention but not this kernel
 torch::Tensor q4_mm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "q4_mm: this build of dspark's extension has no int4 kernel (it needs AVX512-BF16)");
+  return {};
+}
+torch::Tensor q8_mm(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "q8_mm: this build of dspark's extension has no int8 kernel (it needs AVX512-BF16)");
   return {};
 }
 #endif

@@ -101,6 +101,27 @@ def is_int4_exact(w: torch.Tensor, group: int = GROUP, rows: int | None = None) 
     return _int4_exact(w, *int4_groups(w, group), group)
 
 
+def q8_groups(w: torch.Tensor, group: int = GROUP):
+    """Symmetric 8-bit quantisation per `group` inputs (the GGUF Q8_0 rule: d = max|w| / 127).
+    w [N, K] -> (q [N, K] in -127..127, d [N, K/group]); a Q8_0 weight gets its exact values back."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // group, group)
+    d = g.abs().amax(-1) / 127
+    q = (g / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127)
+    return q.reshape(N, K).to(torch.int8), d
+
+
+def is_q8_exact(w: torch.Tensor, rows: int | None = None, group: int = GROUP) -> bool:
+    """Are w's values exactly Q8_0 groups (int8 times a scale per 32 inputs)? fp32 tolerance."""
+    if w.shape[1] % group or w.shape[0] % 16:
+        return False
+    w = w if rows is None else w[:rows]
+    q, d = q8_groups(w, group)
+    N, K = w.shape
+    err = (q.reshape(N, K // group, group).float() * d[..., None] - w.float().reshape(N, K // group, group)).abs()
+    return bool((err <= 1e-6 * d[..., None] + 1e-12).all())
+
+
 def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
     N, K = w.shape
     rec = q.reshape(N, K // group, group).float() * d[..., None] + lo[..., None]
@@ -114,7 +135,7 @@ class Linear:
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype, ops: str = "auto"):
         self.fmt, self.out_features, self.exact = fmt, w.shape[0], fmt in FLOATS
         self.b = None if b is None else b.detach().to(act)
-        self.packed = self.q4 = None
+        self.packed = self.q4 = self.q8 = None
         w = w.detach()
         if fmt == "bf16" and act == torch.bfloat16:
             self.packed = kernels.pack_bf16(w)  # only the packed copy is kept
@@ -126,6 +147,12 @@ class Linear:
             s = w.float().abs().amax(1).clamp_min(1e-12) / 127
             self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self.s = s.to(act)
+        elif fmt == "q8_0":  # group 32, w = q * d (the GGUF Q8_0 rule), dspark's kernel only
+            if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape)):
+                raise DSparkError(f"q8_0 weights need dspark's AVX512-BF16 kernel and bf16 activations ({kernels.q4_status()})")
+            q, d = q8_groups(w)
+            self.exact = is_q8_exact(w)
+            self.q8, self.w, self.kernel = kernels.pack_q8(q, d), None, "dspark AVX512-BF16"
         elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
             if w.shape[1] % GROUP or w.shape[0] % 16:
                 raise DSparkError(f"int4 weights need an input size divisible by {GROUP} and an output size "
@@ -153,6 +180,8 @@ class Linear:
         x2 = x.reshape(-1, x.shape[-1])
         if self.q4 is not None:
             y = kernels.q4_linear(x2, self.q4)
+        elif self.q8 is not None:
+            y = kernels.q8_linear(x2, self.q8)
         elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
         else:
@@ -295,7 +324,11 @@ class NativeTarget:
             self._ext = kernels.q4_kernel() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
-                head = "fp32" if act == torch.float32 else "bf16"  # not 4-bit: kept in float, not re-quantised
+                # not 4-bit: an exact Q8_0 head (the GGUF's, for SmolLM2) runs on dspark's int8
+                # kernel where it can, else the head stays in float; it is never re-quantised
+                q8 = (ops == "auto" and act == torch.bfloat16 and kernels.q4_applies(*lm_head.weight.shape)
+                      and is_q8_exact(lm_head.weight, rows=64))
+                head = "q8_0" if q8 else "fp32" if act == torch.float32 else "bf16"
             head = head or self.weights
             if head == "int4" and lm_head.weight.shape[0] % 16:  # no int4 kernel holds it: the head stays float (describe() says so)
                 head = "fp32" if act == torch.float32 else "bf16"
