@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -85,15 +86,6 @@ inline void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t*
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
 }
 
-template <int M, int NB>
-void rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* P, const float* D, const float* L,
-          uint16_t* y, int64_t N) {
-  const int64_t blocks = N / 16, tiles = blocks / NB;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) tile<M, NB>(x, xsum, K, P, D, L, y, N, t * NB);
-  });
-  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile<M, 1>(x, xsum, K, P, D, L, y, N, cb);
-}
 
 // Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
 // of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
@@ -146,13 +138,29 @@ inline void tile8(const uint16_t* x, int64_t K, const int8_t* P, const float* D,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
 }
 
-template <int M, int NB>
-void rows8(const uint16_t* x, int64_t K, const int8_t* P, const float* D, uint16_t* y, int64_t N) {
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// rows m0..m0+M against all columns, in tiles of NB blocks of 16 split between threads (never
+// inside a sum), then the blocks left over one at a time; tile(Int<M>, Int<NB>, m0, cb)
+template <int M, int NB, typename Tile>
+void columns(int64_t N, int64_t m0, const Tile& tile) {
   const int64_t blocks = N / 16, tiles = blocks / NB;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) tile8<M, NB>(x, K, P, D, y, N, t * NB);
+    for (int64_t t = t0; t < t1; ++t) tile(Int<M>{}, Int<NB>{}, m0, t * NB);
   });
-  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile8<M, 1>(x, K, P, D, y, N, cb);
+  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile(Int<M>{}, Int<1>{}, m0, cb);
+}
+
+// rows in tiles of 8, then 4, 2, 1; fewer rows take more column blocks a tile so that the
+// vector units have independent sums to interleave
+template <typename Tile>
+void row_tiles(int64_t M, int64_t N, const Tile& tile) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) columns<8, 1>(N, m, tile);
+  for (; m + 4 <= M; m += 4) columns<4, 2>(N, m, tile);
+  for (; m + 2 <= M; m += 2) columns<2, 4>(N, m, tile);
+  for (; m < M; ++m) columns<1, 2>(N, m, tile);
 }
 
 }  // namespace
@@ -171,11 +179,9 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int8_t* p = P.data_ptr<int8_t>();
   const float* d = D.data_ptr<float>();
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) rows8<8, 1>(xp + m * K, K, p, d, yp + m * N, N);
-  for (; m + 4 <= M; m += 4) rows8<4, 2>(xp + m * K, K, p, d, yp + m * N, N);
-  for (; m + 2 <= M; m += 2) rows8<2, 4>(xp + m * K, K, p, d, yp + m * N, N);
-  for (; m < M; ++m) rows8<1, 2>(xp + m * K, K, p, d, yp + m * N, N);
+  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+    tile8<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, p, d, yp + m0 * N, N, cb);
+  });
   return y;
 }
 
@@ -207,13 +213,9 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   const uint8_t* p = P.data_ptr<uint8_t>();
   const float* d = D.data_ptr<float>();
   const float* l = L.data_ptr<float>();
-  // rows in tiles of 8, then 4, 2, 1; fewer rows take more column blocks a tile so that the
-  // vector units have independent sums to interleave
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) rows<8, 1>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
-  for (; m + 4 <= M; m += 4) rows<4, 2>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
-  for (; m + 2 <= M; m += 2) rows<2, 4>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
-  for (; m < M; ++m) rows<1, 2>(xp + m * K, xsum.data() + m * G, K, p, d, l, yp + m * N, N);
+  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, xsum.data() + m0 * G, K, p, d, l, yp + m0 * N, N, cb);
+  });
   return y;
 }
 #else
