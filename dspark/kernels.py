@@ -60,7 +60,7 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x.argmax(dim)
 
 
-# ---- int4 weights: dspark's AVX512-BF16 kernel ----------------------------------------------
+# ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
 # DSPARK_Q4_KERNEL=0: torch's ops everywhere (for comparisons); DSPARK_KERNEL_ISA=avx2: build the
 # AVX2 variant on an AVX-512 machine (to test it)
 Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
@@ -99,7 +99,7 @@ def _isa() -> tuple[str | None, str]:
 
 
 def q4_kernel():
-    """dspark's compiled CPU extension (`q4_mm` on AVX512-BF16 builds, `rms_bf16`,
+    """dspark's compiled CPU extension (`q4_mm` and `q8_mm` on AVX512-BF16 builds, `rms_bf16`,
     `add_rms_bf16`, `attn_bf16`), or None where it cannot run here."""
     if "ext" in _q4:
         return _q4["ext"]

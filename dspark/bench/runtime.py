@@ -99,12 +99,12 @@ def arm_kind(arm: str) -> tuple[str, str]:
     """'native-int4' -> ('native', 'int4'); 'llamacpp' -> ('llamacpp', 'gguf'); an unknown arm is refused by name."""
     if arm == LLAMACPP:
         return LLAMACPP, "gguf"
-    base, at, kernel = arm.partition("@")  # native-<weights>@torch: torch's int4 kernel, not dspark's
+    base, at, kernel = arm.partition("@")  # native-<weights>@torch: torch's ops, not dspark's kernels
     kind, _, fmt = base.partition("-")
     if not ((kind == "hf" and fmt in ("bf16", "fp32") and not at) or
             (kind == "native" and fmt in WEIGHTS and kernel in (("torch",) if at else ("",)))):
         raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>, "
-                          f"native-<weights>@torch for torch's int4 kernel, {LLAMACPP})")
+                          f"native-<weights>@torch for torch's ops instead of dspark's kernels, {LLAMACPP})")
     return kind, fmt
 
 

@@ -14,7 +14,7 @@ from dspark.target.native import resolve_weights
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=SMOLLM2, help="'smollm2' (default) or a Hugging Face model directory")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS}; native-<weights>@torch runs torch's int4 kernel instead of dspark's); also {LLAMACPP}: llama.cpp decoding the target's "
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS}; native-<weights>@torch runs torch's ops instead of dspark's CPU kernels); also {LLAMACPP}: llama.cpp decoding the target's "
                         "GGUF file (needs the optional extra llama-cpp-python)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode measurement")

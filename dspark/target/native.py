@@ -160,8 +160,8 @@ class Linear:
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
             if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape):
-                # dspark's kernel: fp32 d and lo (the GGUF's own fp16 values survive), and a verify
-                # of 8 rows costs far less than 8 single rows (kernels.py)
+                # dspark's kernel: d and lo kept in fp32 (torch's rounds them to bf16), and a
+                # verify of 8 rows costs far less than 8 single rows (kernels.py)
                 self.q4, self.w = kernels.pack_q4(q, d, lo), None
                 self.kernel = "dspark AVX512-BF16"
             else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
@@ -279,8 +279,8 @@ class NativeTarget:
     act_dtype: activation/KV dtype; default fp32 for fp32 weights, else bf16 (torch's CPU
       int8/int4 kernels are vectorised for bf16 activations only). fp32 activations with
       int4/int8 weights are exact but slow: for tests.
-    ops: 'auto' (dspark's compiled CPU ops where they run: the int4 matmul and the fused norms,
-      dspark.kernels) | 'torch' (torch's ops throughout, to compare).
+    ops: 'auto' (dspark's compiled CPU ops where they run: the int4 and Q8_0 matmuls, the fused
+      norms, attention by position; dspark.kernels) | 'torch' (torch's ops throughout, to compare).
     """
 
     def __init__(self, model, tap_indices: tuple[int, ...] = (), weights: str = "auto", head: str | None = None,
@@ -320,7 +320,7 @@ class NativeTarget:
                 self.embed = base.embed_tokens.weight.detach().to(act)
                 self.layers = self._build(base, self.weights, act)
             self.norm = base.norm.weight.detach().to(act)
-            # the fused norms of dspark's extension (bf16 only; torch's ops otherwise)
+            # the norms and attention of dspark's extension (bf16 only; torch's ops otherwise)
             self._ext = kernels.q4_kernel() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
