@@ -64,8 +64,8 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # DSPARK_Q4_KERNEL=0: torch's ops everywhere (for comparisons); DSPARK_KERNEL_ISA=avx2: build the
 # AVX2 variant on an AVX-512 machine (to test it)
 Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
-Q4_SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp")  # one extension: int4 matmul, fused norms, attention
-Q4_FUNCTIONS = ("q4_mm", "q8_mm", "rms_bf16", "add_rms_bf16", "attn_bf16")
+Q4_SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp")  # one extension: matmuls, norms, attention, RoPE
+Q4_FUNCTIONS = ("q4_mm", "q8_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {

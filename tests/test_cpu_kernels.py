@@ -313,3 +313,29 @@ def test_an_exact_q8_0_head_runs_as_shipped(q4):
         one, _ = t.forward(st2, ids[:, i:i + 1]); t.commit(st2, torch.tensor([1]))
         assert torch.equal(one[0, 0], block[0, i])
     assert NativeTarget(model, act_dtype=torch.bfloat16, ops="torch").head_format == "bf16"
+
+
+def test_rope_and_the_cache_write_give_torchs_bits(ext):
+    """rope_cache_bf16 rounds where torch's bf16 ops round, and writes each row's keys and values
+    at its own positions (a ragged batch), leaving every other cache entry alone."""
+    from dspark.target.native import _rope
+
+    g = torch.Generator().manual_seed(11)
+    B, S, Hq, Hkv, D, C, P = 2, 3, 4, 2, 16, 24, 40
+    qk = torch.randn(B, S, Hq + Hkv, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(torch.bfloat16)
+    ang = torch.arange(P)[:, None] * torch.rand(D // 2, generator=g)[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16), torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    pos = torch.tensor([[5, 6, 7], [11, 12, 13]])
+    kc = torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16)
+    k2, v2 = kc.clone(), vc.clone()
+    q = ext.rope_cache_bf16(qk, v, cos, sin, kc, vc, pos)
+    ref = _rope(qk, cos[pos][:, :, None], sin[pos][:, :, None])
+    assert torch.equal(q, ref[:, :, :Hq])
+    bidx = torch.arange(B)[:, None]
+    k2[bidx, :, pos] = ref[:, :, Hq:]
+    v2[bidx, :, pos] = v
+    assert torch.equal(kc, k2) and torch.equal(vc, v2)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ext.rope_cache_bf16(qk, v, cos, sin, kc, vc, pos + C)

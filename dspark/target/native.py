@@ -472,18 +472,21 @@ class NativeTarget:
             qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
             if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one op
                 qk = _rms(qk, layer.qk_norm, self.eps)
-            qk = _rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
-            q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
             kc, vc = state.kv[li, 0], state.kv[li, 1]  # [B, Hkv, C, D]
-            if uniform:
-                kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
-                vc[:, :, L0 : L0 + S] = v
+            if fused_attn:
+                # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
+                # no mask to build, no transposes
+                q = self._ext.rope_cache_bf16(qk, v, self.cos, self.sin, kc, vc, pos)  # [B, S, Hq, D]
+                o = self._ext.attn_bf16(q, kc, vc, pos, D ** -0.5)  # [B, S, Hq*D]
             else:
-                kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
-                vc[bidx, :, pos] = v.transpose(1, 2)
-            if fused_attn:  # query (b, s) sees keys 0..pos[b, s]: no mask to build, no transposes
-                o = self._ext.attn_bf16(qk[:, :, :Hq], kc, vc, pos, D ** -0.5)  # [B, S, Hq*D]
-            else:
+                qk = _rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
+                q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
+                if uniform:
+                    kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
+                    vc[:, :, L0 : L0 + S] = v
+                else:
+                    kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
+                    vc[bidx, :, pos] = v.transpose(1, 2)
                 qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
                 o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
                 o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)

@@ -1,0 +1,73 @@
+// RoPE and the K/V cache write in one call, bf16 (docs/BENCHMARKS.md, "Session 10"): in torch
+// they are ~20 small ops a layer (slices, a split, a negation, a concatenation, products, sums,
+// transposes, two cache copies), ~1-2 us each. Same rounding steps as torch's bf16 ops (each
+// product and the sum rounded to bf16), so the bits are torch's. Rows are independent.
+#include <torch/extension.h>
+#include <algorithm>
+#include <cstring>
+
+namespace rope {
+
+inline float bf2f(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = (-x2, x1), D = 2 * half
+inline void rotate(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* out, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float r = i < h ? -bf2f(x[i + h]) : bf2f(x[i - h]);
+    const float a = bf2f(f2bf(bf2f(x[i]) * bf2f(c[i])));
+    const float b = bf2f(f2bf(r * bf2f(s[i])));
+    out[i] = f2bf(a + b);
+  }
+}
+
+}  // namespace rope
+
+// qk [B, S, Hq + Hkv, D] and v [B, S, Hkv, D] bf16 (last dim contiguous), cos / sin [P, D] bf16
+// tables, kc / vc [B, Hkv, C, D] caches, pos [B, S] int64. Rotates queries and keys at their
+// positions, writes keys and values at cache[b, :, pos[b, s]] -> rotated queries [B, S, Hq, D].
+torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor kc, torch::Tensor vc, torch::Tensor pos) {
+  using namespace rope;
+  for (const auto* t : {&qk, &v, &cos, &sin, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->stride(-1) == 1, "rope_cache_bf16: bf16 tensors with a contiguous last dim");
+  const int64_t B = qk.size(0), S = qk.size(1), D = qk.size(3), Hkv = v.size(2), Hq = qk.size(2) - Hkv, C = kc.size(2);
+  TORCH_CHECK(D % 2 == 0 && v.size(3) == D && cos.size(1) == D && sin.sizes() == cos.sizes() && kc.sizes() == vc.sizes() &&
+              kc.size(0) == B && kc.size(1) == Hkv && kc.size(3) == D, "rope_cache_bf16: shapes disagree");
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong, "rope_cache_bf16: pos must be [B, S] int64");
+  auto pc = pos.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * S; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < C, "rope_cache_bf16: position ", pp[i], " outside the cache of ", C);
+  auto q = torch::empty({B, S, Hq, D}, qk.options());
+  auto U = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  auto W = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const uint16_t *qkp = U(qk), *vp = U(v), *cp = U(cos), *sp = U(sin);
+  uint16_t *qo = W(q), *kp = W(kc), *vcp = W(vc);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t p = pp[b * S + s];
+      const int64_t pt = std::min<int64_t>(p, cos.size(0) - 1);  // padding may run past the table: never read
+      const uint16_t *c = cp + pt * cos.stride(0), *sn = sp + pt * sin.stride(0);
+      for (int64_t h = 0; h < Hq; ++h)
+        rotate(qkp + b * qk.stride(0) + s * qk.stride(1) + h * qk.stride(2), c, sn, qo + ((b * S + s) * Hq + h) * D, D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t dst = b * kc.stride(0) + h * kc.stride(1) + p * kc.stride(2);
+        rotate(qkp + b * qk.stride(0) + s * qk.stride(1) + (Hq + h) * qk.stride(2), c, sn, kp + dst, D);
+        std::memcpy(vcp + b * vc.stride(0) + h * vc.stride(1) + p * vc.stride(2),
+                    vp + b * v.stride(0) + s * v.stride(1) + h * v.stride(2), D * sizeof(uint16_t));
+      }
+    }
+  return q;
+}
