@@ -445,13 +445,16 @@ class NativeTarget:
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         G = Hq // Hkv
         pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
-        if uniform:
+        # dspark's RoPE and attention kernels (bf16 on a CPU with the extension) read positions:
+        # no RoPE rows to gather, no mask to build
+        fused_attn = self._ext is not None and D % 16 == 0
+        if fused_attn:
+            cos = sin = None
+        elif uniform:
             cos, sin = self.cos[L0 : L0 + S][None, :, None], self.sin[L0 : L0 + S][None, :, None]  # [1, S, 1, D]
         else:
             p = pos.clamp(max=self.cos.shape[0] - 1)  # padding may run past the table; never read
             cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]  # [B, S, 1, D]
-        # dspark's attention kernel (bf16 on a CPU with the extension) reads positions, not a mask
-        fused_attn = self._ext is not None and D % 16 == 0
         if fused_attn or (uniform and S == 1):
             mask = None  # one new query per row sees every entry up to itself
         else:
