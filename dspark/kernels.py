@@ -63,9 +63,9 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
 # DSPARK_Q4_KERNEL=0: torch's ops everywhere (for comparisons); DSPARK_KERNEL_ISA=avx2: build the
 # AVX2 variant on an AVX-512 machine (to test it)
-Q4_KERNEL = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
-Q4_SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp")  # one extension: matmuls, norms, attention, RoPE
-Q4_FUNCTIONS = ("q4_mm", "q8_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16")
+ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
+SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp")  # one extension: matmuls, norms, attention, RoPE
+FUNCTIONS = ("q4_mm", "q8_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
@@ -73,7 +73,7 @@ ISAS = {
                ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
     "avx2": (("avx2", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mfma")),  # norms and attention; torch's int4 kernel
 }
-_q4: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
+_build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 
 
 def _cpu_flags() -> set[str]:
@@ -98,18 +98,18 @@ def _isa() -> tuple[str | None, str]:
     return None, f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in flags) or 'the asked-for ISA'}"
 
 
-def q4_kernel():
+def extension():
     """dspark's compiled CPU extension (`q4_mm` and `q8_mm` on AVX512-BF16 builds, `rms_bf16`,
     `add_rms_bf16`, `attn_bf16`), or None where it cannot run here."""
-    if "ext" in _q4:
-        return _q4["ext"]
+    if "ext" in _build:
+        return _build["ext"]
     isa, why = _isa()
-    _q4.update(ext=None, isa=isa, why=why)
-    if not Q4_KERNEL:
-        _q4.update(isa=None, why="DSPARK_Q4_KERNEL=0")
+    _build.update(ext=None, isa=isa, why=why)
+    if not ENABLED:
+        _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
     elif isa is not None:
         cflags = ISAS[isa][1]
-        src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in Q4_SOURCES)
+        src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
         tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
         name = f"dspark_{isa}_{tag}"
         # its own variable, not DSPARK_CACHE: tests point that at temporary folders, and the
@@ -123,32 +123,32 @@ def q4_kernel():
             from torch.utils.cpp_extension import load_inline
 
             root.mkdir(parents=True, exist_ok=True)
-            _q4["ext"] = load_inline(name, cpp_sources=[src], functions=list(Q4_FUNCTIONS), build_directory=str(root),
+            _build["ext"] = load_inline(name, cpp_sources=[src], functions=list(FUNCTIONS), build_directory=str(root),
                                      extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, a failed build, no cache folder: torch's ops still work
-            _q4.update(isa=None, why=f"dspark's kernels did not compile ({type(e).__name__}: "
+            _build.update(isa=None, why=f"dspark's kernels did not compile ({type(e).__name__}: "
                                      f"{str(e).strip().splitlines()[-1][:200]})")
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
-    return _q4["ext"]
+    return _build["ext"]
 
 
 def q4_status() -> str:
     """Which int4 kernel runs here, and why."""
-    q4_kernel()
-    return "dspark AVX512-BF16" if _q4["isa"] == "avx512" else f"torch ({_q4['why']})"
+    extension()
+    return "dspark AVX512-BF16" if _build["isa"] == "avx512" else f"torch ({_build['why']})"
 
 
 def extension_isa() -> str | None:
     """The build of dspark's extension that runs here ('avx512' | 'avx2'), or None."""
-    q4_kernel()
-    return _q4["isa"]
+    extension()
+    return _build["isa"]
 
 
 def q4_applies(n: int, k: int) -> bool:
     """Can dspark's kernel hold an [n, k] int4 weight (16 output columns a vector, groups of 32)?"""
-    return n % 16 == 0 and k % 32 == 0 and q4_kernel() is not None and _q4["isa"] == "avx512"
+    return n % 16 == 0 and k % 32 == 0 and extension() is not None and _build["isa"] == "avx512"
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
@@ -168,7 +168,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
 
 def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q4`."""
-    return q4_kernel().q4_mm(x, *packed)
+    return extension().q4_mm(x, *packed)
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor):
@@ -181,4 +181,4 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor):
 
 def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q8`."""
-    return q4_kernel().q8_mm(x, *packed)
+    return extension().q8_mm(x, *packed)

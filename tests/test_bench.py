@@ -187,7 +187,7 @@ def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
     assert main(["bench-runtime", "--target", str(setup / "target"), "--arms", "native-int4,native-int4@torch",
                  "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    ours = "dspark" if kernels.q4_kernel() is not None else "torch"
+    ours = "dspark" if kernels.extension() is not None else "torch"
     assert f"| native-int4 | int4, {ours} kernel" in out and "| native-int4@torch | int4, torch kernel" in out
     for bad in ("hf-bf16@torch", "native-int4@cuda", "native-int4@"):
         with pytest.raises(DSparkError, match="unknown runtime arm"):

@@ -18,7 +18,7 @@ from tests.tiny import bigram_draft, q4_exact, tiny_target
 @pytest.fixture(scope="module")
 def ext():
     """The extension in this CPU's build: norms and attention (AVX2 or AVX-512)."""
-    mod = kernels.q4_kernel()  # compiles on first use (about a minute, then cached)
+    mod = kernels.extension()  # compiles on first use (about a minute, then cached)
     if mod is None:
         pytest.skip(f"dspark's CPU extension does not run here: {kernels.q4_status()}")
     return mod
@@ -105,7 +105,7 @@ def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(q4):
 
 
 def test_torch_kernel_runs_where_dspark_cannot_and_says_why(monkeypatch):
-    monkeypatch.setattr(kernels, "_q4", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
+    monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
     model = q4_exact(tiny_target())
     target = NativeTarget(model, act_dtype=torch.bfloat16)
     assert target.weights == "int4" and all(ly.w13.q4 is None for ly in target.layers)
@@ -209,9 +209,9 @@ def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
         pytest.skip("this CPU would not build the extension anyway")
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr(kernels, "_q4", {})
+    monkeypatch.setattr(kernels, "_build", {})
     monkeypatch.setenv("DSPARK_KERNEL_CACHE", str(blocker))  # the cache folder cannot be made
-    assert kernels.q4_kernel() is None
+    assert kernels.extension() is None
     assert kernels.q4_status().startswith("torch (dspark's kernels did not compile")
     model = q4_exact(tiny_target())
     t = NativeTarget(model, act_dtype=torch.bfloat16)
@@ -260,9 +260,9 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         pytest.skip("no AVX2 here")
     from dspark.target.native import _rms
 
-    monkeypatch.setattr(kernels, "_q4", {})
+    monkeypatch.setattr(kernels, "_build", {})
     monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
-    mod = kernels.q4_kernel()
+    mod = kernels.extension()
     assert mod is not None and kernels.extension_isa() == "avx2"
     assert kernels.q4_status().startswith("torch (") and not kernels.q4_applies(64, 64)
     _check_attention(mod)

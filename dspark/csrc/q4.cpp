@@ -33,12 +33,15 @@ inline __m512i nibble_to_bf16() {
                           0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
 }
 
-// rows x[0..M), column blocks cb..cb+NB (16 columns each)
-template <int M, int NB>
-inline void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* P, const float* D, const float* L,
+// The scheme both weight formats share: rows x[0..M) against column blocks cb..cb+NB (16 columns
+// each). Per group of 32 inputs, 8 steps of 4 inputs: unpack(block, step, wa, wb) gives the bf16
+// weights of inputs (4 step, 4 step + 1) and (4 step + 2, 4 step + 3) of the 16 columns of
+// `block` = column block * G + group. Each group's sums are scaled by D, plus L x the group's sum
+// of x where the format has a minimum (L null: none).
+template <int M, int NB, typename Unpack>
+inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float* D, const float* L, const float* xsum,
                  uint16_t* y, int64_t N, int64_t cb) {
   const int64_t G = K / 32;
-  const __m512i table = nibble_to_bf16();
   __m512 acc[NB][M];
 #pragma GCC unroll 8
   for (int j = 0; j < NB; ++j)
@@ -54,73 +57,15 @@ inline void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t*
     for (int r = 0; r < 8; ++r) {
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) {
-        const uint8_t* p = P + (((cb + j) * G + g) * 8 + r) * 32;
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        const __m512bh w01 = (__m512bh)_mm512_permutexvar_epi16(v, table);                         // inputs k0, k1
-        const __m512bh w23 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);  // inputs k2, k3
+        __m512bh wa, wb;
+        unpack((cb + j) * G + g, r, wa, wb);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
-          uint32_t x01, x23;
-          std::memcpy(&x01, x + m * K + g * 32 + 4 * r, 4);
-          std::memcpy(&x23, x + m * K + g * 32 + 4 * r + 2, 4);
-          t[j][m] = _mm512_dpbf16_ps(t[j][m], w01, (__m512bh)_mm512_set1_epi32(static_cast<int>(x01)));
-          t[j][m] = _mm512_dpbf16_ps(t[j][m], w23, (__m512bh)_mm512_set1_epi32(static_cast<int>(x23)));
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      const __m512 d = _mm512_loadu_ps(D + ((cb + j) * G + g) * 16);
-      const __m512 lo = _mm512_loadu_ps(L + ((cb + j) * G + g) * 16);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        acc[j][m] = _mm512_fmadd_ps(t[j][m], d, acc[j][m]);
-        acc[j][m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xsum[m * G + g]), acc[j][m]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
-}
-
-
-// Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
-// of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
-// byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] fp32.
-template <int M, int NB>
-inline void tile8(const uint16_t* x, int64_t K, const int8_t* P, const float* D, uint16_t* y, int64_t N, int64_t cb) {
-  const int64_t G = K / 32;
-  __m512 acc[NB][M];
-#pragma GCC unroll 8
-  for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 t[NB][M];
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) t[j][m] = _mm512_setzero_ps();
-    for (int p = 0; p < 16; p += 2) {
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) {
-        const int8_t* b = P + (((cb + j) * G + g) * 16 + p) * 32;
-        // 64 bytes: input pairs p and p + 1 of 16 columns, exact as bf16 (|q| <= 128)
-        const __m512 a0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
-        const __m512 a1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
-        const __m512 a2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32))));
-        const __m512 a3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48))));
-        const __m512bh w0 = _mm512_cvtne2ps_pbh(a1, a0), w1 = _mm512_cvtne2ps_pbh(a3, a2);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          uint32_t x0, x1;
-          std::memcpy(&x0, x + m * K + g * 32 + 2 * p, 4);
-          std::memcpy(&x1, x + m * K + g * 32 + 2 * p + 2, 4);
-          t[j][m] = _mm512_dpbf16_ps(t[j][m], w0, (__m512bh)_mm512_set1_epi32(static_cast<int>(x0)));
-          t[j][m] = _mm512_dpbf16_ps(t[j][m], w1, (__m512bh)_mm512_set1_epi32(static_cast<int>(x1)));
+          uint32_t xa, xb;
+          std::memcpy(&xa, x + m * K + g * 32 + 4 * r, 4);
+          std::memcpy(&xb, x + m * K + g * 32 + 4 * r + 2, 4);
+          t[j][m] = _mm512_dpbf16_ps(t[j][m], wa, (__m512bh)_mm512_set1_epi32(static_cast<int>(xa)));
+          t[j][m] = _mm512_dpbf16_ps(t[j][m], wb, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb)));
         }
       }
     }
@@ -129,6 +74,11 @@ inline void tile8(const uint16_t* x, int64_t K, const int8_t* P, const float* D,
       const __m512 d = _mm512_loadu_ps(D + ((cb + j) * G + g) * 16);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(t[j][m], d, acc[j][m]);
+      if (L != nullptr) {
+        const __m512 lo = _mm512_loadu_ps(L + ((cb + j) * G + g) * 16);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xsum[m * G + g]), acc[j][m]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -165,6 +115,9 @@ void row_tiles(int64_t M, int64_t N, const Tile& tile) {
 
 }  // namespace
 
+// Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
+// of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
+// byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] fp32.
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q8_mm: x must be a 2-D bf16 CPU tensor");
   TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kChar && P.size(2) == 16 && P.size(3) == 32 && P.is_contiguous(),
@@ -179,8 +132,17 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int8_t* p = P.data_ptr<int8_t>();
   const float* d = D.data_ptr<float>();
+  // step r of a block: pairs 2r and 2r + 1, 64 bytes, exact as bf16 (|q| <= 128)
+  auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
+    const int8_t* b = p + (block * 16 + 2 * r) * 32;
+    __m512 a[4];
+    for (int i = 0; i < 4; ++i)
+      a[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i))));
+    wa = _mm512_cvtne2ps_pbh(a[1], a[0]);
+    wb = _mm512_cvtne2ps_pbh(a[3], a[2]);
+  };
   row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
-    tile8<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, p, d, yp + m0 * N, N, cb);
+    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, d, nullptr, nullptr, yp + m0 * N, N, cb);
   });
   return y;
 }
@@ -213,8 +175,15 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   const uint8_t* p = P.data_ptr<uint8_t>();
   const float* d = D.data_ptr<float>();
   const float* l = L.data_ptr<float>();
+  // step r of a block: 32 bytes, the low nibbles inputs 4r, 4r + 1, the high ones 4r + 2, 4r + 3
+  const __m512i table = nibble_to_bf16();
+  auto unpack = [p, table](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (block * 8 + r) * 32)));
+    wa = (__m512bh)_mm512_permutexvar_epi16(v, table);
+    wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+  };
   row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
-    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, xsum.data() + m0 * G, K, p, d, l, yp + m0 * N, N, cb);
+    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, d, l, xsum.data() + m0 * G, yp + m0 * N, N, cb);
   });
   return y;
 }

@@ -157,7 +157,7 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
 
 def curve_identity(target, grid: list[int]) -> dict:
     """What a cached curve is valid for: the model (name + config hash), the runtime, its weight
-    format (an int4 native step costs a fraction of an HF bf16 one) and int4 kernel, dtype, device,
+    format (an int4 native step costs a fraction of an HF bf16 one), its kernels, dtype, device,
     threads."""
     cfg = target.config
     config_json = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
@@ -167,8 +167,10 @@ def curve_identity(target, grid: list[int]) -> dict:
         "runtime": type(target).__name__,
         "weights": getattr(target, "weights", None),
         "head": getattr(target, "head_format", None),
-        # the int4 kernel changes what a verify costs against a 1-token step (docs/BENCHMARKS.md)
+        # dspark's kernels change what a verify costs against a 1-token step (docs/BENCHMARKS.md):
+        # the int4 kernel, and the extension's norms / attention / RoPE build
         "int4_kernel": target.int4_kernels() if hasattr(target, "int4_kernels") else None,
+        "extension": target.extension() if hasattr(target, "extension") else None,
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
         "threads": torch.get_num_threads(),

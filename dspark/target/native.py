@@ -321,7 +321,7 @@ class NativeTarget:
                 self.layers = self._build(base, self.weights, act)
             self.norm = base.norm.weight.detach().to(act)
             # the norms and attention of dspark's extension (bf16 only; torch's ops otherwise)
-            self._ext = kernels.q4_kernel() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
+            self._ext = kernels.extension() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
                 # not 4-bit: an exact Q8_0 head (the GGUF's, for SmolLM2) runs on dspark's int8
@@ -368,21 +368,26 @@ class NativeTarget:
             ))
         return layers
 
+    def _int4_linears(self) -> list[Linear]:
+        lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
+        return [lin for lin in lins if lin.fmt == "int4"]
+
     def int4_kernels(self) -> str | None:
         """Which int4 kernel the matmuls run on ('dspark', 'torch', 'dspark+torch'), None without int4."""
-        lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
-        used = sorted({"dspark" if lin.q4 is not None else "torch" for lin in lins if lin.fmt == "int4"})
-        return "+".join(used) or None
+        return "+".join(sorted({"dspark" if lin.q4 is not None else "torch" for lin in self._int4_linears()})) or None
+
+    def extension(self) -> str | None:
+        """The build of dspark's extension this target's norms, attention and RoPE run on, or None."""
+        return kernels.extension_isa() if self._ext is not None else None
 
     def describe(self) -> str:
         kernel = ""
-        lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
-        int4 = [lin for lin in lins if lin.fmt == "int4"]
+        int4 = self._int4_linears()
         if int4:
             ours = sum(lin.q4 is not None for lin in int4)
             kernel = (f", int4 kernel: dspark AVX512-BF16 ({ours} of {len(int4)} matrices)" if ours
                       else f", int4 kernel: {int4[0].kernel}")
-        ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
+        ext = f", norms and attention: dspark {self.extension()}" if self._ext is not None else ""
         return (f"native runtime, weights {self.weights} (head {self.head_format}), "
                 f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{ext}")
 
@@ -466,7 +471,7 @@ class NativeTarget:
             mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
         taps = {}
         x = F.embedding(tokens, self.embed)  # [B, S, H]
-        bidx = torch.arange(B, device=dev)[:, None]
+        bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
         h = self._norm(x, self.layers[0].ln1)
         for li, layer in enumerate(self.layers):
             if li in self.tap_indices:
