@@ -22,7 +22,8 @@ import torch
 
 from dspark.bench.doctor import quick_check
 from dspark.engine.engine import Engine
-from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
+from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
+from dspark.engine.step import draft_phase_seconds
 from dspark.errors import DSparkError
 from dspark.model.load import load_draft
 from dspark.target.load import SMOLLM2, auto_dtype, default_device, open_target, parse_dtype
@@ -116,11 +117,18 @@ def build_engine(config: EngineConfig) -> Engine:
         # the doctor's statistic on a short sample (dspark.bench.doctor.QUICK_BUDGET): about as much as
         # decoding 256 tokens, more only while another reading of the file could still be better
         t0 = time.perf_counter()
-        warnings = quick_check(engine)
+        check = quick_check(engine)
         cost = f"load-time draft check: {time.perf_counter() - t0:.1f} s (disable: --no-check, check=False)"
-        for warning in warnings:
+        for warning in check.warnings:
             log.warning("WARNING: draft check: %s", warning)
-        (log.warning if warnings else log.info)(cost)
+        (log.warning if check.warnings else log.info)(cost)
+        if check.accepted is not None:
+            # what the check measured, plus one timed draft phase: an adaptive policy then knows from
+            # the first step whether drafting pays, instead of drafting to find out
+            engine.prior = DraftPrior(check.accepted.numpy(), draft.spec.gamma, draft_phase_seconds(draft))
+            if isinstance(policy, AdaptiveScheduler):
+                policy.seed(engine.prior)
+                notes.append(policy.summary())
     return engine
 
 

@@ -90,6 +90,13 @@ def test_build_engine_assembles_everything_from_the_config(saved):
     assert plain.draft is None and plain.target.tap_indices == () and plain.target.model is eng.target.model
     assert isinstance(plain.policy, FullScheduler) and plain.metrics is not eng.metrics
     assert plain.generate(ids, SamplingParams(max_new_tokens=8, ignore_eos=True)).output_ids == out
+    # the load-time check's measurement is kept for every policy of this engine to start from
+    assert eng.prior is not None and eng.prior.gamma == eng.draft.spec.gamma and eng.prior.draft_seconds > 0
+    assert eng.prior.anchors > 0 and plain.prior is None and eng.derive().prior is eng.prior
+    ada = build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu"))  # default: adaptive
+    assert isinstance(ada.policy, AdaptiveScheduler) and ada.policy.prior is ada.prior is not None
+    assert ada.notes[-1].startswith("adaptive: acceptance by depth") and "load-time check" in ada.notes[-1]
+    assert build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu", check=False)).prior is None
     # the keyword form is the same thing
     same = load_engine(target, draft, dtype="fp32", device="cpu", no_spec=True)
     assert same.draft is None and same.config.no_spec

@@ -169,13 +169,16 @@ def test_quick_check_warns_on_a_layout_lie_and_restores_the_engine(trained, stre
     model = trained["model"]
     flipped = _variant(trained, "flipped", write_speculators, LIES["flipped"][1](_spec(trained, strength)), strength)
     engine = engine_for(model, load_draft(flipped, model), eos_token_ids=(2,))
-    warnings = quick_check(engine)
+    warnings = quick_check(engine).warnings
     assert len(warnings) == 1 and warnings[0].startswith("LIKELY MISREAD: the file says bonus-anchor"), warnings
     assert "sample_from_anchor: true" in warnings[0]
     assert engine.target.tap_indices == TAPS  # the engine's taps are back
     healthy = engine_for(model, load_draft(trained[strength], model), eos_token_ids=(2,))
-    assert quick_check(healthy) == []
-    assert quick_check(engine_for(model, None)) == []  # no draft: nothing to check
+    check = quick_check(healthy)
+    assert check.warnings == []
+    # what the adaptive policy starts from: the declared reading's greedy acceptance per anchor
+    assert check.accepted.numel() > 0 and 0 <= int(check.accepted.min()) <= int(check.accepted.max()) <= healthy.draft.spec.gamma
+    assert quick_check(engine_for(model, None)).warnings == []  # no draft: nothing to check
 
 
 def test_measured_acceptance_is_the_engines(trained):

@@ -7,8 +7,11 @@ import json
 
 import torch
 
+from dspark.api import EngineConfig, build_engine
 from dspark.cli import main
+from dspark.cli.generate import _side_by_side
 from dspark.engine.compare import first_difference
+from dspark.engine.sampling import SamplingParams
 from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target with SmolLM2's tokenizer + a draft)
 from tests.tiny import tiny_target
 
@@ -22,20 +25,40 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
     assert out["speculative"] and out["dtype"] == "fp32" and out["generated_tokens"] >= 1
     assert out["plain"]["same_output"] is True and "first_difference" not in out["plain"]  # fp32: token for token
     assert out["speedup"] == round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
-    assert out["compare_rounds"] == 2  # warmed up, then the arms' order alternates over two rounds
+    assert out["compare_rounds"] == 3  # warmed up, then three rounds of the arms stepping in turn
     assert main(args + ["--compare-rounds", "0"]) == 2 and "--compare-rounds" in capsys.readouterr().err
     m = out["metrics"]
-    assert m["mean_accept_length"] == round(1 + sum(m["marginal_accept_rates"]), 4)
+    assert m["verify_steps"] + m["plain_steps"] >= 1  # adaptive (the default) may skip drafting throughout
+    if m["verify_steps"]:
+        assert m["mean_accept_length"] == round(1 + sum(m["marginal_accept_rates"]), 4)
 
 
 def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F811
     target, draft = saved
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                 "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check"]) == 0
+                 "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]) == 0
     text = capsys.readouterr().out
     for row in ("mean acceptance length", "speedup over plain decoding", "same output as plain"):
         assert row in text
+    assert "steps without drafting" not in text  # full verification drafts every step
     assert main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+
+
+def test_compare_rounds_step_the_two_arms_in_turn(saved):  # noqa: F811
+    """--compare's measurement: both requests advance one engine step each in turn, which arm steps
+    first alternating, and each arm is charged only its own steps."""
+    target, draft = saved
+    eng = build_engine(EngineConfig(target=str(target), draft=str(draft), dtype="fp32", device="cpu", verify="full",
+                                    check=False))
+    plain = eng.derive(speculative=False)
+    order = []
+    for name, e in (("spec", eng), ("plain", plain)):
+        e.step = lambda orig=e.step, name=name: (order.append(name), orig())[1]
+    ids, params = eng.encode("Name three rivers."), SamplingParams(max_new_tokens=10, ignore_eos=True)
+    (a, b), secs = _side_by_side([eng, plain], ids, params, first=1)
+    assert order[:6] == ["plain", "spec", "spec", "plain", "plain", "spec"]
+    assert len(a.output_ids) == len(b.output_ids) == 10 and a.output_ids == b.output_ids  # fp32: lossless
+    assert all(s > 0 for s in secs) and not eng.has_work() and not plain.has_work()
 
 
 def test_first_difference_reports_where_outputs_part_and_the_logit_gap():

@@ -4,6 +4,7 @@ Appendix-A counterexample (why the early stop is what keeps verification lossles
 from __future__ import annotations
 
 import itertools
+import math
 
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from dspark.engine.costs import CostCurve
 from dspark.engine.sampling import rejection_accept, sample
 from dspark.engine.scheduler import (
     AdaptiveScheduler,
+    DraftPrior,
     FullScheduler,
     ThresholdScheduler,
     admit,
@@ -310,17 +312,30 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     spec, plain = sched.expected_rates(2)
     assert spec == pytest.approx(2 * 1.018 / (0.031 + 0.010), rel=0.02) and plain == pytest.approx(2 / 0.011, rel=0.01)
     assert not sched.should_draft(batch)
-    decisions = [sched.should_draft(batch) for _ in range(400)]
+    decisions = [sched.should_draft(batch) for _ in range(1200)]
     probes = [i for i, d in enumerate(decisions) if d]
-    # a probe after SKIP_PROBE skipped steps; each confirmed probe doubles the wait, up to SKIP_PROBE_MAX
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
-    assert probes[0] == sch.SKIP_PROBE - 1 and gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {sch.SKIP_PROBE_MAX}
+    # a probe costs the 30 ms draft pass over an 11 ms plain step: probes wait until they cost at most
+    # PROBE_SHARE of the plain decoding in between, longer than SKIP_PROBE_MAX, and never wait longer
+    wait = math.ceil(0.030 / (sch.PROBE_SHARE * 0.011))
+    assert wait > sch.SKIP_PROBE_MAX and probes[0] == wait - 1 and set(gaps) == {wait}
+    # a cheap probe (here: any share allowed): after SKIP_PROBE skipped steps, each confirmed probe
+    # doubling the wait, up to SKIP_PROBE_MAX
+    cheap = AdaptiveScheduler(curve, probe_share=1.0)
+    cheap.verify_lengths(weak, batch)
+    cheap.observe(res(3, t_draft=0.030), [])
+    decisions = [cheap.should_draft(batch) for _ in range(400)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert probes[0] == sch.SKIP_PROBE and gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {sch.SKIP_PROBE_MAX}
     while not sched.should_draft(batch):
         pass
     sched.verify_lengths(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # this probe finds the text predictable again
-    assert sched.should_draft(batch) and sched._probe_every == sch.SKIP_PROBE
-    sched.observe(res(0, t_draft=0.0005), [])  # a skipped step teaches the plain overhead
-    assert sched.plain_overhead == pytest.approx(0.9 * 0.001 + 0.1 * 0.0015)
+    assert sched.should_draft(batch) and sched._probe_every is None  # the next skipping run starts afresh
+    sched.observe(res(0, t_draft=0.0005), [])  # the first skipped step measures the plain overhead
+    assert sched.plain_overhead == pytest.approx(0.0015)
+    sched.observe(res(0, t_draft=0.0015), [])  # later ones move it by the running average
+    assert sched.plain_overhead == pytest.approx(0.9 * 0.0015 + 0.1 * 0.0025)
 
     good = AdaptiveScheduler(curve)
     good.verify_lengths(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # survivals ~1: 4 tokens per step
@@ -339,3 +354,33 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     off.verify_lengths(weak, batch)
     off.observe(res(3, t_draft=0.030), [])
     assert off.should_draft(batch)  # --no-skip keeps drafting every step
+
+
+def test_a_prior_from_the_load_time_check_decides_the_first_step():
+    """Seeded with the acceptance the load-time check measured and one timed draft phase, the policy
+    knows before any step whether drafting pays: a weak draft is never drafted at the first step, a
+    strong one is; later steps move the seeded estimates by running averages only."""
+    from dspark.engine import scheduler as sch
+
+    curve = CostCurve((1, 64), (0.010, 0.010))
+    batch = SimpleNamespace(anchors=torch.zeros(1, dtype=torch.long))
+    weak = DraftPrior(np.array([0, 0, 1, 0, 0, 0, 2, 0] * 4), gamma=3, draft_seconds=0.006)
+    assert weak.survival().tolist() == pytest.approx([0.25, 0.125, 0.0])
+    sched = AdaptiveScheduler(curve, prior=weak)
+    spec, plain = sched.expected_rates(1)
+    assert spec == pytest.approx((1 + 0.25 + 0.125) / 0.016) and plain == pytest.approx(1 / 0.010)  # best depth 2
+    assert not sched.should_draft(batch)  # no draft pass was ever paid to learn this
+    assert "decodes plainly" in sched.summary() and "32 anchors" in sched.summary()
+    # the prior counts as evidence: one drafting step that accepted everything only nudges it
+    sched.observe(SimpleNamespace(drafted=torch.tensor([3]), verified=torch.tensor([3]), accepted=torch.tensor([3]),
+                                  t_draft=0.030, t_other=0.0, t_verify=0.010), [])
+    assert sched.realised[0] == pytest.approx(0.9 * 0.25 + 0.1) and sched.overhead == pytest.approx(0.9 * 0.006 + 0.1 * 0.030)
+    strong = AdaptiveScheduler(curve, prior=DraftPrior(np.full(32, 3), gamma=3, draft_seconds=0.002))
+    assert strong.should_draft(batch) and strong.summary().endswith("so it drafts")
+    # --always-draft keeps drafting whatever the prior says
+    assert AdaptiveScheduler(curve, prior=weak, skip=False).should_draft(batch)
+    with pytest.raises(DSparkError, match="accepted counts"):
+        DraftPrior(np.array([0, 4]), gamma=3, draft_seconds=0.001)
+    with pytest.raises(DSparkError, match="draft_seconds"):
+        DraftPrior(np.array([0, 1]), gamma=3, draft_seconds=float("nan"))
+    assert sch.AdaptiveScheduler(curve).summary().endswith("the first step drafts")

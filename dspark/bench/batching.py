@@ -82,7 +82,7 @@ def bench_batching(
             return engine.derive(speculative=False, max_batch=c)
         # a fresh policy per engine: the adaptive one's running timings belong to one load level
         policy = make_scheduler(arm, engine.target, draft, threshold=threshold, calibration=calibration, curve=curve,
-                                skip=skip)
+                                skip=skip, prior=engine.prior)
         return engine.derive(policy=policy, max_batch=c)
 
     def params(i: int, n: int) -> SamplingParams:

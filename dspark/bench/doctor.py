@@ -786,8 +786,18 @@ def diagnose(engine, draft_path: str, *, budget: Budget | None = None, prompts: 
 QUICK_BUDGET = Budget(prompts=4, tokens=64, max_tokens=3072, stop_when_quiet=True)
 
 
-def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int] | None = None) -> list[str]:
-    """The doctor's cheap version for load time; returns warnings (empty: nothing found).
+@dataclass
+class QuickCheck:
+    """What the load-time check found: warnings (empty: nothing found) and, when it measured, the
+    drafts greedy verification accepted at each anchor of the declared reading (what the engine
+    will run), which an adaptive policy starts from (scheduler.DraftPrior)."""
+
+    warnings: list[str]
+    accepted: torch.Tensor | None = None  # [anchors] 0..gamma
+
+
+def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int] | None = None) -> QuickCheck:
+    """The doctor's cheap version for load time.
 
     The same statistic and thresholds as the doctor on a short sample (QUICK_BUDGET) and fewer
     readings (layout x taps, single mask changes). On SmolLM2 with its weak drafts it costs about
@@ -795,11 +805,11 @@ def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int]
     Leaves the engine as it found it."""
     draft = engine.draft
     if draft is None:
-        return []
+        return QuickCheck([])
     out = []
     bad = [n for n, p in draft.named_parameters() if n not in draft.borrowed and not bool(torch.isfinite(p).all())]
     if bad:
-        return [f"draft weights hold NaN/inf ({', '.join(bad[:4])}): its proposals are meaningless"]
+        return QuickCheck([f"draft weights hold NaN/inf ({', '.join(bad[:4])}): its proposals are meaningless"])
     if draft.fc.weight.dtype != engine.target.dtype:
         out.append(f"draft runs in {draft.fc.weight.dtype} but the target in {engine.target.dtype}")
     prompts = [prompt] if prompt is not None else None
@@ -808,4 +818,5 @@ def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int]
                      budget=budget, full_grid=False)
     out += [f"LIKELY MISREAD: {d} (run `dspark doctor` for the full check)" for d in report.diagnoses]
     out += report.warnings
-    return out
+    declared = report.readings[0].all_accepted if report.readings else None
+    return QuickCheck(out, declared if declared is not None and declared.numel() else None)

@@ -136,7 +136,7 @@ def build_runners(arms, engine, args) -> dict:
         else:
             policy = make_scheduler(arm.kind, engine.target, engine.draft, threshold=args.threshold,
                                     calibration=args.calibration, curve=args.cost_curve, max_batch=arm.concurrency,
-                                    skip=not args.always_draft)
+                                    skip=not args.always_draft, prior=engine.prior)
             runners[arm.name] = EngineRunner(engine.derive(policy=policy, max_batch=arm.concurrency))
     return runners
 

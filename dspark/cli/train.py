@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -182,7 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--verifier", default=None)
 
-    p = sub.add_parser("eval", help="greedy decoding through the engine, with and without the draft")
+    p = sub.add_parser("eval", help="greedy decoding through the engine, with and without the draft "
+                                    "(full verification unless --verify is given)")
     add_engine_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--prompts", default="heldout")
@@ -353,7 +355,9 @@ def _print_eval(res: dict, as_json: bool) -> None:
 def _eval(args) -> int:
     if args.no_spec:
         raise TrainError("train eval compares a draft with plain decoding: drop --no-spec")
-    engine = build_engine(engine_config(args))
+    # it measures the draft: every step drafts and verifies every slot unless --verify says otherwise
+    # (adaptive would skip drafting a draft that does not pay, and report acceptance of nothing)
+    engine = build_engine(replace(engine_config(args), verify=args.verify or "full"))
     print_notes(engine)
     res = engine_eval(engine, _prompts(args.prompts, args.limit), max_new_tokens=args.max_new_tokens,
                       chat_template=not args.no_chat_template, progress=not args.quiet)
@@ -385,7 +389,7 @@ def _all(args) -> int:
     print("[4/4] engine check on held-out prompts")
     # as before this command had engine flags: no load-time check (training just measured the draft)
     engine = build_engine(EngineConfig(target=args.target, draft=str(root / "run" / "draft"), dtype=args.dtype,
-                                       check=False))
+                                       check=False, verify="full"))
     prompts = _prompts(args.heldout_prompts, None)[: args.eval_prompts]
     res = engine_eval(engine, prompts, max_new_tokens=args.eval_max_new_tokens,
                       chat_template=not args.no_chat_template, progress=not args.quiet)

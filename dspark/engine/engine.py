@@ -100,9 +100,11 @@ class Engine:
         self._warned = False
         # Called after the policy, after every decode step (StepObserver).
         self.observers: list[StepObserver] = []
-        # Set by dspark.api.build_engine: the resolved EngineConfig, and lines for the user about it.
+        # Set by dspark.api.build_engine: the resolved EngineConfig, lines for the user about it, and
+        # what the load-time check measured about the draft (scheduler.DraftPrior, or None)
         self.config = None
         self.notes: list[str] = []
+        self.prior = None
 
     def derive(self, *, speculative: bool = True, policy: VerifyPolicy | None = None,
                max_batch: int | None = None) -> "Engine":
@@ -112,8 +114,10 @@ class Engine:
         engine's verification policy, default full (policies keep running state: never shared)."""
         draft = self.draft if speculative else None
         target = self.target if draft is not None else self.target.view()
-        return Engine(target, draft, self.tokenizer, self.eos_token_ids, policy=policy,
-                      max_batch=max_batch or self.max_batch)
+        other = Engine(target, draft, self.tokenizer, self.eos_token_ids, policy=policy,
+                       max_batch=max_batch or self.max_batch)
+        other.prior = self.prior if draft is not None else None
+        return other
 
     # ---- text ------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:

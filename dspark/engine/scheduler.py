@@ -16,6 +16,8 @@ verification lossless, and why `admit` stops at the first non-improvement.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,9 +31,40 @@ from dspark.errors import DSparkError
 POLICIES = ("full", "threshold", "adaptive")
 DEFAULT_THRESHOLD = 0.5
 EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
-SKIP_PROBE = 16  # after this many steps without drafting, draft once to re-estimate survivals
+SKIP_PROBE = 16  # at least this many steps without drafting before one drafts to re-estimate survivals
 REALISED_MIN = 16  # verified requests at a depth before its measured acceptance replaces the prediction
 SKIP_PROBE_MAX = 128  # a probe that confirms skipping doubles the wait before the next, up to this
+# probes may cost at most this share of the time spent decoding plainly: a draft pass dearer than a
+# target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share))
+PROBE_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class DraftPrior:
+    """What was measured about the draft before decoding (the load-time check, dspark.api): how
+    many drafts greedy verification accepted at each anchor of target-written text, and the wall
+    time of one drafting phase (draft pass + context update) at batch 1. An adaptive policy seeded
+    with it decides from the first step whether drafting pays, instead of drafting to find out."""
+
+    accepted: np.ndarray  # [N] accepted drafts per anchor, 0..gamma
+    gamma: int
+    draft_seconds: float
+
+    def __post_init__(self):
+        a = np.asarray(self.accepted)
+        if a.ndim != 1 or not len(a) or (a < 0).any() or (a > self.gamma).any():
+            raise DSparkError(f"draft prior: accepted counts must be a non-empty 1-d array in [0, {self.gamma}]")
+        if not (math.isfinite(self.draft_seconds) and self.draft_seconds > 0):
+            raise DSparkError(f"draft prior: draft_seconds must be positive, got {self.draft_seconds!r}")
+
+    @property
+    def anchors(self) -> int:
+        return len(self.accepted)
+
+    def survival(self) -> np.ndarray:
+        """[gamma] P(the first j+1 drafts are all accepted), what `realised` holds per depth."""
+        a = np.asarray(self.accepted)
+        return np.array([float((a > j).mean()) for j in range(self.gamma)])
 
 
 # ---- Algorithm 1 -------------------------------------------------------------------------
@@ -96,6 +129,28 @@ class VerifyPolicy:
     def __init__(self, calibration: Calibration | None = None):
         self.calibration = calibration
 
+    def _probe_wait(self, R: int) -> int:
+        """Skipped steps before a probe: at least SKIP_PROBE, and enough that probes cost at most
+        `probe_share` of the plain decoding time in between (a probe pays the drafting overhead and
+        at least one more verified token per request)."""
+        plain_step = (self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R)
+        extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
+            0.0, self.curve.step_time(2 * R) - self.curve.step_time(R))
+        return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
+
+    def summary(self, R: int = 1) -> str:
+        """One line on what the policy expects at R requests and what it will therefore do first."""
+        if self.survival is None or self.plain_overhead is None:
+            return "adaptive: nothing measured yet: the first step drafts"
+        spec, plain = self.expected_rates(R)
+        surv = " ".join(f"{x:.2f}" for x in self.expected_survival()[:4])
+        src = (f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
+               if self.prior is not None else "measured while decoding")
+        head = f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against {plain:.0f} plain"
+        if not (self.skip and self.learn) or spec >= plain:
+            return head + ", so it drafts"
+        return head + f", so it decodes plainly, drafting once after {self._probe_wait(R)} plain steps to look again"
+
     def should_draft(self, batch) -> bool:
         """Before any draft exists: whether this step drafts at all (False: a plain target step)."""
         return True
@@ -159,18 +214,38 @@ class AdaptiveScheduler(VerifyPolicy):
 
     name = "adaptive"
 
-    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, learn: bool = True, skip: bool = True):
+    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, learn: bool = True, skip: bool = True,
+                 prior: DraftPrior | None = None, probe_share: float = PROBE_SHARE):
         super().__init__(calibration)
-        self.curve, self.learn, self.skip = curve, learn, skip
+        self.curve, self.learn, self.skip, self.probe_share = curve, learn, skip, probe_share
         self.overhead, self.scale = 0.0, 1.0
         self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
         self.survival: np.ndarray | None = None  # running mean predicted prefix survival per depth [g]
         self.realised: np.ndarray | None = None  # running P(first j+1 drafts accepted | verified), per depth
         self.realised_n: np.ndarray | None = None  # how many verified requests each depth has seen
         self._seen = 0
+        self._drafted_seen = 0  # drafting steps behind `overhead` (a prior counts as one)
+        self._plain_seen = 0  # skipped steps behind `plain_overhead`
         self._skipped = 0  # consecutive steps without drafting
-        self._probe_every = SKIP_PROBE
+        self._probe_every: int | None = None  # set when skipping starts (_probe_wait)
         self._probing = False  # the last drafting step was a probe between skipped steps
+        self._times: dict[int, list[float]] = {}  # expected_rates' curve lookups, per request count
+        self.prior = prior
+        if prior is not None:
+            self.seed(prior)
+
+    def seed(self, prior: DraftPrior) -> None:
+        """Start from the load-time measurement: its acceptance per depth counts as `realised`
+        (as many verified requests as it had anchors), its draft phase as the drafting overhead.
+        The plain overhead starts at 0 (the prior's draft time already leaves out what both kinds
+        of step pay) until the first skipped step measures it. Steps observed later move all of
+        them by the usual running averages."""
+        self.prior = prior
+        s = prior.survival()
+        self.survival, self.realised = s.copy(), s.copy()
+        self.realised_n = np.full(len(s), prior.anchors, dtype=np.int64)
+        self.overhead, self._drafted_seen = prior.draft_seconds, 1
+        self.plain_overhead = 0.0
 
     def sps(self, tokens: int) -> float:
         return 1.0 / (self.overhead + self.scale * self.curve.step_time(tokens))
@@ -184,13 +259,16 @@ class AdaptiveScheduler(VerifyPolicy):
 
     def expected_rates(self, R: int) -> tuple[float, float]:
         """(committed tokens/s drafting at the best depth, tokens/s without drafting) for R requests,
-        from earlier steps' survivals and timings."""
-        plain = R / ((self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R))
-        n, tau, best = np.zeros(R, dtype=np.int64), float(R), 0.0
-        for j, s in enumerate(self.expected_survival()):
-            tau += R * float(s)
-            n[:] = j + 1
-            best = max(best, tau * self.sps(batch_tokens(n)))
+        from earlier steps' survivals and timings. Runs before every step: plain floats over a
+        per-R table of the curve, no arrays."""
+        times = self._times.get(R)
+        if times is None:  # step time of R * (1 + j) tokens, j = 0..gamma: depth j verifies j drafts
+            times = self._times[R] = [self.curve.step_time(R * (1 + j)) for j in range(len(self.survival) + 1)]
+        plain = R / ((self.plain_overhead or 0.0) + self.scale * times[0])
+        tau, best = float(R), 0.0
+        for j, s in enumerate(self.expected_survival().tolist()):
+            tau += R * s
+            best = max(best, tau / (self.overhead + self.scale * times[j + 1]))
         return best, plain
 
     def expected_survival(self) -> np.ndarray:
@@ -207,18 +285,22 @@ class AdaptiveScheduler(VerifyPolicy):
     def should_draft(self, batch) -> bool:
         """Draft this step unless earlier steps say drafting costs more than it returns (the draft
         pass is paid whatever is verified). Decided before any draft exists, so a skipped step is
-        plain target decoding: exact. After SKIP_PROBE skipped steps one drafting step (a probe)
-        refreshes the survival estimate (the text may have become predictable); each probe that
-        confirms skipping doubles that wait, up to SKIP_PROBE_MAX, so probing costs little."""
+        plain target decoding: exact. After some skipped steps (`_probe_wait`) one drafting step
+        (a probe) refreshes the survival estimate (the text may have become predictable); each
+        probe that confirms skipping doubles that wait, up to SKIP_PROBE_MAX (or the first wait,
+        if longer), so probing costs little."""
         if not (self.skip and self.learn) or self.survival is None or self.plain_overhead is None:
             return True
-        spec, plain = self.expected_rates(int(batch.anchors.shape[0]))
+        R = int(batch.anchors.shape[0])
+        spec, plain = self.expected_rates(R)
         if spec >= plain:
-            self._skipped, self._probing, self._probe_every = 0, False, SKIP_PROBE
+            self._skipped, self._probing, self._probe_every = 0, False, None
             return True
+        if self._probe_every is None:
+            self._probe_every = self._probe_wait(R)
         if self._probing:  # the probe confirmed it
             self._probing = False
-            self._probe_every = min(2 * self._probe_every, SKIP_PROBE_MAX)
+            self._probe_every = min(2 * self._probe_every, max(SKIP_PROBE_MAX, self._probe_every))
         if self._skipped >= self._probe_every:
             self._skipped, self._probing = 0, True
             return True
@@ -241,16 +323,22 @@ class AdaptiveScheduler(VerifyPolicy):
         if not self.learn or res.t_verify <= 0:
             return
         fixed = res.t_draft + res.t_other
-        predicted = self.curve.step_time(batch_tokens(res.verified.numpy()))
+        verified = res.verified.tolist()  # plain ints: this runs after every step
+        predicted = self.curve.step_time(len(verified) * (1 + max(verified, default=0)))  # batch_tokens
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         w = 1.0 if self._seen == 0 else EMA
         self.scale = (1 - w) * self.scale + w * ratio
         self._seen += 1
-        if int(res.drafted.max()) == 0:  # a skipped step: its fixed time is the plain overhead
-            self.plain_overhead = fixed if self.plain_overhead is None else (1 - EMA) * self.plain_overhead + EMA * fixed
+        if not res.drafted.any():  # a skipped step: its fixed time is the plain overhead
+            # the first one replaces the stand-in (a drafting step's non-draft part, or a prior's 0)
+            w = 1.0 if self._plain_seen == 0 else EMA
+            self.plain_overhead = fixed if self.plain_overhead is None else (1 - w) * self.plain_overhead + w * fixed
+            self._plain_seen += 1
             return
-        self.overhead = fixed if self._seen == 1 else (1 - EMA) * self.overhead + EMA * fixed
+        w = 1.0 if self._drafted_seen == 0 else EMA
+        self.overhead = (1 - w) * self.overhead + w * fixed
+        self._drafted_seen += 1
         self._observe_acceptance(int(res.drafted.max()), res.verified.numpy(), res.accepted.numpy())
         if self.plain_overhead is None:  # before any plain step: the part that is not drafting
             self.plain_overhead = res.t_other
@@ -270,6 +358,7 @@ def make_scheduler(
     cache: bool = True,
     learn: bool = True,
     skip: bool = True,
+    prior: DraftPrior | None = None,
 ) -> VerifyPolicy:
     """The `--verify full|threshold|adaptive` policy for a target and its draft.
 
@@ -277,6 +366,7 @@ def make_scheduler(
     curve (adaptive): a CostCurve or its JSON file; None profiles the target (cached on disk).
     max_batch: sizes the profiled grid up to max_batch * (gamma + 1) tokens.
     skip (adaptive): skip drafting on steps where earlier steps say it costs more than it returns.
+    prior (adaptive): the load-time measurement of the draft (DraftPrior) to start from.
     """
     if name not in POLICIES:
         raise DSparkError(f"unknown verification policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -297,4 +387,6 @@ def make_scheduler(
     else:
         curve = curve if isinstance(curve, CostCurve) else CostCurve.load(curve)
         warn_if_flat(curve)
-    return AdaptiveScheduler(curve, calibration, learn=learn, skip=skip)
+    if prior is not None and prior.gamma != draft.spec.gamma:
+        raise DSparkError(f"draft prior measured gamma {prior.gamma}, the draft drafts {draft.spec.gamma}")
+    return AdaptiveScheduler(curve, calibration, learn=learn, skip=skip, prior=prior)

@@ -111,6 +111,30 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
 
 
 @torch.inference_mode()
+def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5) -> float:
+    """Wall time of one drafting step's own work at batch 1 (`propose`, then the context update of
+    the positions a step commits), on a context of `context` positions: what the adaptive policy
+    weighs against a target step before any real step has run. Median of `reps` after one warm-up."""
+    dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    width = draft.fc.weight.shape[1]
+    ctx = draft.new_context_cache(1, dev, dtype)
+    draft.extend_context(ctx, torch.zeros(1, context, width, device=dev, dtype=dtype),
+                         torch.tensor([context], device=dev))
+    batch = Batch(target=None, ctx=ctx, anchors=torch.zeros(1, dtype=torch.long, device=dev),
+                  params=[SamplingParams()], generators=[None])
+    taps = torch.zeros(1, 2, width, device=dev, dtype=dtype)
+    times = []
+    for _ in range(reps + 1):
+        scratch = ContextCache(list(ctx.layers), ctx.lengths.clone())  # each rep from the same context
+        batch.ctx = scratch
+        t0 = now(dev)
+        propose(draft, batch)
+        draft.extend_context(scratch, taps, torch.tensor([2], device=dev))
+        times.append(now(dev) - t0)
+    return sorted(times[1:])[reps // 2]
+
+
+@torch.inference_mode()
 def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, targets: torch.Tensor,
                    floor: float = -10.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The block of `propose` with the Markov head fed the given tokens instead of its own:
