@@ -36,7 +36,11 @@ REALISED_MIN = 16  # verified requests at a depth before its measured acceptance
 SKIP_PROBE_MAX = 128  # a probe that confirms skipping doubles the wait before the next, up to this
 # probes may cost at most this share of the time spent decoding plainly: a draft pass dearer than a
 # target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share))
-PROBE_SHARE = 0.01
+PROBE_SHARE = 0.005
+# while skipping, the two rates are compared again every RECHECK steps (and after every probe, or
+# when the batch changes): between probes they move by running averages only, and the comparison
+# runs before every step, where ~0.1 ms is 1% of a CPU step
+RECHECK = 8
 
 
 @dataclass(frozen=True)
@@ -224,11 +228,12 @@ class AdaptiveScheduler(VerifyPolicy):
         self.realised: np.ndarray | None = None  # running P(first j+1 drafts accepted | verified), per depth
         self.realised_n: np.ndarray | None = None  # how many verified requests each depth has seen
         self._seen = 0
-        self._drafted_seen = 0  # drafting steps behind `overhead` (a prior counts as one)
+        self._drafted_seen = 0  # drafting steps behind `overhead` (not counting a prior's draft phase)
         self._plain_seen = 0  # skipped steps behind `plain_overhead`
         self._skipped = 0  # consecutive steps without drafting
         self._probe_every: int | None = None  # set when skipping starts (_probe_wait)
         self._probing = False  # the last drafting step was a probe between skipped steps
+        self._skip_R: int | None = None  # requests at the last comparison that chose skipping
         self._times: dict[int, list[float]] = {}  # expected_rates' curve lookups, per request count
         self.prior = prior
         if prior is not None:
@@ -238,13 +243,15 @@ class AdaptiveScheduler(VerifyPolicy):
         """Start from the load-time measurement: its acceptance per depth counts as `realised`
         (as many verified requests as it had anchors), its draft phase as the drafting overhead.
         The plain overhead starts at 0 (the prior's draft time already leaves out what both kinds
-        of step pay) until the first skipped step measures it. Steps observed later move all of
-        them by the usual running averages."""
+        of step pay) until the first skipped step measures it; the first drafting step likewise
+        replaces the draft phase. Later steps move them by the usual running averages."""
         self.prior = prior
         s = prior.survival()
         self.survival, self.realised = s.copy(), s.copy()
         self.realised_n = np.full(len(s), prior.anchors, dtype=np.int64)
-        self.overhead, self._drafted_seen = prior.draft_seconds, 1
+        # the first real drafting step replaces the draft phase: a probe after many skipped steps also
+        # pays their context update, which the wait before the next probe must count
+        self.overhead, self._drafted_seen = prior.draft_seconds, 0
         self.plain_overhead = 0.0
 
     def sps(self, tokens: int) -> float:
@@ -292,10 +299,12 @@ class AdaptiveScheduler(VerifyPolicy):
         if not (self.skip and self.learn) or self.survival is None or self.plain_overhead is None:
             return True
         R = int(batch.anchors.shape[0])
-        spec, plain = self.expected_rates(R)
-        if spec >= plain:
-            self._skipped, self._probing, self._probe_every = 0, False, None
-            return True
+        if self._probing or self._skip_R != R or self._skipped % RECHECK == 0:
+            spec, plain = self.expected_rates(R)
+            if spec >= plain:
+                self._skipped, self._probing, self._probe_every, self._skip_R = 0, False, None, None
+                return True
+            self._skip_R = R
         if self._probe_every is None:
             self._probe_every = self._probe_wait(R)
         if self._probing:  # the probe confirmed it
