@@ -1,8 +1,10 @@
 """CPU matmul kernels chosen by measurement (docs/BENCHMARKS.md, "Target runtimes").
 
-bf16 weights on a CPU run through oneDNN's prepacked linear instead of `F.linear`: measured on
-Zen 4 (AVX512-BF16) 1.3-1.8x faster at 1-8 rows on SmolLM2's shapes, with the same numbers bit
-for bit there. The target's native runtime and the draft (inference only) both use it.
+bf16 weights on a CPU run through a packed linear instead of `F.linear`: oneDNN's prepacked one
+(measured on Zen 4, AVX512-BF16: 1.3-1.8x faster at 1-8 rows on SmolLM2's shapes, the same numbers
+bit for bit there), and where dspark's extension is built, its own kernel for all but the largest
+weights (`BF16_KERNEL_MAX`: another 2-5x at the row counts of decoding). The target's native runtime
+and the draft (inference only) both use it.
 
 Greedy choices (`argmax`) widen bf16 logits to fp32 first: exact (every bf16 value is an fp32
 value, and ties still go to the first index), and torch's CPU argmax runs 3-4x faster on fp32
@@ -36,10 +38,26 @@ log = logging.getLogger("dspark")
 PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
-    """w [N, K] on a CPU -> oneDNN's prepacked bf16 weight; None where it does not apply (another
-    device, packing turned off, a torch build without oneDNN)."""
-    if not PACK_BF16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+# bf16 weights up to this many elements run on dspark's kernel (csrc/q4.cpp `bf16_mm`) where it is
+# built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
+# 2 threads: 576x576 at 7 rows 20 against 44 us). Larger ones (an LM head over the vocabulary) stay on
+# oneDNN: the kernel streams the weight once per tile of rows (7 rows = 4 + 2 + 1: 675 against 464 us
+# over 16 384 x 576), and oneDNN once.
+BF16_KERNEL_MAX = 1 << 22
+
+
+def pack_bf16(w: torch.Tensor):
+    """w [N, K] on a CPU -> its packed bf16 weight for `packed_linear` (dspark's layout, or oneDNN's
+    prepacked one); None where neither applies (another device, packing turned off, a torch build
+    without oneDNN)."""
+    if not PACK_BF16 or w.device.type != "cpu":
+        return None
+    N, K = w.shape
+    if N * K <= BF16_KERNEL_MAX and N % 16 == 0 and K % 32 == 0 and extension_isa() == "avx512":
+        G = K // 32  # [N/16, K/32, 16 input pairs, 16 columns x 2]: csrc/q4.cpp's bf16_mm layout
+        P = w.detach().to(torch.bfloat16).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)
+        return P.reshape(N // 16, G, 16, 32).contiguous(), torch.ones(N // 16, G, 16)
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16).contiguous())
@@ -47,9 +65,14 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 @ packed.T (+ bias) -> [..., out_features]."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(packed, tuple):
+        y = extension().bf16_mm(x2, *packed)
+        y = y if bias is None else y + bias
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -64,8 +87,9 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # DSPARK_Q4_KERNEL=0: torch's ops everywhere (for comparisons); DSPARK_KERNEL_ISA=avx2: build the
 # AVX2 variant on an AVX-512 machine (to test it)
 ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
-SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp")  # one extension: matmuls, norms, attention, RoPE
-FUNCTIONS = ("q4_mm", "q8_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16")
+# one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
+SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp")
+FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk_bf16")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
@@ -100,7 +124,8 @@ def _isa() -> tuple[str | None, str]:
 
 def extension():
     """dspark's compiled CPU extension (`q4_mm` and `q8_mm` on AVX512-BF16 builds, `rms_bf16`,
-    `add_rms_bf16`, `attn_bf16`), or None where it cannot run here."""
+    `add_rms_bf16`, `attn_bf16`, `rope_cache_bf16`, `markov_walk_bf16`), or None where it cannot
+    run here."""
     if "ext" in _build:
         return _build["ext"]
     isa, why = _isa()
@@ -182,3 +207,17 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor):
 def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q8`."""
     return extension().q8_mm(x, *packed)
+
+
+def markov_walk(base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor, d2t: torch.Tensor | None,
+                anchors: torch.Tensor) -> torch.Tensor | None:
+    """The vanilla Markov head's greedy walk in one call (csrc/markov.cpp): base [B, g, Vd] bf16
+    draft-head logits, w1 [V, r] bf16, w2t [r, Vd] bf16 (W2 transposed), d2t [Vd] or None,
+    anchors [B] -> target ids [B, g]; None where the extension does not run (bf16 on a CPU only)."""
+    if base.device.type != "cpu" or not base.dtype == w1.dtype == w2t.dtype == torch.bfloat16:
+        return None
+    ext = extension()
+    if ext is None:
+        return None
+    empty = torch.zeros(0, dtype=torch.long)
+    return ext.markov_walk_bf16(base, w1, w2t, empty if d2t is None else d2t, anchors)

@@ -147,6 +147,35 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   return y;
 }
 
+// bf16 weights: the same scheme with nothing to unpack, for the small row counts of a draft (oneDNN's
+// packed bf16 matmul spent 75-170 us at 7 rows on a 576-wide layer of SmolLM2's draft). P16
+// [N/16, K/32, 16, 32] bf16: column block, group, input pair p (k = 32g + 2p + 0..1); element 2c =
+// w[c, k0], 2c+1 = w[c, k1]. D [N/16, K/32, 16] fp32 ones (the scale step of the shared tile).
+torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "bf16_mm: x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kBFloat16 && P.size(2) == 16 && P.size(3) == 32 && P.is_contiguous(),
+              "bf16_mm: P must be a contiguous bf16 [N/16, K/32, 16, 32] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16, G = K / 32;
+  TORCH_CHECK(K == P.size(1) * 32, "bf16_mm: x has ", K, " inputs, the weight ", P.size(1) * 32);
+  TORCH_CHECK(D.scalar_type() == torch::kFloat && D.is_contiguous() && D.numel() == N / 16 * G * 16,
+              "bf16_mm: D must be a contiguous fp32 [N/16, K/32, 16] tensor");
+  auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
+  const float* d = D.data_ptr<float>();
+  auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
+    const uint16_t* b = p + (block * 16 + 2 * r) * 32;
+    wa = (__m512bh)_mm512_loadu_si512(b);
+    wb = (__m512bh)_mm512_loadu_si512(b + 32);
+  };
+  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, d, nullptr, nullptr, yp + m0 * N, N, cb);
+  });
+  return y;
+}
+
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q4_mm: x must be a 2-D bf16 CPU tensor");
   TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kUInt8 && P.size(2) == 8 && P.size(3) == 32 && P.is_contiguous(),
@@ -195,6 +224,10 @@ torch::Tensor q4_mm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) 
 }
 torch::Tensor q8_mm(torch::Tensor, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "q8_mm: this build of dspark's extension has no int8 kernel (it needs AVX512-BF16)");
+  return {};
+}
+torch::Tensor bf16_mm(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "bf16_mm: this build of dspark's extension has no bf16 kernel (it needs AVX512-BF16)");
   return {};
 }
 #endif

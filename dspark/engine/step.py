@@ -21,7 +21,7 @@ import torch
 from dspark.engine.sampling import SamplingParams, greedy_accept, probs, rejection_accept, sample
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.engine.timing import now
-from dspark.kernels import argmax
+from dspark.kernels import argmax, markov_walk
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget, TargetState
 
@@ -86,6 +86,13 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
     B = anchors.shape[0]
     h, base, state = draft_block(draft, anchors, batch.ctx)
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
+    if not sampled and mh is not None and mh.head_type == "vanilla":
+        # every request greedy: the whole walk in one compiled call where it runs (bf16 on a CPU)
+        walked = markov_walk(base, mh.markov_w1.weight, mh.w2_transposed(), draft.d2t, anchors)
+        if walked is not None:
+            prev_ids = torch.cat([anchors[:, None], walked[:, :-1]], 1)  # [B, g] each slot's previous token
+            conf = draft.confidence_logits(h[:, rows.start : rows.stop], mh.markov_w1(prev_ids))
+            return Proposal(tokens=walked, q=[None] * B, conf_logits=conf)
     prev, tokens, embs = anchors, [], []
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     for k, row in enumerate(rows):

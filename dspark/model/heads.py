@@ -25,6 +25,15 @@ class MarkovHead(nn.Module):
         elif head_type != "vanilla":
             raise ValueError(f"unknown markov_head_type {head_type!r}")
 
+    def w2_transposed(self) -> torch.Tensor:
+        """W2 transposed, [r, Vd] in its own dtype: the layout of the compiled greedy walk
+        (kernels.markov_walk); kept until the weight changes."""
+        w = self.markov_w2.weight
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_w2t_key", None) != key:
+            self._w2t, self._w2t_key = w.detach().t().contiguous(), key
+        return self._w2t
+
     def init_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
         return like.new_zeros(n, self.rank) if self.head_type == "rnn" else None
 
