@@ -398,3 +398,25 @@ def test_greedy_proposals_are_the_same_with_and_without_the_walk_kernel(ext, mon
         slow = S.propose(draft, batch)
         monkeypatch.undo()
         assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.conf_logits, slow.conf_logits)
+
+
+def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
+    """bf16 weights up to BF16_KERNEL_MAX elements run on dspark's small-row kernel: the matmul up
+    to its bf16 rounding, each row's bits whatever rows share the call, a bias added after; larger
+    weights stay on oneDNN."""
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(48, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    packed = kernels.pack_bf16(w)
+    assert isinstance(packed, tuple)  # dspark's layout
+    x = torch.randn(11, 96, generator=gen).to(torch.bfloat16)
+    y = kernels.packed_linear(x, packed, None, 48)
+    ref = x.double() @ w.double().T
+    assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
+    for M in (1, 2, 3, 7, 8):
+        assert torch.equal(kernels.packed_linear(x[:M], packed, None, 48), y[:M])
+    assert torch.equal(kernels.packed_linear(x[None, :3], packed, bias, 48)[0], y[:3] + bias)
+    monkeypatch.setattr(kernels, "BF16_KERNEL_MAX", 48 * 96 - 1)
+    assert not isinstance(kernels.pack_bf16(w), tuple)  # oneDNN's packed weight (or None without it)
+    with pytest.raises(RuntimeError, match="bf16_mm: x has 64 inputs, the weight 96"):
+        kernels.packed_linear(x[:, :64], packed, None, 48)

@@ -19,7 +19,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <array>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -113,19 +115,29 @@ void row_tiles(int64_t M, int64_t N, const Tile& tile) {
   for (; m < M; ++m) columns<1, 2>(N, m, tile);
 }
 
+// x [M, K] bf16 against a weight packed as [N/16, K/32, steps, 32] elements of `dtype`, with fp32
+// per-group tensors [N/16, K/32, 16] (scales, minimums): checked, -> (M, K, N)
+std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, const torch::Tensor& P,
+                                    at::ScalarType dtype, int64_t steps, std::initializer_list<torch::Tensor> groups) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), name, ": x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == dtype && P.size(2) == steps && P.size(3) == 32 && P.is_contiguous(),
+              name, ": P must be a contiguous ", c10::toString(dtype), " [N/16, K/32, ", steps, ", 32] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16;
+  TORCH_CHECK(K == P.size(1) * 32, name, ": x has ", K, " inputs, the weight ", P.size(1) * 32);
+  for (const auto& s : groups)
+    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N / 16 * (K / 32) * 16,
+                name, ": its scales must be contiguous fp32 [N/16, K/32, 16] tensors");
+  return {M, K, N};
+}
+
 }  // namespace
 
 // Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
 // of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
 // byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] fp32.
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q8_mm: x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kChar && P.size(2) == 16 && P.size(3) == 32 && P.is_contiguous(),
-              "q8_mm: P must be a contiguous int8 [N/16, K/32, 16, 32] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16, G = K / 32;
-  TORCH_CHECK(K == P.size(1) * 32, "q8_mm: x has ", K, " inputs, the weight ", P.size(1) * 32);
-  TORCH_CHECK(D.scalar_type() == torch::kFloat && D.is_contiguous() && D.numel() == N / 16 * G * 16,
-              "q8_mm: D must be a contiguous fp32 [N/16, K/32, 16] tensor");
+  const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   auto y = torch::empty({M, N}, x.options());
@@ -152,13 +164,8 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
 // [N/16, K/32, 16, 32] bf16: column block, group, input pair p (k = 32g + 2p + 0..1); element 2c =
 // w[c, k0], 2c+1 = w[c, k1]. D [N/16, K/32, 16] fp32 ones (the scale step of the shared tile).
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "bf16_mm: x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kBFloat16 && P.size(2) == 16 && P.size(3) == 32 && P.is_contiguous(),
-              "bf16_mm: P must be a contiguous bf16 [N/16, K/32, 16, 32] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16, G = K / 32;
-  TORCH_CHECK(K == P.size(1) * 32, "bf16_mm: x has ", K, " inputs, the weight ", P.size(1) * 32);
-  TORCH_CHECK(D.scalar_type() == torch::kFloat && D.is_contiguous() && D.numel() == N / 16 * G * 16,
-              "bf16_mm: D must be a contiguous fp32 [N/16, K/32, 16] tensor");
+  const auto shape = packed_shape("bf16_mm", x, P, torch::kBFloat16, 16, {D});
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   auto y = torch::empty({M, N}, x.options());
@@ -177,14 +184,9 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
 }
 
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "q4_mm: x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == torch::kUInt8 && P.size(2) == 8 && P.size(3) == 32 && P.is_contiguous(),
-              "q4_mm: P must be a contiguous uint8 [N/16, K/32, 8, 32] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16, G = K / 32;
-  TORCH_CHECK(K == P.size(1) * 32, "q4_mm: x has ", K, " inputs, the weight ", P.size(1) * 32);
-  for (const auto& s : {D, L})
-    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N / 16 * G * 16,
-                "q4_mm: D and L must be contiguous fp32 [N/16, K/32, 16] tensors");
+  const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
+  const int64_t G = K / 32;
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<float> xsum(M * G);  // per row and group: sum of x (the lo term), fp32, in input order
