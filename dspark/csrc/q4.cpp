@@ -130,6 +130,21 @@ std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, co
   return {M, K, N};
 }
 
+// y [M, N] bf16: the tile over every row tile and column block of xc (contiguous bf16 [M, K])
+template <typename Unpack>
+torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, const Unpack& unpack, const float* D,
+                     const float* L, const float* xsum) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, xc.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t G = K / 32;
+  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, D, L, xsum ? xsum + m0 * G : nullptr,
+                                                     yp + m0 * N, N, cb);
+  });
+  return y;
+}
+
 }  // namespace
 
 // Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
@@ -138,10 +153,6 @@ std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, co
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
   const int64_t M = shape[0], K = shape[1], N = shape[2];
-  auto xc = x.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  auto y = torch::empty({M, N}, x.options());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int8_t* p = P.data_ptr<int8_t>();
   const float* d = D.data_ptr<float>();
   // step r of a block: pairs 2r and 2r + 1, 64 bytes, exact as bf16 (|q| <= 128)
@@ -153,10 +164,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
     wa = _mm512_cvtne2ps_pbh(a[1], a[0]);
     wb = _mm512_cvtne2ps_pbh(a[3], a[2]);
   };
-  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
-    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, d, nullptr, nullptr, yp + m0 * N, N, cb);
-  });
-  return y;
+  return matmul(x.contiguous(), M, K, N, unpack, d, nullptr, nullptr);
 }
 
 // bf16 weights: the same scheme with nothing to unpack, for the small row counts of a draft (oneDNN's
@@ -166,10 +174,6 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("bf16_mm", x, P, torch::kBFloat16, 16, {D});
   const int64_t M = shape[0], K = shape[1], N = shape[2];
-  auto xc = x.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  auto y = torch::empty({M, N}, x.options());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
   const float* d = D.data_ptr<float>();
   auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
@@ -177,10 +181,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
     wa = (__m512bh)_mm512_loadu_si512(b);
     wb = (__m512bh)_mm512_loadu_si512(b + 32);
   };
-  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
-    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, d, nullptr, nullptr, yp + m0 * N, N, cb);
-  });
-  return y;
+  return matmul(x.contiguous(), M, K, N, unpack, d, nullptr, nullptr);
 }
 
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
@@ -201,8 +202,6 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
       }
       xsum[m * G + g] = s;
     }
-  auto y = torch::empty({M, N}, x.options());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* p = P.data_ptr<uint8_t>();
   const float* d = D.data_ptr<float>();
   const float* l = L.data_ptr<float>();
@@ -213,10 +212,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
     wa = (__m512bh)_mm512_permutexvar_epi16(v, table);
     wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
   };
-  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
-    tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, d, l, xsum.data() + m0 * G, yp + m0 * N, N, cb);
-  });
-  return y;
+  return matmul(xc, M, K, N, unpack, d, l, xsum.data());
 }
 #else
 // an AVX2 build (dspark/kernels.py) has the norms and attention but not this kernel
