@@ -114,7 +114,7 @@ def run(args) -> int:
             (s_req, p_req), (s_secs, p_secs) = _side_by_side([engine, plain], ids, params, first=r)
             spec_tok, spec_s = spec_tok + len(s_req.output_ids), spec_s + s_secs
             plain_tok, base_s = plain_tok + len(p_req.output_ids), base_s + p_secs
-            base = base or p_req
+            base = p_req if base is None else base  # the plain output compared with the streamed one
         out["tokens_per_second"] = round(spec_tok / spec_s, 2)
         out["compare_rounds"] = args.compare_rounds
         out["plain"] = {"generated_tokens": len(base.output_ids), "seconds": round(base_s, 4),

@@ -133,28 +133,6 @@ class VerifyPolicy:
     def __init__(self, calibration: Calibration | None = None):
         self.calibration = calibration
 
-    def _probe_wait(self, R: int) -> int:
-        """Skipped steps before a probe: at least SKIP_PROBE, and enough that probes cost at most
-        `probe_share` of the plain decoding time in between (a probe pays the drafting overhead and
-        at least one more verified token per request)."""
-        plain_step = (self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R)
-        extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
-            0.0, self.curve.step_time(2 * R) - self.curve.step_time(R))
-        return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
-
-    def summary(self, R: int = 1) -> str:
-        """One line on what the policy expects at R requests and what it will therefore do first."""
-        if self.survival is None or self.plain_overhead is None:
-            return "adaptive: nothing measured yet: the first step drafts"
-        spec, plain = self.expected_rates(R)
-        surv = " ".join(f"{x:.2f}" for x in self.expected_survival()[:4])
-        src = (f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
-               if self.prior is not None else "measured while decoding")
-        head = f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against {plain:.0f} plain"
-        if not (self.skip and self.learn) or spec >= plain:
-            return head + ", so it drafts"
-        return head + f", so it decodes plainly, drafting once after {self._probe_wait(R)} plain steps to look again"
-
     def should_draft(self, batch) -> bool:
         """Before any draft exists: whether this step drafts at all (False: a plain target step)."""
         return True
@@ -288,6 +266,28 @@ class AdaptiveScheduler(VerifyPolicy):
             known = self.realised_n >= REALISED_MIN
             s[known] = self.realised[known]
         return np.minimum.accumulate(s)  # survival cannot grow with depth
+
+    def _probe_wait(self, R: int) -> int:
+        """Skipped steps before a probe: at least SKIP_PROBE, and enough that probes cost at most
+        `probe_share` of the plain decoding time in between (a probe pays the drafting overhead and
+        at least one more verified token per request)."""
+        plain_step = (self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R)
+        extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
+            0.0, self.curve.step_time(2 * R) - self.curve.step_time(R))
+        return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
+
+    def summary(self, R: int = 1) -> str:
+        """One line on what the policy expects at R requests and what it will therefore do first."""
+        if self.survival is None or self.plain_overhead is None:
+            return "adaptive: nothing measured yet: the first step drafts"
+        spec, plain = self.expected_rates(R)
+        surv = " ".join(f"{x:.2f}" for x in self.expected_survival()[:4])
+        src = (f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
+               if self.prior is not None else "measured while decoding")
+        head = f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against {plain:.0f} plain"
+        if not (self.skip and self.learn) or spec >= plain:
+            return head + ", so it drafts"
+        return head + f", so it decodes plainly, drafting once after {self._probe_wait(R)} plain steps to look again"
 
     def should_draft(self, batch) -> bool:
         """Draft this step unless earlier steps say drafting costs more than it returns (the draft

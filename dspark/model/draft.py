@@ -193,12 +193,5 @@ class DSparkDraft(nn.Module):
     @torch.inference_mode()
     def extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] rows of taps [B, n, n_taps*Ht] to each request's context."""
-        # n varies (prompt lengths, taps of skipped steps) and a CPU matmul library builds a kernel
-        # for every new row count (oneDNN: 0.5-1 ms each, several per call): rows padded to a power
-        # of two keep the set of shapes small; the padding rows are computed, never committed
-        n = taps.shape[1]
-        pad = (1 << max(n - 1, 0).bit_length()) - n
-        if pad:
-            taps = torch.cat([taps, taps.new_zeros(taps.shape[0], pad, taps.shape[2])], 1)
         positions = cache.lengths[:, None] + torch.arange(taps.shape[1], device=taps.device)[None, :]
         cache.append(self.context_kv(taps.to(self.fc.weight.dtype), positions), counts)
