@@ -89,7 +89,7 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
 SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp")
-FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk_bf16")
+FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
@@ -124,7 +124,7 @@ def _isa() -> tuple[str | None, str]:
 
 def extension():
     """dspark's compiled CPU extension (`q4_mm` and `q8_mm` on AVX512-BF16 builds, `rms_bf16`,
-    `add_rms_bf16`, `attn_bf16`, `rope_cache_bf16`, `markov_walk_bf16`), or None where it cannot
+    `add_rms_bf16`, `attn_bf16`, `rope_cache_bf16`, `markov_walk`), or None where it cannot
     run here."""
     if "ext" in _build:
         return _build["ext"]
@@ -211,13 +211,14 @@ def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
 
 def markov_walk(base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor, d2t: torch.Tensor | None,
                 anchors: torch.Tensor) -> torch.Tensor | None:
-    """The vanilla Markov head's greedy walk in one call (csrc/markov.cpp): base [B, g, Vd] bf16
-    draft-head logits, w1 [V, r] bf16, w2t [r, Vd] bf16 (W2 transposed), d2t [Vd] or None,
-    anchors [B] -> target ids [B, g]; None where the extension does not run (bf16 on a CPU only)."""
-    if base.device.type != "cpu" or not base.dtype == w1.dtype == w2t.dtype == torch.bfloat16:
+    """The vanilla Markov head's greedy walk in one call (csrc/markov.cpp): base [B, g, Vd] draft-head
+    logits, w1 [V, r], w2t [r, Vd] (W2 transposed), all bf16 or all fp32, d2t [Vd] or None, anchors
+    [B] -> target ids [B, g]; None where the extension does not run (a CPU without it, another
+    device or dtype): the caller walks in torch."""
+    if base.device.type != "cpu" or not base.dtype == w1.dtype == w2t.dtype or base.dtype not in (torch.bfloat16,
+                                                                                                 torch.float32):
         return None
     ext = extension()
     if ext is None:
         return None
-    empty = torch.zeros(0, dtype=torch.long)
-    return ext.markov_walk_bf16(base, w1, w2t, empty if d2t is None else d2t, anchors)
+    return ext.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long) if d2t is None else d2t, anchors)

@@ -343,7 +343,7 @@ def test_rope_and_the_cache_write_give_torchs_bits(ext):
 
 def _walk_reference(base, w1, w2t, d2t, anchors):
     """The greedy walk in torch with the kernel's rounding and summation order (fp32, k in order,
-    multiply then add): bias rounded to bf16, added to the bf16 logit and rounded, first max."""
+    multiply then add): the bias rounded to the dtype, added to the logit and rounded, first max."""
     B, g, V = base.shape
     out = torch.empty(B, g, dtype=torch.long)
     for b in range(B):
@@ -352,45 +352,48 @@ def _walk_reference(base, w1, w2t, d2t, anchors):
             z, acc = w1[prev].float(), torch.zeros(V)
             for i in range(w1.shape[1]):
                 acc = acc + z[i] * w2t[i].float()
-            logit = (base[b, k].float() + acc.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+            logit = (base[b, k].float() + acc.to(base.dtype).float()).to(base.dtype).float()
             pick = int(logit.argmax())
             prev = pick + (int(d2t[pick]) if d2t is not None else 0)
             out[b, k] = prev
     return out
 
 
-@pytest.mark.parametrize("V,r,reduced", [(1000, 8, False), (4096, 64, True)])
-def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced):
+@pytest.mark.parametrize("V,r,reduced,dtype", [(1000, 8, False, torch.bfloat16), (4096, 64, True, torch.bfloat16),
+                                                (1000, 16, True, torch.float32)])
+def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced, dtype):
     """The vanilla Markov head's greedy walk in one call: each slot's token is the first largest of
-    bf16(base + bf16(W2 W1[previous token])), the previous token of slot 0 being the anchor, draft
-    ids mapped through d2t; the vocabulary's tail (not a multiple of 64) included."""
+    T(base + T(W2 W1[previous token])) in the draft's dtype T, the previous token of slot 0 being
+    the anchor, draft ids mapped through d2t; the vocabulary's tail (not a multiple of 64) included."""
     gen = torch.Generator().manual_seed(V)
     Vt = V + 500 if reduced else V
-    base = (torch.randn(3, 5, V, generator=gen) * 2).to(torch.bfloat16)
-    w1 = torch.randn(Vt, r, generator=gen).to(torch.bfloat16)
-    w2t = (torch.randn(r, V, generator=gen) * 0.5).to(torch.bfloat16)
+    base = (torch.randn(3, 5, V, generator=gen) * 2).to(dtype)
+    w1 = torch.randn(Vt, r, generator=gen).to(dtype)
+    w2t = (torch.randn(r, V, generator=gen) * 0.5).to(dtype)
     d2t = torch.randint(0, 500, (V,), generator=gen) if reduced else None
     anchors = torch.tensor([0, 7, Vt - 1])
     got = kernels.markov_walk(base, w1, w2t, d2t, anchors)
     assert torch.equal(got, _walk_reference(base, w1, w2t, d2t, anchors))
-    # where it does not run, the caller walks in torch
-    assert kernels.markov_walk(base.float(), w1, w2t, d2t, anchors) is None
+    # where it does not run (mixed or other dtypes), the caller walks in torch
+    assert kernels.markov_walk(base.double(), w1, w2t, d2t, anchors) is None
+    assert kernels.markov_walk(base, w1, w2t.double(), d2t, anchors) is None
+    none = torch.zeros(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match="outside W1"):
-        ext.markov_walk_bf16(base, w1, w2t, torch.zeros(0, dtype=torch.long), torch.tensor([0, 1, Vt]))
+        ext.markov_walk(base, w1, w2t, none, torch.tensor([0, 1, Vt]))
     with pytest.raises(RuntimeError, match="w2t must be"):
-        ext.markov_walk_bf16(base, w1, w2t.float(), torch.zeros(0, dtype=torch.long), anchors)
+        ext.markov_walk(base, w1, w2t.double(), none, anchors)
 
 
 def test_greedy_proposals_are_the_same_with_and_without_the_walk_kernel(ext, monkeypatch):
-    """propose() on a bf16 draft: the compiled walk gives the tokens and confidences of torch's
-    slot-by-slot walk (a reduced vocabulary and a batch of three included)."""
+    """propose() on a bf16 or fp32 draft: the compiled walk gives the tokens and confidences of
+    torch's slot-by-slot walk (a reduced vocabulary and a batch of three included)."""
     from dspark.engine import step as S
 
     model = tiny_target()
-    for reduced in (None, 48):
-        draft = tiny_draft(model, gamma=5, **({"draft_vocab_size": reduced} if reduced else {})).to(torch.bfloat16)
-        taps = torch.randn(3, 9, draft.fc.weight.shape[1]).to(torch.bfloat16)
-        ctx = draft.new_context_cache(3, "cpu", torch.bfloat16)
+    for reduced, dtype in ((None, torch.bfloat16), (48, torch.bfloat16), (48, torch.float32)):
+        draft = tiny_draft(model, gamma=5, **({"draft_vocab_size": reduced} if reduced else {})).to(dtype)
+        taps = torch.randn(3, 9, draft.fc.weight.shape[1]).to(dtype)
+        ctx = draft.new_context_cache(3, "cpu", dtype)
         draft.extend_context(ctx, taps, torch.tensor([9, 6, 3]))
         batch = S.Batch(None, ctx, torch.tensor([5, 17, 40]), [SamplingParams()] * 3, [None] * 3)
         fast = S.propose(draft, batch)

@@ -1,56 +1,63 @@
 // The vanilla Markov head's greedy walk over a drafted block in one call (docs/BENCHMARKS.md,
 // "Session 11"). In torch each slot is ~8 small ops (W1 lookup, the rank-r matmul over the draft
 // vocabulary, the add, the argmax, the d2t map): ~0.25-0.4 ms a slot on a 2-core CPU, 1.6-2.7 ms
-// of a ~5 ms draft phase for 7 slots. Rounding as in the torch path (bf16 weights and
-// activations): the bias W2 z is accumulated in fp32 and rounded to bf16, added to the bf16 base
-// logit in fp32 and rounded again; the first largest logit wins, as torch's argmax. Only the fp32
-// summation order of the rank-r product differs from oneDNN's.
+// of a ~5 ms draft phase for 7 slots. Rounding as in the torch path, in the draft's dtype (bf16 or
+// fp32): the bias W2 z is accumulated in fp32 and rounded to that dtype, added to the base logit
+// in fp32 and rounded again; the first largest logit wins, as torch's argmax. Only the fp32
+// summation order of the rank-r product differs from the matmul library's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace markov {
 
 constexpr int64_t CHUNK = 512;  // vocabulary entries per parallel task
 
-// The first largest of bf16(base[v] + bf16(sum_k z[k] * w2t[k][v])) over v in [v0, v1).
-void best_in(const c10::BFloat16* base, const float* z, const c10::BFloat16* w2t, int64_t r, int64_t V,
-             int64_t v0, int64_t v1, float& best, int64_t& arg) {
+inline float round_as(float x, c10::BFloat16) { return static_cast<float>(c10::BFloat16(x)); }
+inline float round_as(float x, float) { return x; }
+
+// The first largest of T(base[v] + T(sum_k z[k] * w2t[k][v])) over v in [v0, v1), T the dtype.
+template <typename T>
+void best_in(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, int64_t v0, int64_t v1, float& best,
+             int64_t& arg) {
   constexpr int64_t L = 64;  // vocabulary entries at a time, each accumulating over k in order
   for (int64_t v = v0; v < v1; v += L) {
     float acc[L] = {0};
     if (v + L <= v1) {
 #ifdef __AVX512F__
-      // four independent registers of 16 (one alone waits on its add's latency every k); bf16 is
-      // widened to fp32 by a 16-bit shift; multiply then add, as the scalar path rounds
-      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t k = 0; k < r; ++k) {
-        const __m512 zk = _mm512_set1_ps(z[k]);
-        for (int q = 0; q < 4; ++q) {
-          const __m256i w16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w2t + k * V + v + 16 * q));
-          const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
-          a[q] = _mm512_add_ps(a[q], _mm512_mul_ps(zk, w));
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        // four independent registers of 16 (one alone waits on its add's latency every k); bf16 is
+        // widened to fp32 by a 16-bit shift; multiply then add, as the generic loop rounds
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t k = 0; k < r; ++k) {
+          const __m512 zk = _mm512_set1_ps(z[k]);
+          for (int q = 0; q < 4; ++q) {
+            const __m256i w16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w2t + k * V + v + 16 * q));
+            const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
+            a[q] = _mm512_add_ps(a[q], _mm512_mul_ps(zk, w));
+          }
+        }
+        for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + 16 * q, a[q]);
+      } else
+#endif
+      {  // a fixed trip count the compiler vectorises (ISO C++: no fused multiply-add)
+        for (int64_t k = 0; k < r; ++k) {
+          const float zk = z[k];
+          const T* w = w2t + k * V + v;
+          for (int64_t j = 0; j < L; ++j) acc[j] = acc[j] + zk * static_cast<float>(w[j]);
         }
       }
-      for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + 16 * q, a[q]);
-#else
-      for (int64_t k = 0; k < r; ++k) {
-        const float zk = z[k];
-        const c10::BFloat16* w = w2t + k * V + v;
-        for (int64_t j = 0; j < L; ++j) acc[j] = acc[j] + zk * static_cast<float>(w[j]);
-      }
-#endif
     } else {
       for (int64_t k = 0; k < r; ++k)
         for (int64_t j = 0; v + j < v1; ++j) acc[j] = acc[j] + z[k] * static_cast<float>(w2t[k * V + v + j]);
     }
     for (int64_t j = 0; j < L && v + j < v1; ++j) {
-      const float bias = static_cast<float>(c10::BFloat16(acc[j]));
-      const float logit = static_cast<float>(c10::BFloat16(static_cast<float>(base[v + j]) + bias));
+      const float logit = round_as(static_cast<float>(base[v + j]) + round_as(acc[j], T{}), T{});
       if (logit > best) {
         best = logit;
         arg = v + j;
@@ -59,49 +66,23 @@ void best_in(const c10::BFloat16* base, const float* z, const c10::BFloat16* w2t
   }
 }
 
-}  // namespace markov
-
-// base [B, g, Vd] bf16 (the draft head's logits of the g sampled slots), w1 [V, r] bf16 (W1, indexed
-// by target ids), w2t [r, Vd] bf16 (W2 transposed: 2 MB for SmolLM2's draft, split over the threads
-// it stays in their L2 caches from one slot to the next), d2t [Vd] int64 (draft -> target offset; empty:
-// the vocabularies are the same), anchors [B] int64 -> tokens [B, g] int64 target ids: slot k's
-// previous token is the anchor for k = 0, else slot k-1's choice.
-torch::Tensor markov_walk_bf16(torch::Tensor base, torch::Tensor w1, torch::Tensor w2t, torch::Tensor d2t,
-                               torch::Tensor anchors) {
-  TORCH_CHECK(base.dim() == 3 && base.scalar_type() == torch::kBFloat16 && base.device().is_cpu(),
-              "markov_walk_bf16: base must be a [B, g, Vd] bf16 CPU tensor");
-  TORCH_CHECK(w1.dim() == 2 && w1.scalar_type() == torch::kBFloat16, "markov_walk_bf16: w1 must be [V, r] bf16");
-  TORCH_CHECK(w2t.dim() == 2 && w2t.scalar_type() == torch::kBFloat16 && w2t.size(0) == w1.size(1) &&
-                  w2t.size(1) == base.size(2),
-              "markov_walk_bf16: w2t must be [r, Vd] bf16 matching w1's rank and base's vocabulary");
-  TORCH_CHECK(d2t.numel() == 0 || (d2t.numel() == base.size(2) && d2t.scalar_type() == torch::kLong),
-              "markov_walk_bf16: d2t must be empty or [Vd] int64");
-  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == base.size(0) && anchors.scalar_type() == torch::kLong,
-              "markov_walk_bf16: anchors must be [B] int64");
-  auto bc = base.contiguous(), w1c = w1.contiguous(), wt = w2t.contiguous(), dc = d2t.contiguous();
-  auto ac = anchors.contiguous();
-  const int64_t B = bc.size(0), g = bc.size(1), V = bc.size(2), r = w1c.size(1), Vt = w1c.size(0);
-  auto out = torch::empty({B, g}, anchors.options());
-  const auto* bp = bc.data_ptr<at::BFloat16>();
-  const auto* w1p = w1c.data_ptr<at::BFloat16>();
-  const auto* wp = wt.data_ptr<at::BFloat16>();
-  const int64_t* dp = dc.numel() ? dc.data_ptr<int64_t>() : nullptr;
-  int64_t* op = out.data_ptr<int64_t>();
-  const int64_t chunks = (V + markov::CHUNK - 1) / markov::CHUNK;
+template <typename T>
+void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64_t* ap, int64_t* op, int64_t B,
+          int64_t g, int64_t V, int64_t r, int64_t Vt) {
+  const int64_t chunks = (V + CHUNK - 1) / CHUNK;
   std::vector<float> z(r), best(chunks);
   std::vector<int64_t> arg(chunks);
   for (int64_t b = 0; b < B; ++b) {
-    int64_t prev = ac.data_ptr<int64_t>()[b];
+    int64_t prev = ap[b];
     for (int64_t k = 0; k < g; ++k) {
-      TORCH_CHECK(prev >= 0 && prev < Vt, "markov_walk_bf16: token id ", prev, " outside W1's ", Vt, " rows");
+      TORCH_CHECK(prev >= 0 && prev < Vt, "markov_walk: token id ", prev, " outside W1's ", Vt, " rows");
       for (int64_t i = 0; i < r; ++i) z[i] = static_cast<float>(w1p[prev * r + i]);
-      const c10::BFloat16* row = bp + (b * g + k) * V;
+      const T* row = bp + (b * g + k) * V;
       at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c) {
           best[c] = -std::numeric_limits<float>::infinity();
           arg[c] = -1;
-          markov::best_in(row, z.data(), wp, r, V, c * markov::CHUNK, std::min(V, (c + 1) * markov::CHUNK),
-                          best[c], arg[c]);
+          best_in(row, z.data(), wp, r, V, c * CHUNK, std::min(V, (c + 1) * CHUNK), best[c], arg[c]);
         }
       });
       int64_t pick = -1;
@@ -111,10 +92,43 @@ torch::Tensor markov_walk_bf16(torch::Tensor base, torch::Tensor w1, torch::Tens
           top = best[c];
           pick = arg[c];
         }
-      TORCH_CHECK(pick >= 0, "markov_walk_bf16: slot ", k, " has no finite logit (NaN weights?)");
+      TORCH_CHECK(pick >= 0, "markov_walk: slot ", k, " has no finite logit (NaN weights?)");
       prev = dp ? pick + dp[pick] : pick;
       op[b * g + k] = prev;
     }
   }
+}
+
+}  // namespace markov
+
+// base [B, g, Vd] (the draft head's logits of the g sampled slots), w1 [V, r] (W1, indexed by target
+// ids), w2t [r, Vd] (W2 transposed: 2 MB in bf16 for SmolLM2's draft; split over the threads it stays
+// in their L2 caches from one slot to the next), all bf16 or all fp32; d2t [Vd] int64 (draft -> target
+// offset; empty: the vocabularies are the same), anchors [B] int64 -> tokens [B, g] int64 target ids:
+// slot k's previous token is the anchor for k = 0, else slot k-1's choice.
+torch::Tensor markov_walk(torch::Tensor base, torch::Tensor w1, torch::Tensor w2t, torch::Tensor d2t,
+                          torch::Tensor anchors) {
+  const auto dt = base.scalar_type();
+  TORCH_CHECK(base.dim() == 3 && (dt == torch::kBFloat16 || dt == torch::kFloat) && base.device().is_cpu(),
+              "markov_walk: base must be a [B, g, Vd] bf16 or fp32 CPU tensor");
+  TORCH_CHECK(w1.dim() == 2 && w1.scalar_type() == dt, "markov_walk: w1 must be [V, r] in base's dtype");
+  TORCH_CHECK(w2t.dim() == 2 && w2t.scalar_type() == dt && w2t.size(0) == w1.size(1) && w2t.size(1) == base.size(2),
+              "markov_walk: w2t must be [r, Vd] in base's dtype, matching w1's rank and base's vocabulary");
+  TORCH_CHECK(d2t.numel() == 0 || (d2t.numel() == base.size(2) && d2t.scalar_type() == torch::kLong),
+              "markov_walk: d2t must be empty or [Vd] int64");
+  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == base.size(0) && anchors.scalar_type() == torch::kLong,
+              "markov_walk: anchors must be [B] int64");
+  auto bc = base.contiguous(), w1c = w1.contiguous(), wt = w2t.contiguous(), dc = d2t.contiguous();
+  auto ac = anchors.contiguous();
+  auto out = torch::empty({bc.size(0), bc.size(1)}, anchors.options());
+  const int64_t* dp = dc.numel() ? dc.data_ptr<int64_t>() : nullptr;
+  if (dt == torch::kBFloat16)
+    markov::walk(reinterpret_cast<const c10::BFloat16*>(bc.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const c10::BFloat16*>(w1c.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const c10::BFloat16*>(wt.data_ptr<at::BFloat16>()), dp, ac.data_ptr<int64_t>(),
+                 out.data_ptr<int64_t>(), bc.size(0), bc.size(1), bc.size(2), w1c.size(1), w1c.size(0));
+  else
+    markov::walk(bc.data_ptr<float>(), w1c.data_ptr<float>(), wt.data_ptr<float>(), dp, ac.data_ptr<int64_t>(),
+                 out.data_ptr<int64_t>(), bc.size(0), bc.size(1), bc.size(2), w1c.size(1), w1c.size(0));
   return out;
 }

@@ -87,7 +87,7 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
     h, base, state = draft_block(draft, anchors, batch.ctx)
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
     if not sampled and mh is not None and mh.head_type == "vanilla":
-        # every request greedy: the whole walk in one compiled call where it runs (bf16 on a CPU)
+        # every request greedy: the whole walk in one compiled call where it runs (a CPU with dspark's extension)
         walked = markov_walk(base, mh.markov_w1.weight, mh.w2_transposed(), draft.d2t, anchors)
         if walked is not None:
             prev_ids = torch.cat([anchors[:, None], walked[:, :-1]], 1)  # [B, g] each slot's previous token
