@@ -271,6 +271,12 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     assert torch.equal(mod.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
     with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
         mod.q4_mm(x[:, :64], *kernels.pack_q4(*_q4(16, 64)[:3]))
+    gen = torch.Generator().manual_seed(9)
+    for dtype in (torch.bfloat16, torch.float32):  # the Markov walk's generic loops
+        base, w1, w2t = (torch.randn(*s, generator=gen).to(dtype) for s in ((2, 4, 300), (300, 16), (16, 300)))
+        anchors = torch.tensor([3, 299])
+        assert torch.equal(mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
+                           _walk_reference(base, w1, w2t, None, anchors))
 
 
 def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
