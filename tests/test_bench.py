@@ -123,6 +123,54 @@ def test_arms_are_interleaved_per_prompt_with_rotating_order():
     assert [c.indices for c in chunks if c.arm == "adaptive@2"] == [[0, 1], [2]]
 
 
+def test_engine_arms_step_side_by_side_on_each_prompt():
+    """dspark's arms on a prompt advance one engine step each in turn (the first to step rotating),
+    each charged only its own steps; transformers arms run whole, in the rotated order."""
+    from types import SimpleNamespace
+
+    from dspark.bench.runner import EngineRunner
+
+    log = []
+
+    class FakeEngine:
+        def __init__(self, name, steps):
+            self.name, self.steps, self.left = name, steps, 0
+            self.draft = None if name == "plain" else object()
+            self.metrics = SimpleNamespace(t_draft=0.0, t_verify=0.0, t_other=0.0)
+
+        def add_request(self, ids, params):
+            self.left = self.steps
+            return SimpleNamespace(output_ids=[ids[0]] * self.steps, metrics=None)
+
+        def has_work(self):
+            return self.left > 0
+
+        def step(self):
+            log.append(self.name)
+            self.left -= 1
+
+    class HF:
+        def __call__(self, prompts, params):
+            log.append("hf")
+            return [[1]], [None]
+
+    class Set:
+        def __init__(self, name, n):
+            self.name, self.prompts = name, [""] * n
+
+    arms = parse_arms("hf,plain,full")
+    runners = {"hf": HF(), "plain": EngineRunner(FakeEngine("plain", 2)), "full": EngineRunner(FakeEngine("full", 3))}
+    timer = ForwardTimer(torch.nn.Identity(), "cpu")
+    chunks = interleaved(arms, runners, [Set("a", 2)], {"a": [[10], [11]]}, lambda i: None, timer, "cpu")
+    timer.close()
+    assert log == ["hf", "plain", "full", "full", "plain", "full",  # prompt 0: hf, then the engines in turn
+                   "full", "plain", "plain", "full", "full", "hf"]  # prompt 1: order rotated
+    assert [(c.arm, c.indices, c.outputs) for c in chunks] == [
+        ("hf", [0], [[1]]), ("plain", [0], [[10, 10]]), ("full", [0], [[10, 10, 10]]),
+        ("plain", [1], [[11, 11]]), ("full", [1], [[11, 11, 11]]), ("hf", [1], [[1]])]
+    assert all(c.wall_s > 0 for c in chunks)
+
+
 def test_arm_parsing_and_prompt_set_errors(setup, tmp_path):
     assert parse_arms("hf, lookup,adaptive@4") == [Arm("hf"), Arm("lookup"), Arm("adaptive", 4)]
     for bad, match in (("magic", "unknown bench arm"), ("hf@2", "one request at a time"), ("full@x", "integer"),

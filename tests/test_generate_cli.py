@@ -9,7 +9,7 @@ import torch
 
 from dspark.api import EngineConfig, build_engine
 from dspark.cli import main
-from dspark.cli.generate import _side_by_side
+from dspark.bench.runner import side_by_side
 from dspark.engine.compare import first_difference
 from dspark.engine.sampling import SamplingParams
 from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target with SmolLM2's tokenizer + a draft)
@@ -55,7 +55,7 @@ def test_compare_rounds_step_the_two_arms_in_turn(saved):  # noqa: F811
     for name, e in (("spec", eng), ("plain", plain)):
         e.step = lambda orig=e.step, name=name: (order.append(name), orig())[1]
     ids, params = eng.encode("Name three rivers."), SamplingParams(max_new_tokens=10, ignore_eos=True)
-    (a, b), secs = _side_by_side([eng, plain], ids, params, first=1)
+    (a, b), secs, _ = side_by_side([eng, plain], ids, params, first=1)
     assert order[:6] == ["plain", "spec", "spec", "plain", "plain", "spec"]
     assert len(a.output_ids) == len(b.output_ids) == 10 and a.output_ids == b.output_ids  # fp32: lossless
     assert all(s > 0 for s in secs) and not eng.has_work() and not plain.has_work()

@@ -194,8 +194,47 @@ def run_chunk(runner, arm: Arm, set_name: str, indices, prompts, params, timer: 
     return chunk
 
 
+def side_by_side(engines, ids: list[int], params, first: int = 0, timer: ForwardTimer | None = None, device="cpu"):
+    """One request on each engine, the engines taking one step each in turn, the first to step
+    rotating every step -> (requests, seconds each engine spent in its steps, seconds of target
+    forward within them: 0 without a timer). Whole runs timed one after the other differ by
+    several percent on a shared machine from drift alone; steps in turn put the same drift on
+    every arm, and rotating (rather than reversing) the order gives every arm every position."""
+    reqs = [e.add_request(ids, params) for e in engines]
+    n = len(engines)
+    wall, target = [0.0] * n, [0.0] * n
+    i = first
+    while any(e.has_work() for e in engines):
+        for k in range(n):
+            j = (i + k) % n
+            if engines[j].has_work():
+                t_fwd, t0 = timer.seconds if timer else 0.0, now(device)
+                engines[j].step()
+                wall[j] += now(device) - t0
+                target[j] += (timer.seconds - t_fwd) if timer else 0.0
+        i += 1
+    return reqs, wall, target
+
+
+def _engine_chunks(arms: list[Arm], runners: dict, set_name: str, i: int, ids, params, timer, device, first: int):
+    """The engine arms on one prompt, side by side (`side_by_side`), as one Chunk each."""
+    engines = [runners[a.name].engine for a in arms]
+    before = [(e.metrics.t_draft, e.metrics.t_verify, e.metrics.t_other) for e in engines]
+    reqs, wall, target = side_by_side(engines, ids, params, first, timer, device)
+    chunks = []
+    for a, e, r, b, w, t in zip(arms, engines, reqs, before, wall, target):
+        spec = e.draft is not None
+        c = Chunk(a.name, set_name, [i], [r.output_ids], [r.metrics if spec else None], w, t)
+        c.draft_s = e.metrics.t_draft - b[0] if spec else 0.0  # without a draft: bookkeeping, not a pass
+        c.verify_s, c.other_s = e.metrics.t_verify - b[1], e.metrics.t_other - b[2]
+        chunks.append(c)
+    return chunks
+
+
 def interleaved(arms: list[Arm], runners: dict, sets, encoded: dict, params_for, timer, device, progress=None) -> list[Chunk]:
-    """Run every arm on every prompt, prompt group by prompt group, arm order rotated per prompt."""
+    """Run every arm on every prompt, prompt group by prompt group, arm order rotated per prompt.
+    Engine arms decoding one request at a time run side by side (`side_by_side`), where the
+    first of them comes in the rotated order; other arms (transformers) run whole."""
     group = max(a.concurrency for a in arms)
     single = [a for a in arms if a.concurrency == 1]
     batched = [a for a in arms if a.concurrency > 1]
@@ -207,11 +246,19 @@ def interleaved(arms: list[Arm], runners: dict, sets, encoded: dict, params_for,
             idx = list(range(g0, min(g0 + group, len(ids))))
             for i in idx:
                 order = single[turn % len(single):] + single[: turn % len(single)] if single else []
-                turn += 1
+                stepped = [a for a in order if isinstance(runners[a.name], EngineRunner)]
                 for arm in order:
-                    chunks.append(run_chunk(runners[arm.name], arm, ps.name, [i], [ids[i]], [params_for(i)], timer, device))
-                    if progress:
-                        progress(chunks[-1])
+                    if arm in stepped and len(stepped) > 1:
+                        if arm is not stepped[0]:
+                            continue  # ran with the first engine arm
+                        new = _engine_chunks(stepped, runners, ps.name, i, ids[i], params_for(i), timer, device, turn)
+                    else:
+                        new = [run_chunk(runners[arm.name], arm, ps.name, [i], [ids[i]], [params_for(i)], timer, device)]
+                    for c in new:
+                        chunks.append(c)
+                        if progress:
+                            progress(c)
+                turn += 1
             for arm in batched:
                 for c0 in range(0, len(idx), arm.concurrency):
                     sub = idx[c0 : c0 + arm.concurrency]

@@ -3,7 +3,8 @@
 With --compare the same prompt is also decoded without speculation (same target, same code
 path) and the speedup is printed: measured side by side in one run. The streamed run is what the
 user reads; the measured rounds come after it, both arms warmed up, the two requests advancing one
-engine step each in turn (`_side_by_side`), so a slow moment of a shared machine falls on both.
+engine step each in turn (`dspark.bench.runner.side_by_side`), so a slow moment of a shared
+machine falls on both.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark.api import build_engine
+from dspark.bench.runner import side_by_side
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.engine.compare import first_difference
 from dspark.engine.sampling import SamplingParams
@@ -50,25 +52,6 @@ def _streamer():
             printed[0] = len(text)
 
     return on_tokens
-
-
-def _side_by_side(engines, ids, params, first: int = 0):
-    """One request on each engine, the engines stepping in turn, which one steps first alternating
-    every step -> (requests, seconds each engine spent in its steps). Timed whole runs one after the
-    other differ by several percent on a shared machine from drift alone; stepping in turn puts
-    the same drift on every arm."""
-    reqs = [e.add_request(ids, params) for e in engines]
-    secs = [0.0] * len(engines)
-    i = first
-    while any(e.has_work() for e in engines):
-        order = range(len(engines)) if i % 2 == 0 else reversed(range(len(engines)))
-        for k in order:
-            if engines[k].has_work():
-                t0 = time.perf_counter()
-                engines[k].step()
-                secs[k] += time.perf_counter() - t0
-        i += 1
-    return reqs, secs
 
 
 def _timed(engine, ids, params, on_tokens=None):
@@ -111,7 +94,7 @@ def run(args) -> int:
         spec_tok = spec_s = plain_tok = base_s = 0
         base = None
         for r in range(args.compare_rounds):
-            (s_req, p_req), (s_secs, p_secs) = _side_by_side([engine, plain], ids, params, first=r)
+            (s_req, p_req), (s_secs, p_secs), _ = side_by_side([engine, plain], ids, params, first=r)
             spec_tok, spec_s = spec_tok + len(s_req.output_ids), spec_s + s_secs
             plain_tok, base_s = plain_tok + len(p_req.output_ids), base_s + p_secs
             base = p_req if base is None else base  # the plain output compared with the streamed one
