@@ -215,8 +215,7 @@ def markov_walk(base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor, d2t: to
     logits, w1 [V, r], w2t [r, Vd] (W2 transposed), all bf16 or all fp32, d2t [Vd] or None, anchors
     [B] -> target ids [B, g]; None where the extension does not run (a CPU without it, another
     device or dtype): the caller walks in torch."""
-    if base.device.type != "cpu" or not base.dtype == w1.dtype == w2t.dtype or base.dtype not in (torch.bfloat16,
-                                                                                                 torch.float32):
+    if base.device.type != "cpu" or {base.dtype, w1.dtype, w2t.dtype} not in ({torch.bfloat16}, {torch.float32}):
         return None
     ext = extension()
     if ext is None:

@@ -187,11 +187,16 @@ def run_chunk(runner, arm: Arm, set_name: str, indices, prompts, params, timer: 
     wall = now(device) - t0
     chunk = Chunk(arm.name, set_name, list(indices), outputs, metrics, wall, timer.seconds - t_target)
     if m is not None:
-        d, v, o = m.t_draft - before[0], m.t_verify - before[1], m.t_other - before[2]
-        # without a draft the engine's "draft" span is only bookkeeping: overhead, not a model pass
-        chunk.draft_s = d if runner.engine.draft is not None else 0.0
-        chunk.verify_s, chunk.other_s = v, o
+        _engine_spans(chunk, runner.engine, before)
     return chunk
+
+
+def _engine_spans(chunk: Chunk, engine, before: tuple[float, float, float]) -> None:
+    """The engine's draft / verify / other spans since `before` (its metrics' running totals)."""
+    m = engine.metrics
+    # without a draft the engine's "draft" span is only bookkeeping: overhead, not a model pass
+    chunk.draft_s = m.t_draft - before[0] if engine.draft is not None else 0.0
+    chunk.verify_s, chunk.other_s = m.t_verify - before[1], m.t_other - before[2]
 
 
 def side_by_side(engines, ids: list[int], params, first: int = 0, timer: ForwardTimer | None = None, device="cpu"):
@@ -223,10 +228,8 @@ def _engine_chunks(arms: list[Arm], runners: dict, set_name: str, i: int, ids, p
     reqs, wall, target = side_by_side(engines, ids, params, first, timer, device)
     chunks = []
     for a, e, r, b, w, t in zip(arms, engines, reqs, before, wall, target):
-        spec = e.draft is not None
-        c = Chunk(a.name, set_name, [i], [r.output_ids], [r.metrics if spec else None], w, t)
-        c.draft_s = e.metrics.t_draft - b[0] if spec else 0.0  # without a draft: bookkeeping, not a pass
-        c.verify_s, c.other_s = e.metrics.t_verify - b[1], e.metrics.t_other - b[2]
+        c = Chunk(a.name, set_name, [i], [r.output_ids], [r.metrics if e.draft is not None else None], w, t)
+        _engine_spans(c, e, b)
         chunks.append(c)
     return chunks
 
