@@ -380,6 +380,9 @@ def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced, dtype):
     anchors = torch.tensor([0, 7, Vt - 1])
     got = kernels.markov_walk(base, w1, w2t, d2t, anchors)
     assert torch.equal(got, _walk_reference(base, w1, w2t, d2t, anchors))
+    # broken logits (NaN weights, all -inf) choose as torch's argmax does: the first NaN, else the first
+    base[0, 1, 600], base[0, 1, 900], base[1, 2] = float("nan"), float("nan"), float("-inf")
+    assert torch.equal(kernels.markov_walk(base, w1, w2t, d2t, anchors), _walk_reference(base, w1, w2t, d2t, anchors))
     # where it does not run (mixed or other dtypes), the caller walks in torch
     assert kernels.markov_walk(base.double(), w1, w2t, d2t, anchors) is None
     assert kernels.markov_walk(base, w1, w2t.double(), d2t, anchors) is None

@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -19,6 +20,8 @@ namespace markov {
 constexpr int64_t CHUNK = 512;  // vocabulary entries per parallel task
 
 inline float round_as(float x, c10::BFloat16) { return static_cast<float>(c10::BFloat16(x)); }
+// torch's argmax order: NaN above everything (the first NaN wins), otherwise the first largest
+inline bool beats(float x, float best) { return std::isnan(x) ? !std::isnan(best) : x > best; }
 inline float round_as(float x, float) { return x; }
 
 // The first largest of T(base[v] + T(sum_k z[k] * w2t[k][v])) over v in [v0, v1), T the dtype.
@@ -58,7 +61,7 @@ void best_in(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, 
     }
     for (int64_t j = 0; j < L && v + j < v1; ++j) {
       const float logit = round_as(static_cast<float>(base[v + j]) + round_as(acc[j], T{}), T{});
-      if (logit > best) {
+      if (beats(logit, best)) {
         best = logit;
         arg = v + j;
       }
@@ -81,18 +84,17 @@ void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64
       at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
         for (int64_t c = c0; c < c1; ++c) {
           best[c] = -std::numeric_limits<float>::infinity();
-          arg[c] = -1;
+          arg[c] = c * CHUNK;  // all -inf: the first, as torch's argmax
           best_in(row, z.data(), wp, r, V, c * CHUNK, std::min(V, (c + 1) * CHUNK), best[c], arg[c]);
         }
       });
-      int64_t pick = -1;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c)  // chunks in vocabulary order: a tie keeps the first
-        if (arg[c] >= 0 && (pick < 0 || best[c] > top)) {
+      int64_t pick = arg[0];
+      float top = best[0];
+      for (int64_t c = 1; c < chunks; ++c)  // chunks in vocabulary order: a tie keeps the first
+        if (beats(best[c], top)) {
           top = best[c];
           pick = arg[c];
         }
-      TORCH_CHECK(pick >= 0, "markov_walk: slot ", k, " has no finite logit (NaN weights?)");
       prev = dp ? pick + dp[pick] : pick;
       op[b * g + k] = prev;
     }
