@@ -4,37 +4,27 @@
 // in fp32, round to bf16, multiply by the bf16 weight, round. Rows are independent, so a row's
 // result does not depend on the batch.
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <cmath>
-#include <cstring>
 
 namespace {
 
-inline float bf2f(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as torch's casts do
 
-inline uint16_t f2bf(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
-void norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, int64_t H, float eps) {
+void norm_rows(const bf16* x, const bf16* w, bf16* y, int64_t R, int64_t H, float eps) {
   for (int64_t r = 0; r < R; ++r) {
-    const uint16_t* xr = x + r * H;
+    const bf16* xr = x + r * H;
     float ss[16] = {0};  // 16 partial sums in a fixed order: vectorisable, and the same for every row
     int64_t i = 0;
     for (; i + 16 <= H; i += 16)
-      for (int j = 0; j < 16; ++j) { const float v = bf2f(xr[i + j]); ss[j] += v * v; }
-    for (; i < H; ++i) { const float v = bf2f(xr[i]); ss[0] += v * v; }
+      for (int j = 0; j < 16; ++j) { const float v = xr[i + j]; ss[j] += v * v; }
+    for (; i < H; ++i) { const float v = xr[i]; ss[0] += v * v; }
     float s = 0.f;
     for (int j = 0; j < 16; ++j) s += ss[j];
     const float inv = 1.0f / std::sqrt(s / static_cast<float>(H) + eps);
-    for (int64_t k = 0; k < H; ++k) y[r * H + k] = f2bf(bf2f(f2bf(bf2f(xr[k]) * inv)) * bf2f(w[k]));
+    for (int64_t k = 0; k < H; ++k) y[r * H + k] = bf16(rb(xr[k] * inv) * static_cast<float>(w[k]));
   }
 }
 
@@ -52,8 +42,7 @@ torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   auto xc = x.contiguous(), wc = w.contiguous();
   auto y = torch::empty_like(xc);
   const int64_t H = w.size(0), R = xc.numel() / H;
-  norm_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()),
-            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), R, H, static_cast<float>(eps));
+  norm_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps));
   return y;
 }
 
@@ -64,12 +53,10 @@ std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch:
   TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == torch::kBFloat16, "add_rms_bf16: the residual must match x");
   auto xc = x.contiguous(), rc = r.contiguous(), wc = w.contiguous();
   auto s = torch::empty_like(xc), y = torch::empty_like(xc);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* rp = reinterpret_cast<const uint16_t*>(rc.data_ptr<at::BFloat16>());
-  uint16_t* sp = reinterpret_cast<uint16_t*>(s.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < xc.numel(); ++i) sp[i] = f2bf(bf2f(xp[i]) + bf2f(rp[i]));
+  const bf16 *xp = xc.data_ptr<at::BFloat16>(), *rp = rc.data_ptr<at::BFloat16>();
+  bf16* sp = s.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < xc.numel(); ++i) sp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(rp[i]));
   const int64_t H = w.size(0), R = xc.numel() / H;
-  norm_rows(sp, reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-            R, H, static_cast<float>(eps));
+  norm_rows(sp, wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps));
   return {s, y};
 }

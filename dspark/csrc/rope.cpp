@@ -3,32 +3,22 @@
 // transposes, two cache copies), ~1-2 us each. Same rounding steps as torch's bf16 ops (each
 // product and the sum rounded to bf16), so the bits are torch's. Rows are independent.
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstring>
 
 namespace rope {
 
-inline float bf2f(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as torch's casts do
 
-inline uint16_t f2bf(float f) {  // round to nearest even (finite values)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
 // out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = (-x2, x1), D = 2 * half
-inline void rotate(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* out, int64_t D) {
+inline void rotate(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
   const int64_t h = D / 2;
   for (int64_t i = 0; i < D; ++i) {
-    const float r = i < h ? -bf2f(x[i + h]) : bf2f(x[i - h]);
-    const float a = bf2f(f2bf(bf2f(x[i]) * bf2f(c[i])));
-    const float b = bf2f(f2bf(r * bf2f(s[i])));
-    out[i] = f2bf(a + b);
+    const float r = i < h ? -static_cast<float>(x[i + h]) : static_cast<float>(x[i - h]);
+    out[i] = bf16(rb(x[i] * c[i]) + rb(r * s[i]));
   }
 }
 
@@ -51,22 +41,21 @@ torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor c
   for (int64_t i = 0; i < B * S; ++i)
     TORCH_CHECK(pp[i] >= 0 && pp[i] < C, "rope_cache_bf16: position ", pp[i], " outside the cache of ", C);
   auto q = torch::empty({B, S, Hq, D}, qk.options());
-  auto U = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  auto W = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  const uint16_t *qkp = U(qk), *vp = U(v), *cp = U(cos), *sp = U(sin);
-  uint16_t *qo = W(q), *kp = W(kc), *vcp = W(vc);
+  const bf16 *qkp = qk.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>(), *cp = cos.data_ptr<at::BFloat16>(),
+             *sp = sin.data_ptr<at::BFloat16>();
+  bf16 *qo = q.data_ptr<at::BFloat16>(), *kp = kc.data_ptr<at::BFloat16>(), *vcp = vc.data_ptr<at::BFloat16>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = 0; s < S; ++s) {
       const int64_t p = pp[b * S + s];
       const int64_t pt = std::min<int64_t>(p, cos.size(0) - 1);  // padding may run past the table: never read
-      const uint16_t *c = cp + pt * cos.stride(0), *sn = sp + pt * sin.stride(0);
+      const bf16 *c = cp + pt * cos.stride(0), *sn = sp + pt * sin.stride(0);
       for (int64_t h = 0; h < Hq; ++h)
         rotate(qkp + b * qk.stride(0) + s * qk.stride(1) + h * qk.stride(2), c, sn, qo + ((b * S + s) * Hq + h) * D, D);
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t dst = b * kc.stride(0) + h * kc.stride(1) + p * kc.stride(2);
         rotate(qkp + b * qk.stride(0) + s * qk.stride(1) + (Hq + h) * qk.stride(2), c, sn, kp + dst, D);
         std::memcpy(vcp + b * vc.stride(0) + h * vc.stride(1) + p * vc.stride(2),
-                    vp + b * v.stride(0) + s * v.stride(1) + h * v.stride(2), D * sizeof(uint16_t));
+                    vp + b * v.stride(0) + s * v.stride(1) + h * v.stride(2), D * sizeof(bf16));
       }
     }
   return q;
