@@ -53,7 +53,7 @@ def pack_bf16(w: torch.Tensor):
     if not PACK_BF16 or w.device.type != "cpu":
         return None
     N, K = w.shape
-    if N * K <= BF16_KERNEL_MAX and N % 16 == 0 and K % 32 == 0 and extension_isa() == "avx512":
+    if N * K <= BF16_KERNEL_MAX and tile_applies(N, K):
         G = K // 32  # [N/16, K/32, 16 input pairs, 16 columns x 2]: csrc/q4.cpp's bf16_mm layout
         P = w.detach().to(torch.bfloat16).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)
         return P.reshape(N // 16, G, 16, 32).contiguous(), torch.ones(N // 16, G, 16)
@@ -171,8 +171,9 @@ def extension_isa() -> str | None:
     return _build["isa"]
 
 
-def q4_applies(n: int, k: int) -> bool:
-    """Can dspark's kernel hold an [n, k] int4 weight (16 output columns a vector, groups of 32)?"""
+def tile_applies(n: int, k: int) -> bool:
+    """Can dspark's AVX512-BF16 tile (int4, Q8_0 and bf16 matmuls) hold an [n, k] weight (16 output
+    columns a vector, groups of 32 inputs)?"""
     return n % 16 == 0 and k % 32 == 0 and extension() is not None and _build["isa"] == "avx512"
 
 

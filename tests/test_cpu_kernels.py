@@ -264,7 +264,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
     mod = kernels.extension()
     assert mod is not None and kernels.extension_isa() == "avx2"
-    assert kernels.q4_status().startswith("torch (") and not kernels.q4_applies(64, 64)
+    assert kernels.q4_status().startswith("torch (") and not kernels.tile_applies(64, 64)
     _check_attention(mod)
     x = (torch.randn(5, 576) * 3).to(torch.bfloat16)
     w = (torch.randn(576) * 0.5 + 1).to(torch.bfloat16)

@@ -261,7 +261,7 @@ def test_smollm2_native_equals_hf_and_auto_is_int4():
     from dspark import kernels
 
     # the head is Q8_0 in the GGUF: held as such on dspark's kernel, else kept in bf16
-    head = "q8_0" if kernels.q4_applies(*model.get_output_embeddings().weight.shape) else "bf16"
+    head = "q8_0" if kernels.tile_applies(*model.get_output_embeddings().weight.shape) else "bf16"
     assert auto.weights == "int4" and auto.head_format == head and auto.dtype == torch.bfloat16
     # the int4 runtime holds the shipped Q4_1 values (bf16 activations):
     # its next-token choice on the prompt is the fp32 model's

@@ -148,7 +148,7 @@ class Linear:
             self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self.s = s.to(act)
         elif fmt == "q8_0":  # group 32, w = q * d (the GGUF Q8_0 rule), dspark's kernel only
-            if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape)):
+            if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape)):
                 raise DSparkError(f"q8_0 weights need dspark's AVX512-BF16 kernel and bf16 activations ({kernels.q4_status()})")
             q, d = q8_groups(w)
             self.exact = is_q8_exact(w)
@@ -159,7 +159,7 @@ class Linear:
                                   f"divisible by 16, got {w.shape[0]} x {w.shape[1]}")
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
-            if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.q4_applies(*w.shape):
+            if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape):
                 # dspark's kernel: d and lo kept in fp32 (torch's rounds them to bf16), and a
                 # verify of 8 rows costs far less than 8 single rows (kernels.py)
                 self.q4, self.w = kernels.pack_q4(q, d, lo), None
@@ -326,7 +326,7 @@ class NativeTarget:
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
                 # not 4-bit: an exact Q8_0 head (the GGUF's, for SmolLM2) runs on dspark's int8
                 # kernel where it can, else the head stays in float; it is never re-quantised
-                q8 = (ops == "auto" and act == torch.bfloat16 and kernels.q4_applies(*lm_head.weight.shape)
+                q8 = (ops == "auto" and act == torch.bfloat16 and kernels.tile_applies(*lm_head.weight.shape)
                       and is_q8_exact(lm_head.weight, rows=64))
                 head = "q8_0" if q8 else "fp32" if act == torch.float32 else "bf16"
             head = head or self.weights
