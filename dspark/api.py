@@ -125,11 +125,19 @@ def build_engine(config: EngineConfig) -> Engine:
         if check.accepted is not None:
             # what the check measured, plus one timed draft phase: an adaptive policy then knows from
             # the first step whether drafting pays, instead of drafting to find out
-            engine.prior = DraftPrior(check.accepted.numpy(), draft.spec.gamma, draft_phase_seconds(draft))
+            engine.prior = DraftPrior(check.accepted.numpy(), draft.spec.gamma,
+                                      draft_phase_seconds(draft, evict=lambda: _one_target_step(target)))
             if isinstance(policy, AdaptiveScheduler):
                 policy.seed(engine.prior)
                 notes.append(policy.summary())
     return engine
+
+
+@torch.inference_mode()
+def _one_target_step(target) -> None:
+    """A target forward of one token on a scratch state: what runs between two drafting phases."""
+    state = target.new_state(1)
+    target.forward(state, torch.zeros(1, 1, dtype=torch.long, device=target.device))
 
 
 def load_engine(target: str = SMOLLM2, draft: str | None = None, **settings) -> Engine:

@@ -197,6 +197,16 @@ def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
     return extension().q4_mm(x, *packed)
 
 
+def q8_groups(w: torch.Tensor, group: int = 32):
+    """Symmetric 8-bit quantisation per `group` inputs (the GGUF Q8_0 rule: d = max|w| / 127).
+    w [N, K] -> (q [N, K] in -127..127, d [N, K/group]); a Q8_0 weight gets its exact values back."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // group, group)
+    d = g.abs().amax(-1) / 127
+    q = (g / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127)
+    return q.reshape(N, K).to(torch.int8), d
+
+
 def pack_q8(q: torch.Tensor, d: torch.Tensor):
     """q [N, K] int8 values, d [N, K/32] fp32 (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout."""
     N, K = q.shape

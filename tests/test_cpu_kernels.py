@@ -156,7 +156,7 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
     assert torch.equal(ext.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
     s, h = ext.add_rms_bf16(x, r, w, 1e-5)
     assert torch.equal(s, x + r) and torch.equal(h, _rms(x + r, w, 1e-5))
-    with pytest.raises(RuntimeError, match="last dimension"):
+    with pytest.raises(RuntimeError, match=r"w must be \[H\] with x \[..., H\]"):
         ext.rms_bf16(x, w[:-1], 1e-5)
     with pytest.raises(RuntimeError, match="bf16"):
         ext.rms_bf16(x.float(), w, 1e-5)
@@ -432,3 +432,129 @@ def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
     assert not isinstance(kernels.pack_bf16(w), tuple)  # oneDNN's packed weight (or None without it)
     with pytest.raises(RuntimeError, match="bf16_mm: x has 64 inputs, the weight 96"):
         kernels.packed_linear(x[:, :64], packed, None, 48)
+
+
+def test_the_norm_kernel_takes_a_weight_per_head(ext):
+    """Qwen3's q/k norms: x [..., heads, D] with a weight row per head, torch's bits (a strided view too)."""
+    from dspark.target.native import _rms
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 12, 32, generator=gen).to(torch.bfloat16)[:, :, :9]  # not contiguous
+    w = (torch.rand(9, 32, generator=gen) + 0.5).to(torch.bfloat16)
+    assert torch.equal(ext.rms_bf16(x, w, 1e-6), _rms(x, w, 1e-6))
+    with pytest.raises(RuntimeError, match="heads"):
+        ext.rms_bf16(x, w[:4], 1e-6)
+    with pytest.raises(RuntimeError, match="one weight row"):
+        ext.add_rms_bf16(x.contiguous(), x.contiguous(), w, 1e-6)
+
+
+def _contexts(draft, taps, steps, force_torch, monkeypatch):
+    """A batch of ragged contexts built by a prefill and ragged appends, on the fast path or torch's."""
+    from dspark.model import fast
+
+    with monkeypatch.context() as m:
+        if force_torch:
+            m.setattr(fast, "applies", lambda *a: False)
+        ctx = draft.new_context_cache(taps.shape[0], "cpu", torch.bfloat16)
+        draft.extend_context(ctx, taps[:, :9], torch.tensor([9, 6, 3]))
+        for n, counts in steps:
+            draft.extend_context(ctx, taps[:, 9:9 + n], torch.tensor(counts))
+        block = torch.full((taps.shape[0], draft.spec.query_slots), draft.spec.mask_token_id)
+        block[:, 0] = torch.tensor([5, 17, 40])
+        with torch.inference_mode():
+            h = draft.block_states(block, ctx)
+    return ctx, h
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causal):
+    """dspark's kernels run the draft as the modules do: the context keys and values bit for bit
+    (ragged rows, partial commits, capacity growth), the block states up to bf16 rounding, over a
+    bidirectional block and a causal one."""
+    import dataclasses
+
+    from dspark.formats.spec import LayerAttention
+    from dspark.model import fast
+
+    from dspark.model.packed import pack_linears
+
+    model = tiny_target()
+    draft = tiny_draft(model, gamma=5).to(torch.bfloat16)
+    pack_linears(draft)  # the modules on dspark's matmul too, as the engine runs them: same sums, same bits
+    if causal:
+        draft = draft.read_as(dataclasses.replace(draft.spec, layer_attention=(LayerAttention(None, True),)))
+    gen = torch.Generator().manual_seed(6)
+    taps = torch.randn(3, 400, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
+    steps = [(3, [1, 3, 2]), (2, [2, 0, 1]), (300, [300, 290, 299])]  # the last grows the capacity
+    with torch.inference_mode():
+        assert fast.applies(draft, draft.new_context_cache(3, "cpu", torch.bfloat16), 3)
+    fctx, fh = _contexts(draft, taps, steps, False, monkeypatch)
+    tctx, th = _contexts(draft, taps, steps, True, monkeypatch)
+    assert fctx.lengths.tolist() == tctx.lengths.tolist() == [312, 299, 305] and fctx.capacity >= 312 + 6
+    for f, t in zip(fctx.layers, tctx.layers):
+        for b, n in enumerate(fctx.lengths.tolist()):
+            assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
+    # bf16 rounding in another order (fp32 softmax, fused adds): a few units of the last place
+    assert (fh.float() - th.float()).abs().max() <= 2 ** -5 * th.float().abs().max()
+    # rows are independent: row 1 alone gets the bits it got in the batch
+    one = fctx.select(torch.tensor([1]))
+    block = torch.full((1, draft.spec.query_slots), draft.spec.mask_token_id)
+    block[:, 0] = 17
+    with torch.inference_mode():
+        assert torch.equal(draft.block_states(block, one), fh[1:2])
+
+
+def test_the_fast_path_is_left_where_it_does_not_apply(ext):
+    """fp32 drafts, training (gradients), a doctor's shared context and sliding windows take the modules."""
+    import dataclasses
+
+    from dspark.formats.spec import LayerAttention
+    from dspark.model import fast
+    from dspark.model.draft import ContextCache
+
+    model = tiny_target()
+    draft = tiny_draft(model).to(torch.bfloat16)
+    ctx = draft.new_context_cache(2, "cpu", torch.bfloat16)
+    with torch.inference_mode():
+        assert fast.applies(draft, ctx, 2)
+        assert not fast.applies(draft, ctx, 1)  # one context row per block row
+        assert not fast.applies(draft, ContextCache(ctx.layers, ctx.lengths, shared=True), 2)
+        windowed = draft.read_as(dataclasses.replace(draft.spec, layer_attention=(LayerAttention(8, False),)))
+        assert not fast.applies(windowed, ctx, 2)
+    assert not fast.applies(draft, ctx, 2)  # gradients wanted
+    with torch.inference_mode():
+        f32 = tiny_draft(model)
+        assert not fast.applies(f32, f32.new_context_cache(2, "cpu", torch.float32), 2)
+
+
+def test_the_packed_copy_follows_the_weights(ext):
+    """A weight changed in place (an optimizer step, a load) is repacked before the next decode."""
+    from dspark.model import fast
+
+    draft = tiny_draft(tiny_target()).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = fast.for_draft(draft)
+        assert fast.for_draft(draft) is first and fast.for_draft(draft.read_as(draft.spec)) is first
+    with torch.no_grad():
+        draft.layers[0].mlp.down_proj.weight.mul_(2)
+    with torch.inference_mode():
+        assert fast.for_draft(draft) is not first
+
+
+def test_the_draft_head_runs_in_q8_0_where_the_tile_runs(q4):
+    """Decoding's draft head is the Q8_0 copy of lm_head (as fine a grid as bf16): its logits are
+    lm_head's up to that rounding, and greedy proposals pick the same tokens on a real margin."""
+    from dspark.model import fast
+
+    draft = tiny_draft(tiny_target()).to(torch.bfloat16)
+    h = torch.randn(4, 7, draft.lm_head.in_features, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert fast.head_applies(draft)
+        got, ref = draft.head_logits(h).float(), draft.lm_head(h).float()
+    assert got.shape == ref.shape == (4, 7, draft.spec.draft_vocab_size)
+    scale = h.float().abs() @ draft.lm_head.weight.float().abs().T  # what the per-group rounding can move
+    assert ((got - ref).abs() <= 2 ** -7 * scale + 2 ** -7 * ref.abs()).all()
+    top2 = ref.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 ** -5 * scale.amax(-1)
+    assert clear.any() and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert not fast.head_applies(draft.float())

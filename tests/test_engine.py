@@ -121,7 +121,7 @@ def test_q_is_the_markov_corrected_distribution():
     prop = propose(draft, batch)
     # recompute by hand: base logits + W2 W1[prev], prev = anchor then the sampled tokens
     block = torch.tensor([[int(batch.anchors[0])] + [5] * 2])
-    h = draft(block, batch.ctx.layers, batch.ctx.lengths)
+    h = draft(block, batch.ctx.valid(), batch.ctx.lengths)
     prev = [int(batch.anchors[0])] + prop.tokens[0, :-1].tolist()
     for k in range(3):
         base = draft.lm_head(h[0, k])
@@ -157,7 +157,7 @@ def test_caches_hold_only_committed_positions():
             assert torch.allclose(mine.keys, ref.keys, atol=1e-5)
         ctx = draft.new_context_cache(1, "cpu", torch.float32)
         draft.extend_context(ctx, taps, torch.tensor([len(committed)]))
-        for mine, ref in zip(b.ctx.layers, ctx.layers):
+        for mine, ref in zip(b.ctx.valid(), ctx.valid()):  # past the lengths: scratch
             assert torch.allclose(mine.k, ref.k, atol=1e-5) and torch.allclose(mine.v, ref.v, atol=1e-5)
     assert partial > 0  # some steps accepted part of the block: the crop path really ran
 
@@ -211,5 +211,52 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
     _, taps = engine.target.forward(clean, torch.tensor([committed]))
     ctx = draft.new_context_cache(1, "cpu", torch.float32)
     draft.extend_context(ctx, taps, torch.tensor([len(committed)]))
-    for mine, ref in zip(engine.batch.ctx.layers, ctx.layers):
+    for mine, ref in zip(engine.batch.ctx.valid(), ctx.valid()):
         assert torch.allclose(mine.k, ref.k, atol=1e-5) and torch.allclose(mine.v, ref.v, atol=1e-5)
+
+
+def test_drafting_fewer_slots_drafts_the_same_first_slots():
+    """propose(depth=d) gives the first d tokens, distributions and confidences of a full proposal
+    (greedy and sampled rows, with and without the walk kernel); a depth outside 1..g is refused."""
+    from dspark.engine import step as S
+
+    model = _flat_target()
+    draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
+    engine = engine_for(model, draft)
+    greedy, sampled = SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+    for params in (greedy, sampled):
+        engine.add_request([1, 2, 3], params)
+        engine._admit()
+        batch = engine.batch
+        full = S.propose(draft, batch)
+        for d in (1, 2, 4):
+            if not params.greedy:
+                batch.generators = [torch.Generator().manual_seed(9)]
+                full = S.propose(draft, batch)
+                batch.generators = [torch.Generator().manual_seed(9)]
+            part = S.propose(draft, batch, d)
+            assert torch.equal(part.tokens, full.tokens[:, :d])
+            assert torch.allclose(part.conf_logits, full.conf_logits[:, :d])
+            if not params.greedy:
+                assert torch.allclose(part.q[0], full.q[0][:d])
+        for bad in (0, 5):
+            with pytest.raises(ValueError, match="depth"):
+                S.propose(draft, batch, bad)
+        engine.running.clear()
+        engine.batch = None
+
+
+def test_a_policy_that_drafts_one_slot_stays_lossless():
+    """decode_step drafts what the policy's draft_depth asks for, and greedy output is the target's."""
+    from dspark.engine.scheduler import FullScheduler
+
+    class OneSlot(FullScheduler):
+        def draft_depth(self, batch):
+            return 1
+
+    model = _flat_target()
+    draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
+    engine = engine_for(model, draft, policy=OneSlot())
+    req = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert req.output_ids == hf_greedy(model, [1, 2, 3], 20)
+    assert engine.metrics.steps > 0 and engine.metrics.drafted == engine.metrics.steps

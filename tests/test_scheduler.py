@@ -386,3 +386,21 @@ def test_a_prior_from_the_load_time_check_decides_the_first_step():
     with pytest.raises(DSparkError, match="draft_seconds"):
         DraftPrior(np.array([0, 1]), gamma=3, draft_seconds=float("nan"))
     assert sch.AdaptiveScheduler(curve).summary().endswith("the first step drafts")
+
+
+def test_adaptive_drafts_only_as_deep_as_it_could_verify():
+    """The depth the skip comparison found best, plus one for a confident step, is all the policy
+    asks the draft for; a step that drafted fewer slots updates only their survival."""
+    curve = CostCurve((1, 64), (0.010, 0.010))
+    batch = SimpleNamespace(anchors=torch.zeros(1, dtype=torch.long))
+    prior = DraftPrior(np.array([3, 3, 0, 1] * 8), gamma=5, draft_seconds=0.001)  # survival .75 .5 .5 0 0
+    sched = AdaptiveScheduler(curve, prior=prior)
+    assert sched.draft_depth(batch) is None  # nothing compared yet: every slot
+    assert sched.should_draft(batch)
+    assert sched._best_depth == 3 and sched.draft_depth(batch) == 4
+    before = sched.survival.copy()
+    prop = SimpleNamespace(conf_logits=torch.full((1, 2), 10.0), tokens=torch.zeros(1, 2, dtype=torch.long))
+    n = sched.verify_lengths(prop, batch)
+    assert n.tolist() == [2] and sched.survival[2:].tolist() == before[2:].tolist()
+    assert sched.survival[0] > before[0]
+    assert FullScheduler().draft_depth(batch) is None

@@ -335,7 +335,7 @@ def score_anchors(draft, spec, text: Text, g_max: int, ctx=None) -> tuple[torch.
     for chunk in anchors.split(ANCHOR_CHUNK):
         pos = chunk[:, None] + torch.arange(g, device=dev)[None, :]  # [n, g], inside the text (see above)
         want = argmax[pos]  # the target's token at each slot
-        tokens, ll = teacher_forced(view, ids[chunk], ContextCache(ctx, chunk.clone()), want)
+        tokens, ll = teacher_forced(view, ids[chunk], ContextCache(ctx, chunk.clone(), shared=True), want)
         acc.append((tokens == want).long().cumprod(1).sum(1).cpu())
         lls.append(ll.float().cpu())
     return torch.cat(acc), torch.cat(lls)

@@ -13,9 +13,12 @@ using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as 
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
-void norm_rows(const bf16* x, const bf16* w, bf16* y, int64_t R, int64_t H, float eps) {
+// w holds `heads` rows of H weights: row r of x is scaled by weight row r % heads (1: one weight
+// for every row; Qwen3's q/k norms: one per head)
+void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, float eps, int64_t heads = 1) {
   for (int64_t r = 0; r < R; ++r) {
     const bf16* xr = x + r * H;
+    const bf16* w = w0 + (r % heads) * H;
     float ss[16] = {0};  // 16 partial sums in a fixed order: vectorisable, and the same for every row
     int64_t i = 0;
     for (; i + 16 <= H; i += 16)
@@ -31,18 +34,19 @@ void norm_rows(const bf16* x, const bf16* w, bf16* y, int64_t R, int64_t H, floa
 void check(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
               "rms_bf16: x and w must be bf16 CPU tensors");
-  TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_bf16: x's last dimension ", x.size(-1), " != w's ", w.numel());
+  TORCH_CHECK((w.dim() == 1 && x.size(-1) == w.size(0)) || (w.dim() == 2 && x.dim() >= 2 && x.size(-2) == w.size(0) && x.size(-1) == w.size(1)),
+              "rms_bf16: w must be [H] with x [..., H], or [heads, H] with x [..., heads, H]; got w ", w.sizes(), " and x ", x.sizes());
 }
 
 }  // namespace
 
-// y = w * rms_norm(x) over the last dimension
+// y = w * rms_norm(x) over the last dimension; w [H], or [heads, H] (a weight per head)
 torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   check(x, w);
   auto xc = x.contiguous(), wc = w.contiguous();
   auto y = torch::empty_like(xc);
-  const int64_t H = w.size(0), R = xc.numel() / H;
-  norm_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps));
+  const int64_t H = w.size(-1), R = xc.numel() / H, heads = w.dim() == 2 ? w.size(0) : 1;
+  norm_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps), heads);
   return y;
 }
 
@@ -50,6 +54,7 @@ torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
 // the next norm in one call
 std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch::Tensor w, double eps) {
   check(x, w);
+  TORCH_CHECK(w.dim() == 1, "add_rms_bf16: one weight row for every row of x");
   TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == torch::kBFloat16, "add_rms_bf16: the residual must match x");
   auto xc = x.contiguous(), rc = r.contiguous(), wc = w.contiguous();
   auto s = torch::empty_like(xc), y = torch::empty_like(xc);

@@ -50,9 +50,12 @@ class Calibration:
             )
 
     def confidences(self, conf_logits: torch.Tensor) -> torch.Tensor:
-        """conf_logits [B, g] -> calibrated c [B, g] (float64)."""
-        self.check_gamma(conf_logits.shape[-1])
-        t = torch.tensor(self.temperatures, dtype=torch.float64, device=conf_logits.device)
+        """conf_logits [B, g] -> calibrated c [B, g] (float64); g may be below gamma (a step that
+        drafted only the first g slots: their temperatures are the first g)."""
+        g = conf_logits.shape[-1]
+        if g > self.gamma:
+            self.check_gamma(g)
+        t = torch.tensor(self.temperatures[:g], dtype=torch.float64, device=conf_logits.device)
         return torch.sigmoid(conf_logits.double() / t)
 
     def to_json(self) -> dict:

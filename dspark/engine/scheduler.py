@@ -137,6 +137,12 @@ class VerifyPolicy:
         """Before any draft exists: whether this step drafts at all (False: a plain target step)."""
         return True
 
+    def draft_depth(self, batch) -> int | None:
+        """After should_draft: how many slots are worth drafting this step (None: all g). The
+        draft head and the Markov walk run once per slot, so slots that will not be verified
+        are not drafted."""
+        return None
+
     def verify_lengths(self, prop, batch) -> torch.Tensor:
         """n [B]: how many of each request's drafted tokens the target verifies (0..g)."""
         raise NotImplementedError
@@ -213,6 +219,7 @@ class AdaptiveScheduler(VerifyPolicy):
         self._probing = False  # the last drafting step was a probe between skipped steps
         self._skip_R: int | None = None  # requests at the last comparison that chose skipping
         self._times: dict[int, list[float]] = {}  # expected_rates' curve lookups, per request count
+        self._best_depth: int | None = None  # the depth expected_rates found best (draft_depth)
         self.prior = prior
         if prior is not None:
             self.seed(prior)
@@ -239,8 +246,19 @@ class AdaptiveScheduler(VerifyPolicy):
         surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
         mean = surv.mean(axis=0)
         w = 1.0 if self._probing else EMA  # after many skipped steps the old estimate is stale
-        self.survival = mean if self.survival is None else (1 - w) * self.survival + w * mean
+        if self.survival is None:
+            self.survival = mean
+        else:  # a step that drafted only the first g slots (draft_depth) updates those
+            g = len(mean)
+            self.survival[:g] = (1 - w) * self.survival[:g] + w * mean
         return self._lengths(admit(surv, self.sps), batch)
+
+    def draft_depth(self, batch) -> int | None:
+        """One slot past the depth the last comparison (`expected_rates`) found best: admission
+        may still go one deeper on a confident step, and slots past that are not drafted."""
+        if self._best_depth is None or self.survival is None:
+            return None
+        return min(len(self.survival), self._best_depth + 1)
 
     def expected_rates(self, R: int) -> tuple[float, float]:
         """(committed tokens/s drafting at the best depth, tokens/s without drafting) for R requests,
@@ -253,7 +271,9 @@ class AdaptiveScheduler(VerifyPolicy):
         tau, best = float(R), 0.0
         for j, s in enumerate(self.expected_survival().tolist()):
             tau += R * s
-            best = max(best, tau / (self.overhead + self.scale * times[j + 1]))
+            rate = tau / (self.overhead + self.scale * times[j + 1])
+            if rate > best:
+                best, self._best_depth = rate, j + 1
         return best, plain
 
     def expected_survival(self) -> np.ndarray:

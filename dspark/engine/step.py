@@ -62,16 +62,18 @@ class StepResult:
 
 
 @torch.inference_mode()
-def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache):
-    """The draft's one forward over [anchor, MASK, ...]: (h [B, S, H], base logits of the sampled
-    rows [B, g, Vd], the Markov head's state before the first sampled row, or None)."""
+def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, depth: int | None = None):
+    """The draft's one forward over [anchor, MASK, ...]: (h [B, S, H], base logits of the first
+    `depth` sampled rows [B, depth, Vd] (all g by default), the Markov head's state before the
+    first sampled row, or None)."""
     spec = draft.spec
     B = anchors.shape[0]
     block = anchors.new_full((B, spec.query_slots), spec.mask_token_id)
     block[:, 0] = anchors
-    h = draft(block, ctx.layers, ctx.lengths)  # [B, S, H]
+    h = draft.block_states(block, ctx)  # [B, S, H]: the whole block, as trained, whatever the depth
     rows = spec.sampled_rows
-    base = draft.lm_head(h[:, rows.start : rows.stop])  # [B, g, Vd]
+    stop = rows.stop if depth is None else rows.start + depth
+    base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
     mh = draft.markov_head
     state = mh.init_state(B, h) if mh is not None else None
     if mh is not None and mh.head_type == "rnn" and rows.start == 1:
@@ -81,10 +83,17 @@ def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache):
 
 
 @torch.inference_mode()
-def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
-    anchors, rows, mh = batch.anchors, draft.spec.sampled_rows, draft.markov_head
+def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Proposal:
+    """Draft the first `depth` slots of the block (all g by default: a policy that will verify
+    no deeper saves the draft head and the walk of the rest)."""
+    rows, mh = draft.spec.sampled_rows, draft.markov_head
+    if depth is not None:
+        if not 1 <= depth <= len(rows):
+            raise ValueError(f"draft depth must be 1..{len(rows)}, got {depth}")
+        rows = rows[:depth]
+    anchors = batch.anchors
     B = anchors.shape[0]
-    h, base, state = draft_block(draft, anchors, batch.ctx)
+    h, base, state = draft_block(draft, anchors, batch.ctx, len(rows))
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
     if not sampled and mh is not None and mh.head_type == "vanilla":
         # every request greedy: the whole walk in one compiled call where it runs (a CPU with dspark's extension)
@@ -118,10 +127,13 @@ def propose(draft: DSparkDraft, batch: Batch) -> Proposal:
 
 
 @torch.inference_mode()
-def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5) -> float:
+def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None) -> float:
     """Wall time of one drafting step's own work at batch 1 (`propose`, then the context update of
     the positions a step commits), on a context of `context` positions: what the adaptive policy
-    weighs against a target step before any real step has run. Median of `reps` after one warm-up."""
+    weighs against a target step before any real step has run. Median of `reps` after one warm-up.
+    evict: called (untimed) before each rep; pass one target step, which in decoding runs between
+    two drafting phases and pushes the draft's weights out of the CPU's caches (on SmolLM2 a warm
+    phase costs ~2/3 of a cold one)."""
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     width = draft.fc.weight.shape[1]
     ctx = draft.new_context_cache(1, dev, dtype)
@@ -132,8 +144,11 @@ def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5) ->
     taps = torch.zeros(1, 2, width, device=dev, dtype=dtype)
     times = []
     for _ in range(reps + 1):
-        scratch = ContextCache(list(ctx.layers), ctx.lengths.clone())  # each rep from the same context
+        # each rep from the same context: the writes past its length are scratch (ContextCache)
+        scratch = ContextCache(list(ctx.layers), ctx.lengths.clone())
         batch.ctx = scratch
+        if evict is not None:
+            evict()
         t0 = now(dev)
         propose(draft, batch)
         draft.extend_context(scratch, taps, torch.tensor([2], device=dev))
@@ -208,7 +223,7 @@ def decode_step(
     drafting = draft is not None and policy.should_draft(batch)
     if drafting:
         flush_context(draft, batch)
-        prop = propose(draft, batch)
+        prop = propose(draft, batch, policy.draft_depth(batch))
     else:
         prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
     g = prop.tokens.shape[1]

@@ -16,28 +16,72 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dspark.errors import FormatError
 from dspark.formats.spec import DraftSpec
+from dspark.model import fast
 from dspark.model.heads import ConfidenceHead, MarkovHead
 from dspark.model.layers import DraftLayer, LayerKV, Rope
-from dspark.ragged import merge_rows, pack
+from dspark.ragged import merge_rows
 
 BORROWABLE = ("embed_tokens.weight", "lm_head.weight")
 
 
+CONTEXT_CHUNK = 256  # context capacity grows in multiples of this (doubling): growth copies are rare
+
+
 @dataclass
 class ContextCache:
-    """Per-layer context keys/values of committed positions; rows left-aligned, right-padded."""
+    """Per-layer context keys/values of committed positions, preallocated: row b holds its
+    lengths[b] committed entries at [0, lengths[b]); what lies past them is scratch that every
+    attention hides and the next append overwrites (a decoding block's own keys land there too,
+    model/fast.py). Committing is a length update; nothing is copied away."""
 
-    layers: list[LayerKV]
+    layers: list[LayerKV]  # k, v [B, kv, C, D], C = capacity >= lengths.max()
     lengths: torch.Tensor  # [B] valid context positions per row (= anchor position)
+    # one text's context read by many anchors (`dspark doctor`): past a row's length lie entries
+    # other rows read, not scratch, so nothing may be written there
+    shared: bool = False
+
+    @property
+    def capacity(self) -> int:
+        return int(self.layers[0].k.shape[2]) if self.layers else 0
+
+    def reserve(self, need: int) -> None:
+        """Room for `need` entries in every row (capacity doubles, in CONTEXT_CHUNK steps)."""
+        if need <= self.capacity:
+            return
+        cap = -(-max(need, 2 * self.capacity) // CONTEXT_CHUNK) * CONTEXT_CHUNK
+        grown = []
+        for kv in self.layers:
+            k = kv.k.new_zeros(*kv.k.shape[:2], cap, kv.k.shape[3])
+            v = torch.zeros_like(k)
+            k[:, :, : kv.k.shape[2]], v[:, :, : kv.v.shape[2]] = kv.k, kv.v
+            grown.append(LayerKV(k, v))
+        self.layers = grown
+
+    def valid(self) -> list[LayerKV]:
+        """The layers cut to the longest row: what an attention over the context reads."""
+        T = int(self.lengths.max()) if self.lengths.numel() else 0
+        return [LayerKV(kv.k[:, :, :T], kv.v[:, :, :T]) for kv in self.layers]
+
+    def write(self, new: list[LayerKV]) -> None:
+        """Put new[l] [B, kv, n, D] at positions lengths[b] .. lengths[b] + n - 1 of each row,
+        without committing them (lengths stay)."""
+        n = new[0].k.shape[2]
+        L = self.lengths
+        self.reserve(int(L.max()) + n)
+        uniform = L.shape[0] == 1 or bool((L == L[0]).all())
+        if uniform:
+            L0 = int(L[0])
+            for kv, x in zip(self.layers, new):
+                kv.k[:, :, L0 : L0 + n], kv.v[:, :, L0 : L0 + n] = x.k, x.v
+            return
+        pos = L[:, None] + torch.arange(n, device=L.device)[None, :]  # [B, n] each row at its own offset
+        rows = torch.arange(L.shape[0], device=L.device)[:, None]
+        for kv, x in zip(self.layers, new):
+            kv.k[rows, :, pos], kv.v[rows, :, pos] = x.k.transpose(1, 2), x.v.transpose(1, 2)
 
     def append(self, new: list[LayerKV], counts: torch.Tensor) -> None:
         # new[l].k [B, kv, n, D], counts [B] <= n: only the first counts[b] entries are committed
-        old_len = self.layers[0].k.shape[2]
-        self.layers = [
-            LayerKV(pack(torch.cat([o.k, n.k], 2), self.lengths, old_len, counts),
-                    pack(torch.cat([o.v, n.v], 2), self.lengths, old_len, counts))
-            for o, n in zip(self.layers, new)
-        ]
+        self.write(new)
         self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> "ContextCache":
@@ -81,6 +125,7 @@ class DSparkDraft(nn.Module):
             self.d2t = None
         self.rope = Rope(b)
         self.borrowed: set[str] = set()  # weights taken from the target: never saved with the draft
+        self._fast: dict = {}  # model/fast.py's packed copy, shared with the views of read_as
 
     def read_as(self, spec: DraftSpec) -> "DSparkDraft":
         """The same weights (shared, not copied) read as another spec: another layout or block
@@ -167,6 +212,20 @@ class DSparkDraft(nn.Module):
             x = layer(x, kv, mask, cos, sin)
         return self.norm(x)
 
+    def block_states(self, block_ids: torch.Tensor, ctx: ContextCache) -> torch.Tensor:
+        """Decoding's forward: block_ids [N, S] over a context cache -> h [N, S, H]. On dspark's
+        CPU kernels where they apply (model/fast.py), else `forward`."""
+        if fast.applies(self, ctx, block_ids.shape[0]):
+            return fast.for_draft(self).block(self, block_ids, ctx)
+        return self(block_ids, ctx.valid(), ctx.lengths)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Decoding's draft head: h [..., H] -> logits [..., Vd]; Q8_0 on dspark's kernel where it
+        runs (model/fast.py), else lm_head."""
+        if fast.head_applies(self):
+            return fast.for_draft(self).logits(h)
+        return self.lm_head(h)
+
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf outside the draft vocab)."""
         if self.d2t is None:
@@ -193,5 +252,7 @@ class DSparkDraft(nn.Module):
     @torch.inference_mode()
     def extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] rows of taps [B, n, n_taps*Ht] to each request's context."""
+        if fast.applies(self, cache, taps.shape[0]):
+            return fast.for_draft(self).extend(cache, taps, counts)
         positions = cache.lengths[:, None] + torch.arange(taps.shape[1], device=taps.device)[None, :]
         cache.append(self.context_kv(taps.to(self.fc.weight.dtype), positions), counts)

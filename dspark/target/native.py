@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark import kernels
+from dspark.kernels import q8_groups
 from dspark.errors import DSparkError, RequestError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -99,16 +100,6 @@ def is_int4_exact(w: torch.Tensor, group: int = GROUP, rows: int | None = None) 
         return False
     w = w if rows is None else w[:rows]
     return _int4_exact(w, *int4_groups(w, group), group)
-
-
-def q8_groups(w: torch.Tensor, group: int = GROUP):
-    """Symmetric 8-bit quantisation per `group` inputs (the GGUF Q8_0 rule: d = max|w| / 127).
-    w [N, K] -> (q [N, K] in -127..127, d [N, K/group]); a Q8_0 weight gets its exact values back."""
-    N, K = w.shape
-    g = w.float().reshape(N, K // group, group)
-    d = g.abs().amax(-1) / 127
-    q = (g / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127)
-    return q.reshape(N, K).to(torch.int8), d
 
 
 def is_q8_exact(w: torch.Tensor, rows: int | None = None, group: int = GROUP) -> bool:

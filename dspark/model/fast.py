@@ -1,0 +1,177 @@
+"""The draft's decoding forward on dspark's CPU kernels (bf16, with the compiled extension).
+
+`DSparkDraft.forward` is the reference: the modules training uses, about 120 small torch ops
+for one block of a one-layer draft and ~35 more for each context update. A drafting step pays
+that before the target runs, so on a CPU the ops, not the arithmetic, decided its cost (docs/
+BENCHMARKS.md, "Session 12"). Here the same layer runs as the target's native runtime runs its
+own (dspark/target/native.py): fused q/k/v and gate/up weights in dspark's bf16 layout, the
+norm kernel, RoPE and the cache write in one call, and the attention kernel reading the
+preallocated context cache directly. Same arithmetic up to bf16 rounding order; the target
+verifies every token, so a draft that rounds differently changes acceptance, never output.
+
+A block's own keys and values are written into the context cache right after each row's
+committed entries (positions lengths[b] ..), where the next context update overwrites them:
+the block attends to [context ; block] without a concatenation. The block is not causal in
+DSpark (spec.layer_attention); a causal layer reads up to its own position instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dspark import kernels
+from dspark.model.layers import LayerKV
+
+
+class _Linear:
+    """x @ W.T (+ b) with W packed once for dspark's bf16 kernel (oneDNN's layout where it does not hold W)."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+        self.n, self.b = w.shape[0], b
+        self.packed = kernels.pack_bf16(w)
+        self.w = w if self.packed is None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.w, self.b)
+        return kernels.packed_linear(x, self.packed, self.b, self.n)
+
+
+def _cat(*ts):
+    return None if all(t is None for t in ts) else torch.cat(ts)
+
+
+class FastDraft:
+    """The packed weights of one draft's layers; built by `for_draft`, read-only afterwards."""
+
+    def __init__(self, draft):
+        b = draft.spec.backbone
+        self.Hq, self.Hkv, self.D, self.eps = b.num_attention_heads, b.num_key_value_heads, b.head_dim, b.rms_norm_eps
+        self.fc = _Linear(draft.fc.weight.detach(), None)
+        self.hidden_norm = draft.hidden_norm.weight.detach()
+        self.norm = draft.norm.weight.detach()
+        self.layers = []
+        for layer in draft.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight.detach(),
+                wqkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+                             _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
+                wkv=_Linear(torch.cat([a.k_proj.weight, a.v_proj.weight]).detach(), _cat(a.k_proj.bias, a.v_proj.bias)),
+                # Qwen3's q_norm on every query head, k_norm on every key head: one call, one weight row a head
+                qk_norm=None if a.q_norm is None else torch.cat([a.q_norm.weight.expand(self.Hq, -1),
+                                                                 a.k_norm.weight.expand(self.Hkv, -1)]).detach().contiguous(),
+                k_norm=None if a.k_norm is None else a.k_norm.weight.detach(),
+                wo=_Linear(a.o_proj.weight.detach(), a.o_proj.bias),
+                ln2=layer.post_attention_layernorm.weight.detach(),
+                w13=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), None),
+                w2=_Linear(m.down_proj.weight.detach(), None),
+            ))
+        rot = draft.rope.rotary
+        self.inv_freq = rot.inv_freq.float()
+        self.scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.cos = self.sin = torch.zeros(0, self.D, dtype=torch.bfloat16)
+        # the draft head in Q8_0 (groups of 32, d = max|w| / 127: as fine a grid as bf16's 8-bit
+        # mantissa): read from memory every step, after the target's weights have evicted it, it is
+        # the largest tensor a drafting step reads; at half the bytes it costs ~half (BENCHMARKS.md)
+        w = draft.lm_head.weight.detach()
+        self.head = kernels.pack_q8(*kernels.q8_groups(w)) if kernels.tile_applies(*w.shape) else None
+        self.ext = kernels.extension()
+        # what a weight update shows: an in-place change bumps a tensor's version; `.to()` replaces fc.weight
+        self.fc_weight = draft.fc.weight
+        self.versions = [(t, t._version) for t in draft.parameters()]
+
+    def _table(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [P, D] bf16 for positions < need, computed as the draft's rotary module does
+        (fp32, then cast); the kernel clamps past the table, so it must cover every position."""
+        if self.cos.shape[0] < need:
+            t = torch.arange(-(-need // 1024) * 1024, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq)
+            emb = torch.cat([freqs, freqs], -1)
+            self.cos = (emb.cos() * self.scale).to(torch.bfloat16)
+            self.sin = (emb.sin() * self.scale).to(torch.bfloat16)
+        return self.cos, self.sin
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> draft-head logits [..., Vd] bf16."""
+        return kernels.q8_linear(h.reshape(-1, h.shape[-1]), self.head).view(*h.shape[:-1], -1)
+
+    def stale(self, draft) -> bool:
+        return draft.fc.weight is not self.fc_weight or any(t._version != v for t, v in self.versions)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.ext.rms_bf16(x, w, self.eps)
+
+    def block(self, draft, block_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """block_ids [N, S] -> post-norm block states h [N, S, H], as `DSparkDraft.forward` over ctx."""
+        N, S = block_ids.shape
+        L = ctx.lengths
+        ctx.reserve(int(L.max()) + S)
+        pos = L[:, None] + torch.arange(S)[None, :]  # [N, S] the block rows' positions
+        last = (L + S - 1)[:, None].expand(N, S).contiguous()  # a row sees its whole block
+        cos, sin = self._table(int(L.max()) + S)
+        causal = [att.causal for att in draft.spec.layer_attention]  # the caller's reading (read_as views share this copy)
+        x = draft.embed_tokens(block_ids).to(torch.bfloat16)
+        h = self._rms(x, self.layers[0]["ln1"])
+        for i, (ly, kv) in enumerate(zip(self.layers, ctx.layers)):
+            qkv = ly["wqkv"](h).view(N, S, self.Hq + 2 * self.Hkv, self.D)
+            qk, v = qkv[:, :, : self.Hq + self.Hkv], qkv[:, :, self.Hq + self.Hkv :]
+            if ly["qk_norm"] is not None:
+                qk = self._rms(qk, ly["qk_norm"])
+            q = self.ext.rope_cache_bf16(qk, v, cos, sin, kv.k, kv.v, pos)  # block keys at pos, in the scratch
+            o = self.ext.attn_bf16(q, kv.k, kv.v, pos if causal[i] else last, self.D ** -0.5)
+            x, h = self.ext.add_rms_bf16(x, ly["wo"](o), ly["ln2"], self.eps)
+            g, u = ly["w13"](h).chunk(2, -1)
+            nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
+            x, h = self.ext.add_rms_bf16(x, ly["w2"](F.silu(g) * u), nxt, self.eps)
+        return h
+
+    def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:
+        """Commit the first counts[b] of taps [B, n, F] to each row's context, as `DSparkDraft.extend_context`."""
+        B, n, _ = taps.shape
+        L = ctx.lengths
+        ctx.reserve(int(L.max()) + n)
+        pos = L[:, None] + torch.arange(n)[None, :]
+        cos, sin = self._table(int(L.max()) + n)
+        c = self._rms(self.fc(taps.to(torch.bfloat16)), self.hidden_norm)
+        for ly, kv in zip(self.layers, ctx.layers):
+            kvp = ly["wkv"](c).view(B, n, 2 * self.Hkv, self.D)
+            k, v = kvp[:, :, : self.Hkv], kvp[:, :, self.Hkv :]
+            if ly["k_norm"] is not None:
+                k = self._rms(k, ly["k_norm"])
+            self.ext.rope_cache_bf16(k, v, cos, sin, kv.k, kv.v, pos)  # no query heads: keys and values only
+        ctx.lengths = L + counts
+
+
+def applies(draft, ctx, rows: int) -> bool:
+    """Can the fast path run this draft on this context? (bf16 weights on a CPU, the extension
+    built, no gradient wanted, no sliding window, head size a multiple of 16, SiLU, one context
+    row of its own per block row, in bf16.)"""
+    spec, b = draft.spec, draft.spec.backbone
+    w = draft.fc.weight
+    return (
+        w.dtype == torch.bfloat16 and w.device.type == "cpu" and not torch.is_grad_enabled()
+        and kernels.extension() is not None
+        and all(att.sliding_window is None for att in spec.layer_attention)
+        and b.head_dim % 16 == 0 and b.hidden_act == "silu"
+        and not ctx.shared and bool(ctx.layers) and ctx.layers[0].k.shape[0] == rows and ctx.layers[0].k.dtype == torch.bfloat16
+        and ctx.layers[0].k.is_contiguous()
+    )
+
+
+def for_draft(draft) -> FastDraft:
+    """The draft's packed copy, built once and shared by its views (`read_as`); rebuilt when a
+    weight has changed in place since."""
+    held = draft._fast
+    fast = held.get("fast")
+    if fast is None or fast.stale(draft):
+        fast = held["fast"] = FastDraft(draft)
+    return fast
+
+
+def head_applies(draft) -> bool:
+    """Does the draft head run in Q8_0 here? (bf16 on a CPU with dspark's AVX512-BF16 tile, no gradient wanted.)"""
+    w = draft.lm_head.weight
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and not torch.is_grad_enabled()
+            and kernels.tile_applies(*w.shape))
