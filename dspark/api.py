@@ -125,10 +125,19 @@ def build_engine(config: EngineConfig) -> Engine:
         if check.accepted is not None:
             # what the check measured, plus one timed draft phase: an adaptive policy then knows from
             # the first step whether drafting pays, instead of drafting to find out
-            engine.prior = DraftPrior(check.accepted.numpy(), draft.spec.gamma,
-                                      draft_phase_seconds(draft, evict=lambda: _one_target_step(target)))
+            accepted = check.accepted.numpy()
+
+            def phase(depth=None):  # timed after a target step, as decoding meets it (cold caches)
+                return DraftPrior(accepted, draft.spec.gamma,
+                                  draft_phase_seconds(draft, evict=lambda: _one_target_step(target), depth=depth), depth)
+
+            engine.prior = phase()
             if isinstance(policy, AdaptiveScheduler):
                 policy.seed(engine.prior)
+                depth = policy.planned_depth()
+                if depth is not None and depth < draft.spec.gamma:  # it will draft fewer slots: time those
+                    engine.prior = phase(depth)
+                    policy.seed(engine.prior)
                 notes.append(policy.summary())
     return engine
 

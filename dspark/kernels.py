@@ -159,6 +159,13 @@ def extension():
     return _build["ext"]
 
 
+def build_tag() -> str | None:
+    """The extension's build (its ISA and a hash of its sources), None where it does not run: a
+    measurement of a forward (the cost curve) made with other kernels is stale."""
+    ext = extension()
+    return None if ext is None else ext.__name__
+
+
 def q4_status() -> str:
     """Which int4 kernel runs here, and why."""
     extension()

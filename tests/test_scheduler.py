@@ -396,6 +396,11 @@ def test_adaptive_drafts_only_as_deep_as_it_could_verify():
     prior = DraftPrior(np.array([3, 3, 0, 1] * 8), gamma=5, draft_seconds=0.001)  # survival .75 .5 .5 0 0
     sched = AdaptiveScheduler(curve, prior=prior)
     assert sched.draft_depth(batch) is None  # nothing compared yet: every slot
+    assert sched.planned_depth() == 4  # what build_engine times the prior's draft phase at
+    with pytest.raises(DSparkError, match="depth"):
+        DraftPrior(np.array([0, 1]), gamma=5, draft_seconds=0.001, depth=6)
+    assert "draft phase 1.0 ms at 2 slots" in AdaptiveScheduler(
+        curve, prior=DraftPrior(np.array([0, 1]), gamma=5, draft_seconds=0.001, depth=2)).summary()
     assert sched.should_draft(batch)
     assert sched._best_depth == 3 and sched.draft_depth(batch) == 4
     before = sched.survival.copy()

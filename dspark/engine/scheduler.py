@@ -53,6 +53,7 @@ class DraftPrior:
     accepted: np.ndarray  # [N] accepted drafts per anchor, 0..gamma
     gamma: int
     draft_seconds: float
+    depth: int | None = None  # the slots drafted when draft_seconds was timed (None: all gamma)
 
     def __post_init__(self):
         a = np.asarray(self.accepted)
@@ -60,6 +61,8 @@ class DraftPrior:
             raise DSparkError(f"draft prior: accepted counts must be a non-empty 1-d array in [0, {self.gamma}]")
         if not (math.isfinite(self.draft_seconds) and self.draft_seconds > 0):
             raise DSparkError(f"draft prior: draft_seconds must be positive, got {self.draft_seconds!r}")
+        if self.depth is not None and not 1 <= self.depth <= self.gamma:
+            raise DSparkError(f"draft prior: depth must be 1..{self.gamma} (or None: all), got {self.depth!r}")
 
     @property
     def anchors(self) -> int:
@@ -253,6 +256,13 @@ class AdaptiveScheduler(VerifyPolicy):
             self.survival[:g] = (1 - w) * self.survival[:g] + w * mean
         return self._lengths(admit(surv, self.sps), batch)
 
+    def planned_depth(self, R: int = 1) -> int | None:
+        """The depth draft_depth would ask for at R requests, from what is known now (None: all)."""
+        if self.survival is None or self.plain_overhead is None:
+            return None
+        self.expected_rates(R)
+        return min(len(self.survival), self._best_depth + 1) if self._best_depth else None
+
     def draft_depth(self, batch) -> int | None:
         """One slot past the depth the last comparison (`expected_rates`) found best: admission
         may still go one deeper on a confident step, and slots past that are not drafted."""
@@ -302,8 +312,10 @@ class AdaptiveScheduler(VerifyPolicy):
             return "adaptive: nothing measured yet: the first step drafts"
         spec, plain = self.expected_rates(R)
         surv = " ".join(f"{x:.2f}" for x in self.expected_survival()[:4])
-        src = (f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
-               if self.prior is not None else "measured while decoding")
+        src = "measured while decoding"
+        if self.prior is not None:
+            at = f" at {self.prior.depth} slot{'s' if self.prior.depth > 1 else ''}" if self.prior.depth else ""
+            src = f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms{at}"
         head = f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against {plain:.0f} plain"
         if not (self.skip and self.learn) or spec >= plain:
             return head + ", so it drafts"

@@ -127,13 +127,14 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
 
 
 @torch.inference_mode()
-def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None) -> float:
+def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None,
+                        depth: int | None = None) -> float:
     """Wall time of one drafting step's own work at batch 1 (`propose`, then the context update of
     the positions a step commits), on a context of `context` positions: what the adaptive policy
     weighs against a target step before any real step has run. Median of `reps` after one warm-up.
     evict: called (untimed) before each rep; pass one target step, which in decoding runs between
     two drafting phases and pushes the draft's weights out of the CPU's caches (on SmolLM2 a warm
-    phase costs ~2/3 of a cold one)."""
+    phase costs ~2/3 of a cold one). depth: the slots drafted (`propose`), all by default."""
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     width = draft.fc.weight.shape[1]
     ctx = draft.new_context_cache(1, dev, dtype)
@@ -150,7 +151,7 @@ def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, ev
         if evict is not None:
             evict()
         t0 = now(dev)
-        propose(draft, batch)
+        propose(draft, batch, depth)
         draft.extend_context(scratch, taps, torch.tensor([2], device=dev))
         times.append(now(dev) - t0)
     return sorted(times[1:])[reps // 2]

@@ -368,8 +368,9 @@ class NativeTarget:
         return "+".join(sorted({"dspark" if lin.q4 is not None else "torch" for lin in self._int4_linears()})) or None
 
     def extension(self) -> str | None:
-        """The build of dspark's extension this target's norms, attention and RoPE run on, or None."""
-        return kernels.extension_isa() if self._ext is not None else None
+        """The build of dspark's extension this target's norms, attention and RoPE run on (its ISA
+        and source hash), or None."""
+        return kernels.build_tag() if self._ext is not None else None
 
     def describe(self) -> str:
         kernel = ""
@@ -378,7 +379,7 @@ class NativeTarget:
             ours = sum(lin.q4 is not None for lin in int4)
             kernel = (f", int4 kernel: dspark AVX512-BF16 ({ours} of {len(int4)} matrices)" if ours
                       else f", int4 kernel: {int4[0].kernel}")
-        ext = f", norms and attention: dspark {self.extension()}" if self._ext is not None else ""
+        ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
         return (f"native runtime, weights {self.weights} (head {self.head_format}), "
                 f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{ext}")
 
