@@ -41,8 +41,8 @@ PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
 # bf16 weights up to this many elements run on dspark's kernel (csrc/q4.cpp `bf16_mm`) where it is
 # built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
 # 2 threads: 576x576 at 7 rows 20 against 44 us). Larger ones (an LM head over the vocabulary) stay on
-# oneDNN: the kernel streams the weight once per tile of rows (7 rows = 4 + 2 + 1: 675 against 464 us
-# over 16 384 x 576), and oneDNN once.
+# oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
+# 1-3 rows (2.4 against 2.7-3.3 ms); a bf16 head is rare (a float target head; the draft's is Q8_0).
 BF16_KERNEL_MAX = 1 << 22
 
 

@@ -56,7 +56,7 @@ def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
 
 
 def test_rows_get_the_same_bits_in_any_batch(q4):
-    """Row tiles of 8, 4, 2 and 1 and the column split between threads never change a row's sum."""
+    """Row tiles (8 rows, then the rest in one tile) and the column split between threads never change a row's sum."""
     q, d, lo, _ = _q4(64, 192, seed=1)
     packed = kernels.pack_q4(q, d, lo)
     x = torch.randn(19, 192, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -269,6 +269,9 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     x = (torch.randn(5, 576) * 3).to(torch.bfloat16)
     w = (torch.randn(576) * 0.5 + 1).to(torch.bfloat16)
     assert torch.equal(mod.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
+    heads = (torch.rand(9, 64) + 0.5).to(torch.bfloat16)  # a weight per head (Qwen3's q/k norms)
+    xh = torch.randn(3, 9, 64).to(torch.bfloat16)
+    assert torch.equal(mod.rms_bf16(xh, heads, 1e-6), _rms(xh, heads, 1e-6))
     with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
         mod.q4_mm(x[:, :64], *kernels.pack_q4(*_q4(16, 64)[:3]))
     gen = torch.Generator().manual_seed(9)
@@ -277,6 +280,19 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         anchors = torch.tensor([3, 299])
         assert torch.equal(mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
                            _walk_reference(base, w1, w2t, None, anchors))
+    # the draft's decoding forward on this build (its matmuls on oneDNN): the modules' contexts, bit
+    # for bit, and their block states up to bf16 rounding
+    from dspark.model.packed import pack_linears
+
+    draft = tiny_draft(tiny_target(), gamma=5).to(torch.bfloat16)
+    pack_linears(draft)
+    taps = torch.randn(3, 40, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
+    fctx, fh = _contexts(draft, taps, [(3, [1, 3, 2])], False, monkeypatch)
+    tctx, th = _contexts(draft, taps, [(3, [1, 3, 2])], True, monkeypatch)
+    for f, t in zip(fctx.layers, tctx.layers):
+        for b, n in enumerate(fctx.lengths.tolist()):
+            assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
+    assert (fh.float() - th.float()).abs().max() <= 2 ** -5 * th.float().abs().max()
 
 
 def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
