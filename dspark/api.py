@@ -127,9 +127,10 @@ def build_engine(config: EngineConfig) -> Engine:
             # the first step whether drafting pays, instead of drafting to find out
             accepted = check.accepted.numpy()
 
+            step = _target_step(target)
+
             def phase(depth=None):  # timed after a target step, as decoding meets it (cold caches)
-                return DraftPrior(accepted, draft.spec.gamma,
-                                  draft_phase_seconds(draft, evict=lambda: _one_target_step(target), depth=depth), depth)
+                return DraftPrior(accepted, draft.spec.gamma, draft_phase_seconds(draft, evict=step, depth=depth), depth)
 
             engine.prior = phase()
             if isinstance(policy, AdaptiveScheduler):
@@ -142,11 +143,20 @@ def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-@torch.inference_mode()
-def _one_target_step(target) -> None:
-    """A target forward of one token on a scratch state: what runs between two drafting phases."""
+def _target_step(target):
+    """-> a call that runs one target step (one token, on a scratch state of its own, committed
+    nowhere): what runs between two drafting phases. Allocation-free after the first call, as a
+    decoding step is."""
     state = target.new_state(1)
-    target.forward(state, torch.zeros(1, 1, dtype=torch.long, device=target.device))
+    token = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    keep = torch.zeros(1, dtype=torch.long, device=target.device)
+
+    @torch.inference_mode()
+    def step() -> None:
+        target.forward(state, token)
+        target.commit(state, keep)
+
+    return step
 
 
 def load_engine(target: str = SMOLLM2, draft: str | None = None, **settings) -> Engine:
