@@ -574,3 +574,25 @@ def test_the_draft_head_runs_in_q8_0_where_the_tile_runs(q4):
     clear = (top2[..., 0] - top2[..., 1]) > 2 ** -5 * scale.amax(-1)
     assert clear.any() and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
     assert not fast.head_applies(draft.float())
+
+
+def test_batched_speculation_on_the_fast_draft_is_lossless(q4):
+    """A bf16 draft decodes on dspark's kernels (its packed copy is built) in a ragged batch, all
+    slots or one: every output is the target's own plain greedy decoding, and drafts are accepted."""
+    from dspark.engine.scheduler import FullScheduler
+
+    class OneSlot(FullScheduler):
+        def draft_depth(self, batch):
+            return 1
+
+    model = q4_exact(tiny_target())
+    plain = Engine(NativeTarget(model, act_dtype=torch.bfloat16), None)
+    draft = bigram_draft(plain).to(torch.bfloat16)
+    prompts = [[5, 17, 33, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 23 + [3, 88]]
+    params = SamplingParams(max_new_tokens=40)
+    want = [plain.generate(p, params).output_ids for p in prompts]
+    for policy in (None, OneSlot()):
+        spec = Engine(NativeTarget(model, act_dtype=torch.bfloat16), draft, policy=policy, max_batch=3)
+        assert [r.output_ids for r in spec.generate_many(prompts, params)] == want
+        assert 0 < spec.metrics.accepted < spec.metrics.verified
+    assert "fast" in draft._fast  # the kernels' path ran
