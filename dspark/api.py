@@ -25,6 +25,7 @@ from dspark.engine.engine import Engine
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
 from dspark.engine.step import draft_phase_seconds
 from dspark.errors import DSparkError
+from dspark.model import fast as fast_draft
 from dspark.model.load import load_draft
 from dspark.target.load import SMOLLM2, auto_dtype, default_device, open_target, parse_dtype
 from dspark.target.text import eos_ids
@@ -107,6 +108,7 @@ def build_engine(config: EngineConfig) -> Engine:
     draft = None
     if config.draft is not None:
         draft = load_draft(config.draft, model, layout=config.layout, dtype=target.dtype)
+        notes.append(fast_draft.describe(draft))
         # taps on before the policy exists: an adaptive policy times verification as the engine runs it
         target.set_taps(draft.spec.hidden_state_indices)
     policy = make_scheduler(config.verify, target, draft, threshold=config.threshold, calibration=config.calibration,

@@ -166,6 +166,12 @@ def build_tag() -> str | None:
     return None if ext is None else ext.__name__
 
 
+def why_unavailable() -> str:
+    """Why the extension does not run here ('' where it does)."""
+    extension()
+    return _build["why"]
+
+
 def q4_status() -> str:
     """Which int4 kernel runs here, and why."""
     extension()

@@ -79,7 +79,9 @@ def test_build_engine_assembles_everything_from_the_config(saved):
     eng = build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu", verify="threshold",
                                     threshold=0.3, max_batch=3))
     assert eng.config.draft == draft and eng.config.device == "cpu"
-    assert eng.notes == [f"runtime auto -> {eng.target.describe()}"] and isinstance(eng.target, NativeTarget)
+    assert eng.notes == [f"runtime auto -> {eng.target.describe()}",
+                         "draft decodes through its modules (float32 weights; the kernels are bf16)"]
+    assert isinstance(eng.target, NativeTarget)
     assert eng.draft.fc.weight.dtype == eng.target.dtype
     assert isinstance(eng.policy, ThresholdScheduler) and eng.policy.threshold == 0.3 and eng.max_batch == 3
     assert eng.target.tap_indices == eng.draft.spec.hidden_state_indices and eng.tokenizer is not None

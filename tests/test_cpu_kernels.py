@@ -596,3 +596,14 @@ def test_batched_speculation_on_the_fast_draft_is_lossless(q4):
         assert [r.output_ids for r in spec.generate_many(prompts, params)] == want
         assert 0 < spec.metrics.accepted < spec.metrics.verified
     assert "fast" in draft._fast  # the kernels' path ran
+
+
+def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
+    from dspark.model import fast
+
+    draft = tiny_draft(tiny_target())
+    assert fast.describe(draft) == "draft decodes through its modules (float32 weights; the kernels are bf16)"
+    draft = draft.to(torch.bfloat16)
+    assert fast.describe(draft).startswith("draft decodes on dspark's CPU kernels (bf16 layers, head ")
+    monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
+    assert fast.describe(draft) == "draft decodes through its modules (DSPARK_Q4_KERNEL=0)"

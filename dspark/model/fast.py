@@ -144,20 +144,39 @@ class FastDraft:
         ctx.lengths = L + counts
 
 
+def why_not(draft) -> str | None:
+    """Why this draft decodes through its modules rather than the kernels, or None: it can."""
+    spec, b, w = draft.spec, draft.spec.backbone, draft.fc.weight
+    if w.device.type != "cpu":
+        return f"weights on {w.device.type}"
+    if w.dtype != torch.bfloat16:
+        return f"{str(w.dtype).removeprefix('torch.')} weights; the kernels are bf16"
+    if kernels.extension() is None:
+        return kernels.why_unavailable()
+    if any(att.sliding_window is not None for att in spec.layer_attention):
+        return "sliding-window layers"
+    if b.head_dim % 16 or b.hidden_act != "silu":
+        return f"head size {b.head_dim}, activation {b.hidden_act}; the kernels take multiples of 16 and SiLU"
+    return None
+
+
 def applies(draft, ctx, rows: int) -> bool:
-    """Can the fast path run this draft on this context? (bf16 weights on a CPU, the extension
-    built, no gradient wanted, no sliding window, head size a multiple of 16, SiLU, one context
-    row of its own per block row, in bf16.)"""
-    spec, b = draft.spec, draft.spec.backbone
-    w = draft.fc.weight
+    """Can the fast path run this draft on this context now? (`why_not` says nothing against the
+    draft, no gradient is wanted, and ctx holds one bf16 context row of its own per block row.)"""
+    k = ctx.layers[0].k if ctx.layers else None
     return (
-        w.dtype == torch.bfloat16 and w.device.type == "cpu" and not torch.is_grad_enabled()
-        and kernels.extension() is not None
-        and all(att.sliding_window is None for att in spec.layer_attention)
-        and b.head_dim % 16 == 0 and b.hidden_act == "silu"
-        and not ctx.shared and bool(ctx.layers) and ctx.layers[0].k.shape[0] == rows and ctx.layers[0].k.dtype == torch.bfloat16
-        and ctx.layers[0].k.is_contiguous()
+        k is not None and not ctx.shared and k.shape[0] == rows and k.dtype == torch.bfloat16 and k.is_contiguous()
+        and not torch.is_grad_enabled() and why_not(draft) is None
     )
+
+
+def describe(draft) -> str:
+    """One line for the start-up notes: how this draft decodes, and why."""
+    reason = why_not(draft)
+    if reason is not None:
+        return f"draft decodes through its modules ({reason})"
+    head = "Q8_0" if head_applies(draft, grad=False) else "bf16"
+    return f"draft decodes on dspark's CPU kernels (bf16 layers, head {head})"
 
 
 def for_draft(draft) -> FastDraft:
@@ -170,8 +189,9 @@ def for_draft(draft) -> FastDraft:
     return fast
 
 
-def head_applies(draft) -> bool:
-    """Does the draft head run in Q8_0 here? (bf16 on a CPU with dspark's AVX512-BF16 tile, no gradient wanted.)"""
+def head_applies(draft, grad: bool | None = None) -> bool:
+    """Does the draft head run in Q8_0 here? (bf16 on a CPU with dspark's AVX512-BF16 tile, no
+    gradient wanted: grad None reads torch's current mode.)"""
     w = draft.lm_head.weight
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and not torch.is_grad_enabled()
-            and kernels.tile_applies(*w.shape))
+    grad = torch.is_grad_enabled() if grad is None else grad
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and not grad and kernels.tile_applies(*w.shape)
