@@ -127,9 +127,7 @@ def build_engine(config: EngineConfig) -> Engine:
         if check.accepted is not None:
             # what the check measured, plus one timed draft phase: an adaptive policy then knows from
             # the first step whether drafting pays, instead of drafting to find out
-            accepted = check.accepted.numpy()
-
-            step = _target_step(target)
+            accepted, step = check.accepted.numpy(), _target_step(target)
 
             def phase(depth=None):  # timed after a target step, as decoding meets it (cold caches)
                 return DraftPrior(accepted, draft.spec.gamma, draft_phase_seconds(draft, evict=step, depth=depth), depth)

@@ -1,4 +1,5 @@
-"""Ragged appends on left-aligned, right-padded caches (shared by the target and draft caches).
+"""Ragged appends on left-aligned, right-padded caches (`pack`: the HF target's cache; `merge_rows`:
+it and the draft's context cache, whose appends write in place instead, model/draft.py).
 
 Row b of a cache holds lengths[b] valid entries at [0, lengths[b]); the rest is padding that
 every attention mask hides. Keeping counts[b] of the n entries appended after position

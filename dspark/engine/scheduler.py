@@ -261,7 +261,7 @@ class AdaptiveScheduler(VerifyPolicy):
         if self.survival is None or self.plain_overhead is None:
             return None
         self.expected_rates(R)
-        return min(len(self.survival), self._best_depth + 1) if self._best_depth else None
+        return self.draft_depth(None)
 
     def draft_depth(self, batch) -> int | None:
         """One slot past the depth the last comparison (`expected_rates`) found best: admission
