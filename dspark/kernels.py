@@ -65,6 +65,16 @@ def pack_bf16(w: torch.Tensor):
         return None
 
 
+def fused_bias(*linears) -> torch.Tensor | None:
+    """The bias of linears whose weights are concatenated into one matmul (q/k/v, gate/up): theirs
+    end to end, zeros for one without; None when none has one."""
+    bs = [m.bias for m in linears]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype)
+                      for b, m in zip(bs, linears)])
+
+
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 @ packed.T (+ bias) -> [..., out_features]."""
     x2 = x.reshape(-1, x.shape[-1])

@@ -38,10 +38,6 @@ class _Linear:
         return kernels.packed_linear(x, self.packed, self.b, self.n)
 
 
-def _cat(*ts):
-    return None if all(t is None for t in ts) else torch.cat(ts)
-
-
 class FastDraft:
     """The packed weights of one draft's layers; built by `for_draft`, read-only afterwards."""
 
@@ -57,16 +53,16 @@ class FastDraft:
             self.layers.append(dict(
                 ln1=layer.input_layernorm.weight.detach(),
                 wqkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-                             _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
-                wkv=_Linear(torch.cat([a.k_proj.weight, a.v_proj.weight]).detach(), _cat(a.k_proj.bias, a.v_proj.bias)),
+                             kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj)),
+                wkv=_Linear(torch.cat([a.k_proj.weight, a.v_proj.weight]).detach(), kernels.fused_bias(a.k_proj, a.v_proj)),
                 # Qwen3's q_norm on every query head, k_norm on every key head: one call, one weight row a head
                 qk_norm=None if a.q_norm is None else torch.cat([a.q_norm.weight.expand(self.Hq, -1),
                                                                  a.k_norm.weight.expand(self.Hkv, -1)]).detach().contiguous(),
                 k_norm=None if a.k_norm is None else a.k_norm.weight.detach(),
-                wo=_Linear(a.o_proj.weight.detach(), a.o_proj.bias),
+                wo=_Linear(a.o_proj.weight.detach(), kernels.fused_bias(a.o_proj)),
                 ln2=layer.post_attention_layernorm.weight.detach(),
-                w13=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), None),
-                w2=_Linear(m.down_proj.weight.detach(), None),
+                w13=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), kernels.fused_bias(m.gate_proj, m.up_proj)),
+                w2=_Linear(m.down_proj.weight.detach(), kernels.fused_bias(m.down_proj)),
             ))
         rot = draft.rope.rotary
         self.inv_freq = rot.inv_freq.float()

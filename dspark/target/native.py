@@ -181,13 +181,6 @@ class Linear:
         return y if self.b is None else y + self.b
 
 
-def _cat_bias(*mods):
-    bs = [m.bias for m in mods]
-    if all(b is None for b in bs):
-        return None
-    return torch.cat([b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype) for b, m in zip(bs, mods)])
-
-
 @dataclass
 class Layer:
     ln1: torch.Tensor  # [H]
@@ -348,13 +341,13 @@ class NativeTarget:
             layers.append(Layer(
                 ln1=layer.input_layernorm.weight.detach().to(act),
                 wqkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                            _cat_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act, self.ops),
+                            kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act, self.ops),
                 qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
                                    a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
                 if hasattr(a, "q_norm") else None,
                 wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.ops),
                 ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj), fmt, act, self.ops),
+                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), kernels.fused_bias(m.gate_proj, m.up_proj), fmt, act, self.ops),
                 w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.ops),
             ))
         return layers
