@@ -102,11 +102,11 @@ class FastDraft:
     def block(self, draft, block_ids: torch.Tensor, ctx) -> torch.Tensor:
         """block_ids [N, S] -> post-norm block states h [N, S, H], as `DSparkDraft.forward` over ctx."""
         N, S = block_ids.shape
-        L = ctx.lengths
-        ctx.reserve(int(L.max()) + S)
+        L, end = ctx.lengths, int(ctx.lengths.max()) + S
+        ctx.reserve(end)
         pos = L[:, None] + torch.arange(S)[None, :]  # [N, S] the block rows' positions
         last = (L + S - 1)[:, None].expand(N, S).contiguous()  # a row sees its whole block
-        cos, sin = self._table(int(L.max()) + S)
+        cos, sin = self._table(end)
         causal = [att.causal for att in draft.spec.layer_attention]  # the caller's reading (read_as views share this copy)
         x = draft.embed_tokens(block_ids).to(torch.bfloat16)
         h = self._rms(x, self.layers[0]["ln1"])
@@ -126,10 +126,10 @@ class FastDraft:
     def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] of taps [B, n, F] to each row's context, as `DSparkDraft.extend_context`."""
         B, n, _ = taps.shape
-        L = ctx.lengths
-        ctx.reserve(int(L.max()) + n)
+        L, end = ctx.lengths, int(ctx.lengths.max()) + n
+        ctx.reserve(end)
         pos = L[:, None] + torch.arange(n)[None, :]
-        cos, sin = self._table(int(L.max()) + n)
+        cos, sin = self._table(end)
         c = self._rms(self.fc(taps.to(torch.bfloat16)), self.hidden_norm)
         for ly, kv in zip(self.layers, ctx.layers):
             kvp = ly["wkv"](c).view(B, n, 2 * self.Hkv, self.D)
