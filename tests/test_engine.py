@@ -260,3 +260,36 @@ def test_a_policy_that_drafts_one_slot_stays_lossless():
     req = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert req.output_ids == hf_greedy(model, [1, 2, 3], 20)
     assert engine.metrics.steps > 0 and engine.metrics.drafted == engine.metrics.steps
+
+
+def test_the_draft_context_cache_keeps_exactly_the_committed_entries():
+    """ContextCache (any device, no kernels): ragged appends keep each row's first counts[b] new
+    entries after its own length, capacity grows past CONTEXT_CHUNK without losing any, and
+    select / merge carry rows with their entries; what lies past a row's length is never read."""
+    from dspark.model.draft import CONTEXT_CHUNK, ContextCache
+    from dspark.model.layers import LayerKV
+
+    gen = torch.Generator().manual_seed(11)
+    B, kv, D = 3, 2, 4
+    empty = torch.zeros(B, kv, 0, D)
+    cache = ContextCache([LayerKV(empty, empty)], torch.zeros(B, dtype=torch.long))
+    rows = [[] for _ in range(B)]  # the committed entries, as a reference
+    for n, counts in [(5, [5, 3, 1]), (2, [1, 2, 0]), (CONTEXT_CHUNK, [CONTEXT_CHUNK, 7, CONTEXT_CHUNK - 1]), (1, [1, 1, 1])]:
+        k = torch.randn(B, kv, n, D, generator=gen)
+        cache.append([LayerKV(k, -k)], torch.tensor(counts))
+        for b, c in enumerate(counts):
+            rows[b].extend(k[b, :, j] for j in range(c))
+    assert cache.lengths.tolist() == [len(r) for r in rows] and cache.capacity >= max(len(r) for r in rows)
+    (valid,) = cache.valid()
+    assert valid.k.shape[2] == max(len(r) for r in rows)
+    for b, r in enumerate(rows):
+        want = torch.stack(r, 1)  # [kv, len, D]
+        assert torch.equal(valid.k[b, :, : len(r)], want) and torch.equal(valid.v[b, :, : len(r)], -want)
+    picked = cache.select(torch.tensor([2, 0]))
+    assert picked.lengths.tolist() == [len(rows[2]), len(rows[0])]
+    assert torch.equal(picked.layers[0].k[0, :, : len(rows[2])], torch.stack(rows[2], 1))
+    small = ContextCache([LayerKV(torch.ones(1, kv, 3, D), torch.ones(1, kv, 3, D))], torch.tensor([3]))
+    merged = ContextCache.merge([picked, small])
+    assert merged.lengths.tolist() == [len(rows[2]), len(rows[0]), 3]
+    assert torch.equal(merged.layers[0].k[1, :, : len(rows[0])], torch.stack(rows[0], 1))
+    assert torch.equal(merged.layers[0].k[2, :, :3], torch.ones(kv, 3, D))
