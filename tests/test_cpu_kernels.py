@@ -607,3 +607,24 @@ def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
     assert fast.describe(draft).startswith("draft decodes on dspark's CPU kernels (bf16 layers, head ")
     monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
     assert fast.describe(draft) == "draft decodes through its modules (DSPARK_Q4_KERNEL=0)"
+
+
+def test_qwen3_q_k_norms_run_on_the_norm_kernel_with_torchs_bits(ext, monkeypatch):
+    """A bf16 Qwen3 target's q/k norms go through the norm kernel (a weight row per head) in one
+    call; its logits are bit for bit those of the same forward with torch's norm there."""
+    from dspark.target import native
+    from tests.test_native import _mk
+
+    model = _mk("qwen3-qknorm").to(torch.bfloat16)
+    target = NativeTarget(model, (1,))
+    assert target._ext is not None and target.layers[0].qk_norm.dim() == 2
+    ids = torch.randint(4, 96, (2, 11), generator=torch.Generator().manual_seed(4))
+    kernel, ktaps = target.forward(target.new_state(2), ids)
+    plain_norm = native.NativeTarget._norm
+
+    def torch_qk(self, x, w):  # the per-head weights in torch, every other norm as before
+        return native._rms(x, w, self.eps) if w.dim() == 2 else plain_norm(self, x, w)
+
+    monkeypatch.setattr(native.NativeTarget, "_norm", torch_qk)
+    ref, rtaps = target.forward(target.new_state(2), ids)
+    assert torch.equal(kernel, ref) and torch.equal(ktaps, rtaps)

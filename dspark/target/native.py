@@ -463,8 +463,8 @@ class NativeTarget:
                 taps[li] = x
             qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
             qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
-            if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one op
-                qk = _rms(qk, layer.qk_norm, self.eps)
+            if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
+                qk = self._norm(qk, layer.qk_norm)  # a weight row per head
             kc, vc = state.kv[li, 0], state.kv[li, 1]  # [B, Hkv, C, D]
             if fused_attn:
                 # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
