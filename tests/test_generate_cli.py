@@ -26,6 +26,8 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
     assert out["plain"]["same_output"] is True and "first_difference" not in out["plain"]  # fp32: token for token
     assert out["speedup"] == round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
     assert out["compare_rounds"] == 3  # warmed up, then three rounds of the arms stepping in turn
+    rounds = out["speedup_rounds"]  # each round's own ratio, around the overall one
+    assert len(rounds) == 3 and min(rounds) <= out["speedup"] + 1e-3 and max(rounds) >= out["speedup"] - 1e-3
     assert main(args + ["--compare-rounds", "0"]) == 2 and "--compare-rounds" in capsys.readouterr().err
     m = out["metrics"]
     assert m["verify_steps"] + m["plain_steps"] >= 1  # adaptive (the default) may skip drafting throughout
@@ -40,6 +42,7 @@ def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F
     text = capsys.readouterr().out
     for row in ("mean acceptance length", "speedup over plain decoding", "same output as plain"):
         assert row in text
+    assert "(rounds " in text  # the spread of the three rounds
     assert "steps without drafting" not in text  # full verification drafts every step
     assert main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "0"]) == 2
 
