@@ -9,7 +9,9 @@ and the draft (inference only) both use it.
 Greedy choices (`argmax`) widen bf16 logits to fp32 first: exact (every bf16 value is an fp32
 value, and ties still go to the first index), and torch's CPU argmax runs 3-4x faster on fp32
 (measured on Zen 4, one thread: 214 -> 50 us over SmolLM2's 49 152 logits, 1.4 -> 0.44 ms for an
-8-token verify, 61 -> 19 us over the draft's 16 384).
+8-token verify, 61 -> 19 us over the draft's 16 384). The AVX-512 build's own argmax (two vector
+passes: the maximum, then its first index; the first NaN where there is one, as torch) takes
+21 us for 3 x 49 152 fp32 logits against torch's 150 (2 threads).
 
 int4 weights on a CPU with AVX512-BF16 run through dspark's own kernel (`csrc/q4.cpp`), compiled
 on first use (~1 min, once per machine and source version, cached under `~/.cache/dspark`):
@@ -87,9 +89,14 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_featur
 
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x.argmax(dim), with half-precision logits widened to fp32 first (module docstring)."""
+    """x.argmax(dim), with half-precision logits widened to fp32 first (module docstring); over the
+    last dimension on dspark's AVX-512 build (csrc/markov.cpp `argmax_f32`: torch's choice, ~10x
+    faster), elsewhere torch's."""
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
         x = x.float()
+    if (dim in (-1, x.dim() - 1) and x.dim() >= 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.shape[-1] > 0 and extension_isa() == "avx512"):
+        return extension().argmax_f32(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
     return x.argmax(dim)
 
 
@@ -99,7 +106,8 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
 SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp")
-FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk")
+FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk",
+             "argmax_f32")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {

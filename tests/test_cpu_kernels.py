@@ -280,6 +280,8 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         anchors = torch.tensor([3, 299])
         assert torch.equal(mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
                            _walk_reference(base, w1, w2t, None, anchors))
+    for x in _argmax_cases():  # the argmax's generic loop (kernels.argmax keeps torch's on this build)
+        assert torch.equal(mod.argmax_f32(x), x.argmax(-1))
     # the draft's decoding forward on this build (its matmuls on oneDNN): the modules' contexts, bit
     # for bit, and their block states up to bf16 rounding
     from dspark.model.packed import pack_linears
@@ -628,3 +630,34 @@ def test_qwen3_q_k_norms_run_on_the_norm_kernel_with_torchs_bits(ext, monkeypatc
     monkeypatch.setattr(native.NativeTarget, "_norm", torch_qk)
     ref, rtaps = target.forward(target.new_state(2), ids)
     assert torch.equal(kernel, ref) and torch.equal(ktaps, rtaps)
+
+
+def _argmax_cases():
+    """fp32 rows torch's argmax must be matched on: random, ties (the first wins), NaN (the first
+    NaN wins), all -inf (index 0), signed zeros, lengths around the 16-lane vector."""
+    g = torch.Generator().manual_seed(12)
+    for V in (1, 15, 16, 17, 33, 16384, 49153):
+        x = torch.randn(6, V, generator=g)
+        if V > 3:
+            x[1, V // 3] = x[1].max() + 1
+            x[1, V - 1] = x[1, V // 3]
+            x[2, V // 2] = float("nan")
+            x[2, V - 1] = float("nan")
+            x[3] = float("-inf")
+            x[4] = 0.0
+            x[4, V // 2] = -0.0
+            x[5, 0] = float("inf")
+            x[5, V - 2] = float("inf")
+        yield x
+
+
+def test_argmax_is_torchs_choice(q4):
+    """Greedy verification's argmax (every verified row of every step) on the extension picks what
+    torch's picks, in every case where the two could differ, over any leading shape."""
+    for x in _argmax_cases():
+        assert torch.equal(q4.argmax_f32(x), x.argmax(-1))
+        assert torch.equal(kernels.argmax(x[None]), x[None].argmax(-1)) and kernels.argmax(x[0]).dim() == 0
+    bf = torch.randn(3, 700).to(torch.bfloat16)
+    assert torch.equal(kernels.argmax(bf), bf.float().argmax(-1))
+    with pytest.raises(RuntimeError, match="fp32"):
+        q4.argmax_f32(torch.randn(2, 8).double())
