@@ -90,7 +90,7 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_featur
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """x.argmax(dim), with half-precision logits widened to fp32 first (module docstring); over the
-    last dimension on dspark's AVX-512 build (csrc/markov.cpp `argmax_f32`: torch's choice, ~10x
+    last dimension on dspark's AVX-512 build (csrc/markov.cpp `argmax_f32`: torch's choice, ~7x
     faster), elsewhere torch's."""
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
         x = x.float()

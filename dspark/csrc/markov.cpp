@@ -4,7 +4,8 @@
 // of a ~5 ms draft phase for 7 slots. Rounding as in the torch path, in the draft's dtype (bf16 or
 // fp32): the bias W2 z is accumulated in fp32 and rounded to that dtype, added to the base logit
 // in fp32 and rounded again; the first largest logit wins, as torch's argmax. Only the fp32
-// summation order of the rank-r product differs from the matmul library's.
+// summation order of the rank-r product differs from the matmul library's. Also here, with the
+// same choice rule: `argmax_f32`, greedy verification's argmax over the target's logits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -78,6 +78,13 @@ class FastDraft:
         self.fc_weight = draft.fc.weight
         self.versions = [(t, t._version) for t in draft.parameters()]
 
+    def _room(self, ctx, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Room in ctx for n entries after each row's committed ones -> (their positions [B, n],
+        the cos / sin tables covering them)."""
+        end = int(ctx.lengths.max()) + n
+        ctx.reserve(end)
+        return (ctx.lengths[:, None] + torch.arange(n)[None, :], *self._table(end))
+
     def _table(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [P, D] bf16 for positions < need, computed as the draft's rotary module does
         (fp32, then cast); the kernel clamps past the table, so it must cover every position."""
@@ -102,11 +109,8 @@ class FastDraft:
     def block(self, draft, block_ids: torch.Tensor, ctx) -> torch.Tensor:
         """block_ids [N, S] -> post-norm block states h [N, S, H], as `DSparkDraft.forward` over ctx."""
         N, S = block_ids.shape
-        L, end = ctx.lengths, int(ctx.lengths.max()) + S
-        ctx.reserve(end)
-        pos = L[:, None] + torch.arange(S)[None, :]  # [N, S] the block rows' positions
-        last = (L + S - 1)[:, None].expand(N, S).contiguous()  # a row sees its whole block
-        cos, sin = self._table(end)
+        pos, cos, sin = self._room(ctx, S)  # pos [N, S]: the block rows' positions
+        last = (ctx.lengths + S - 1)[:, None].expand(N, S).contiguous()  # a row sees its whole block
         causal = [att.causal for att in draft.spec.layer_attention]  # the caller's reading (read_as views share this copy)
         x = draft.embed_tokens(block_ids).to(torch.bfloat16)
         h = self._rms(x, self.layers[0]["ln1"])
@@ -126,10 +130,7 @@ class FastDraft:
     def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] of taps [B, n, F] to each row's context, as `DSparkDraft.extend_context`."""
         B, n, _ = taps.shape
-        L, end = ctx.lengths, int(ctx.lengths.max()) + n
-        ctx.reserve(end)
-        pos = L[:, None] + torch.arange(n)[None, :]
-        cos, sin = self._table(end)
+        pos, cos, sin = self._room(ctx, n)
         c = self._rms(self.fc(taps.to(torch.bfloat16)), self.hidden_norm)
         for ly, kv in zip(self.layers, ctx.layers):
             kvp = ly["wkv"](c).view(B, n, 2 * self.Hkv, self.D)
@@ -137,7 +138,7 @@ class FastDraft:
             if ly["k_norm"] is not None:
                 k = self._rms(k, ly["k_norm"])
             self.ext.rope_cache_bf16(k, v, cos, sin, kv.k, kv.v, pos)  # no query heads: keys and values only
-        ctx.lengths = L + counts
+        ctx.lengths = ctx.lengths + counts
 
 
 def why_not(draft) -> str | None:
