@@ -178,8 +178,9 @@ def test_bad_requests_are_refused(target):
 
 
 def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
-    """Steps that skip drafting leave their taps pending (no draft work); the next drafting step
-    adds them, and the draft context then equals a clean prefill of the committed tokens."""
+    """The prompt and steps that skip drafting leave their taps pending (no draft work); the next
+    drafting step adds them, and the draft context then equals a clean prefill of the committed
+    tokens."""
     from dspark.engine.scheduler import FullScheduler
     from dspark.engine.step import flush_context
 
@@ -205,7 +206,8 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
         waiting = sum(p.shape[1] for p in b.pending)
         waited = max(waited, waiting)
         assert int(b.ctx.lengths[0]) + waiting == len(committed)
-    assert waited == 2 and engine.metrics.plain_steps > 0
+    # the prompt's 3 positions and two skipped steps wait for the first drafting step
+    assert waited == 3 + 2 and engine.metrics.plain_steps > 0
     flush_context(draft, engine.batch)
     clean = engine.target.new_state(1)
     _, taps = engine.target.forward(clean, torch.tensor([committed]))

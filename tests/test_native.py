@@ -358,3 +358,20 @@ def test_draft_linears_decode_packed_and_train_plain():
         net[1].weight.mul_(2.0)
         ref[1].weight.mul_(2.0)
         torch.testing.assert_close(net(x).float(), ref[1](ref[0](x)).float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("runtime", ["native", "hf"])
+def test_taps_stay_valid_after_later_forwards(runtime):
+    """The engine keeps the taps of steps that did not draft (and of the prompt) until the next
+    drafting step: a forward must return a new tensor, never a buffer the next forward rewrites."""
+    model = _mk("llama-untied-gqa")
+    target = NativeTarget(model, (0, 2), weights="fp32") if runtime == "native" else HFTarget(model, (0, 2))
+    st = target.new_state(1)
+    _, first = target.forward(st, torch.tensor([[5, 6, 7]]))
+    target.commit(st, torch.tensor([3]))
+    kept = first.clone()
+    for tok in (8, 9):
+        _, later = target.forward(st, torch.tensor([[tok]]))
+        target.commit(st, torch.tensor([1]))
+        assert later.data_ptr() != first.data_ptr()
+    assert torch.equal(first, kept)

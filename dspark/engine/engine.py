@@ -169,14 +169,16 @@ class Engine:
         prompt = torch.tensor([req.prompt_ids], device=dev)
         logits, taps = self.target.forward(state, prompt, logits="last")  # [1, 1, V]: the head on the last position only
         self.target.commit(state, torch.tensor([prompt.shape[1]], device=dev))
-        ctx = None
+        ctx, pending = None, []
         if self.draft is not None:
             ctx = self.draft.new_context_cache(1, dev, self.draft.fc.weight.dtype)
-            self.draft.extend_context(ctx, taps, torch.tensor([prompt.shape[1]], device=dev))
+            # the prompt's taps wait like a skipped step's (flush_context): a request that never
+            # drafts never pays the draft's context update
+            pending = [taps]
         gen = self._generator(req.params)
         last = logits[0, -1]
         first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
-        batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen])
+        batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen], pending)
         req.t_first_token = time.perf_counter()
         self._emit(req, [first])
         return batch
@@ -273,8 +275,8 @@ class Engine:
         finished = []
         for b, req in enumerate(self.running):
             if self.draft is not None:
-                req.metrics.record(int(res.drafted[b]), int(res.verified[b]), int(res.accepted[b]))
-                self.metrics.record(int(res.drafted[b]), int(res.verified[b]), int(res.accepted[b]))
+                req.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
+                self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
             self._emit(req, res.committed[b])
             if req.finished:
                 finished.append(req)

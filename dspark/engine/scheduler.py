@@ -364,14 +364,14 @@ class AdaptiveScheduler(VerifyPolicy):
         if not self.learn or res.t_verify <= 0:
             return
         fixed = res.t_draft + res.t_other
-        verified = res.verified.tolist()  # plain ints: this runs after every step
+        verified = res.verified
         predicted = self.curve.step_time(len(verified) * (1 + max(verified, default=0)))  # batch_tokens
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         w = 1.0 if self._seen == 0 else EMA
         self.scale = (1 - w) * self.scale + w * ratio
         self._seen += 1
-        if not res.drafted.any():  # a skipped step: its fixed time is the plain overhead
+        if not any(res.drafted):  # a skipped step: its fixed time is the plain overhead
             # the first one replaces the stand-in (a drafting step's non-draft part, or a prior's 0)
             w = 1.0 if self._plain_seen == 0 else EMA
             self.plain_overhead = fixed if self.plain_overhead is None else (1 - w) * self.plain_overhead + w * fixed
@@ -380,7 +380,7 @@ class AdaptiveScheduler(VerifyPolicy):
         w = 1.0 if self._drafted_seen == 0 else EMA
         self.overhead = (1 - w) * self.overhead + w * fixed
         self._drafted_seen += 1
-        self._observe_acceptance(int(res.drafted.max()), res.verified.numpy(), res.accepted.numpy())
+        self._observe_acceptance(max(res.drafted), np.asarray(res.verified), np.asarray(res.accepted))
         if self.plain_overhead is None:  # before any plain step: the part that is not drafting
             self.plain_overhead = res.t_other
 

@@ -35,8 +35,9 @@ class Batch:
     anchors: torch.Tensor  # [B] last committed token, not yet run through the target
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
-    # taps [B, 1, n_taps*H] of steps that skipped drafting, not yet in the draft context: a plain
-    # step does not pay for the context update; the next drafting step adds them in one call
+    # taps [B, k, n_taps*H] not yet in the draft context (a new request's prompt, then the steps
+    # that skipped drafting, every row the same k): a plain step does not pay for the context
+    # update; the next drafting step adds them in one call
     pending: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -49,9 +50,11 @@ class Proposal:
 
 @dataclass
 class StepResult:
-    drafted: torch.Tensor  # [B] drafts proposed
-    verified: torch.Tensor  # [B] drafts sent to the target
-    accepted: torch.Tensor  # [B]
+    # per request, plain ints: every step's observers read them, and a tensor op costs more than
+    # the Python around it (a step that skips drafting must cost what a plain step does)
+    drafted: list[int]  # [B] drafts proposed
+    verified: list[int]  # [B] drafts sent to the target
+    accepted: list[int]  # [B]
     committed: list[list[int]]  # per request: accepted drafts + the target's next token
     t_draft: float
     t_verify: float
@@ -198,8 +201,9 @@ def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, bat
 
 
 def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
-    """Bring the draft context up to the committed length: the taps of skipped steps, in one call
-    (each such step committed exactly one token per row)."""
+    """Bring the draft context up to the committed length: the prompt's taps and those of skipped
+    steps, in one call (each row waits on the same number of positions: a batch holds pending taps
+    only while it is one request, or after steps that committed one token per row)."""
     if draft is None or not batch.pending:
         return
     taps = torch.cat(batch.pending, dim=1)  # [B, k, D]
@@ -229,9 +233,12 @@ def decode_step(
         prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
     g = prop.tokens.shape[1]
     t1 = now(dev)
-    n = policy.verify_lengths(prop, batch) if g else torch.zeros(B, dtype=torch.long, device=dev)
-    m = int(n.max()) if B else 0
-    tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
+    if g:
+        n = policy.verify_lengths(prop, batch)
+        m = int(n.max()) if B else 0
+        tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
+    else:
+        n, tokens = batch.anchors.new_zeros(B), batch.anchors[:, None]
     t2 = now(dev)
     logits, taps = target.forward(batch.target, tokens, 1 + n)
     t3 = now(dev)
@@ -241,14 +248,14 @@ def decode_step(
     t4 = now(dev)
     if drafting:
         draft.extend_context(batch.ctx, taps, keep)
-    elif draft is not None:  # a plain step committed one token per row; clone: a runtime may reuse its buffer
-        batch.pending.append(taps[:, :1].clone())
+    elif draft is not None:  # a plain step committed one token per row (taps: [B, 1, D], a new tensor)
+        batch.pending.append(taps)
     t5 = now(dev)
     batch.anchors = nxt
-    acc, drafts = accepted.tolist(), prop.tokens.tolist()
-    committed = [drafts[b][: acc[b]] + [int(nxt[b])] for b in range(B)]
+    acc, drafts, nxt_ids = accepted.tolist(), prop.tokens.tolist(), nxt.tolist()
+    committed = [drafts[b][: acc[b]] + [nxt_ids[b]] for b in range(B)]
     return StepResult(
-        drafted=torch.full((B,), g), verified=n.cpu(), accepted=accepted.cpu(), committed=committed,
+        drafted=[g] * B, verified=n.tolist(), accepted=acc, committed=committed,
         t_draft=(t1 - t0) + (t5 - t4), t_verify=t3 - t2, t_other=(t2 - t1) + (t4 - t3),
         conf_logits=prop.conf_logits,
     )

@@ -95,6 +95,8 @@ class HFTarget:
         Positions continue each row's committed length; padding rows/keys are masked out.
         logits="last": only each row's last valid position -> [B, 1, V] (all a prefill needs:
         the LM head over a whole prompt is wasted work).
+        taps is a new tensor on every call, never a reused buffer: the engine keeps the taps of
+        steps that did not draft until the next drafting step (Batch.pending).
         """
         if state.pending:
             raise RuntimeError("commit() the previous forward before running another")

@@ -417,6 +417,7 @@ class NativeTarget:
         logits="final": no LM head: the post-norm final hidden states [B, S, H] instead (what
         training's features store; padding positions hold whatever padding computes).
         Padding positions (>= counts[b]) get zero logits: nothing reads them.
+        taps is a new tensor on every call, as HFTarget.forward's (the engine keeps it).
         """
         if state.pending:
             raise RuntimeError("commit() the previous forward before running another")
