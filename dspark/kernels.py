@@ -13,15 +13,15 @@ value, and ties still go to the first index), and torch's CPU argmax runs 3-4x f
 passes: the maximum, then its first index; the first NaN where there is one, as torch) takes
 21 us for 3 x 49 152 fp32 logits against torch's 150 (2 threads).
 
-int4 weights on a CPU with AVX512-BF16 run through dspark's own kernel (`csrc/q4.cpp`), compiled
-on first use (~1 min, once per machine and source version, cached under `~/.cache/dspark`):
-torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so an 8-token verify
-costs 3.4x a 1-token step in its matmuls; the dspark kernel unpacks once per call (docs/
-BENCHMARKS.md "Session 10"). The same extension fuses the native runtime's RMSNorms (and the
-residual add before each) for bf16 activations, with torch's bits (`csrc/norm.cpp`), and runs
-attention by position (`csrc/attn.cpp`). CPUs with AVX2 but not AVX512-BF16 get a build with
-the norms and attention and torch's int4 kernel. Anywhere else, or if it cannot be compiled,
-torch's ops run and `q4_status()` says why.
+int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4.cpp`),
+compiled on first use (~1 min, once per machine and source version, cached under
+`~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
+an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call (docs/
+BENCHMARKS.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"). The same
+extension fuses the native runtime's RMSNorms (and the residual add before each) for bf16
+activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
+(`csrc/attn.cpp`). Anywhere else, or if it cannot be compiled, torch's ops run and `q4_status()`
+says why.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16
 ISAS = {
     "avx512": (("avx512f", "avx512bw", "avx512_bf16"),
                ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
-    "avx2": (("avx2", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mfma")),  # norms and attention; torch's int4 kernel
+    "avx2": (("avx2", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mfma")),  # 8-lane matmuls, norms, attention
 }
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 
@@ -190,10 +190,18 @@ def why_unavailable() -> str:
     return _build["why"]
 
 
+TILES = {"avx512": "dspark AVX512-BF16", "avx2": "dspark AVX2"}  # the matmul tile of each build
+
+
+def tile_name() -> str | None:
+    """The matmul tile that runs here ('dspark AVX512-BF16' | 'dspark AVX2'), None without one."""
+    extension()
+    return TILES.get(_build["isa"])
+
+
 def q4_status() -> str:
     """Which int4 kernel runs here, and why."""
-    extension()
-    return "dspark AVX512-BF16" if _build["isa"] == "avx512" else f"torch ({_build['why']})"
+    return tile_name() or f"torch ({_build['why']})"
 
 
 def extension_isa() -> str | None:
@@ -203,9 +211,9 @@ def extension_isa() -> str | None:
 
 
 def tile_applies(n: int, k: int) -> bool:
-    """Can dspark's AVX512-BF16 tile (int4, Q8_0 and bf16 matmuls) hold an [n, k] weight (16 output
-    columns a vector, groups of 32 inputs)?"""
-    return n % 16 == 0 and k % 32 == 0 and extension() is not None and _build["isa"] == "avx512"
+    """Can dspark's matmul tile (int4, Q8_0 and bf16 weights; AVX512-BF16 or AVX2 builds) hold an
+    [n, k] weight (blocks of 16 output columns, groups of 32 inputs)?"""
+    return n % 16 == 0 and k % 32 == 0 and tile_name() is not None
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):

@@ -26,8 +26,8 @@ def ext():
 
 @pytest.fixture(scope="module")
 def q4(ext):
-    """The extension with its int4 kernel (AVX512-BF16 builds)."""
-    if kernels.extension_isa() != "avx512":
+    """The extension with its matmul tile: int4, Q8_0 and bf16 weights (AVX512-BF16 and AVX2 builds)."""
+    if kernels.tile_name() is None:
         pytest.skip(f"dspark's int4 kernel does not run here: {kernels.q4_status()}")
     return ext
 
@@ -89,7 +89,7 @@ def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(q4):
     with bf16 activations; greedy speculation reproduces that model's own plain greedy decoding."""
     model = q4_exact(tiny_target())
     target = NativeTarget(model, act_dtype=torch.bfloat16)
-    assert target.weights == "int4" and "int4 kernel: dspark AVX512-BF16" in target.describe()
+    assert target.weights == "int4" and f"int4 kernel: {kernels.tile_name()}" in target.describe()
     assert all(lin.q4 is not None for ly in target.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2))
     ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
     lg, _ = target.forward(target.new_state(1), ids)
@@ -166,9 +166,9 @@ def test_a_verify_gives_each_position_a_single_steps_bits(q4):
     """With the extension every op of a bf16 forward computes a row on its own (int4 matmul, norms,
     attention by position; the rest is elementwise): verifying 6 tokens at once gives each position
     exactly the logits and taps of 6 one-token steps, and a row of a ragged batch those of its solo
-    run. So greedy speculation in bf16 is lossless bit for bit, not only up to near-ties. (Measured
-    on AVX512-BF16 builds, whose bf16 head and int4 kernel are row-invariant; elsewhere torch's
-    kernels decide.)"""
+    run. So greedy speculation in bf16 is lossless bit for bit, not only up to near-ties. (On the
+    builds with a matmul tile, AVX512-BF16 and AVX2, whose int4, Q8_0 and small bf16 matmuls are
+    row-invariant; elsewhere torch's kernels decide.)"""
     for model in (tiny_target(dtype=torch.bfloat16), q4_exact(tiny_target())):
         t = NativeTarget(model, (1, 4), act_dtype=torch.bfloat16)
         assert t._ext is not None
@@ -253,9 +253,9 @@ def test_attention_is_softmax_attention_by_position(ext):
 
 @pytest.mark.slow
 def test_the_avx2_build_computes_the_same(ext, monkeypatch):
-    """AVX2-only CPUs (no AVX-512) get the norms and attention from an 8-lane build; built (about a
-    minute, hence slow: on an AVX2-only machine the default tests check that build already) and
-    checked here on this machine's AVX2 units."""
+    """AVX2-only CPUs (no AVX-512) get an 8-lane build: the matmul tile (int4, Q8_0, bf16), norms and
+    attention; built (about a minute, hence slow: on an AVX2-only machine the default tests check
+    that build already) and checked here on this machine's AVX2 units, the matmul tests included."""
     if "avx2" not in kernels._cpu_flags():
         pytest.skip("no AVX2 here")
     from dspark.target.native import _rms
@@ -264,7 +264,19 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
     mod = kernels.extension()
     assert mod is not None and kernels.extension_isa() == "avx2"
-    assert kernels.q4_status().startswith("torch (") and not kernels.tile_applies(64, 64)
+    assert kernels.q4_status() == "dspark AVX2" and kernels.tile_applies(64, 64)
+    for N, K in ((16, 32), (48, 96), (96, 576)):
+        test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
+    test_rows_get_the_same_bits_in_any_batch(mod)
+    test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
+    limit = kernels.BF16_KERNEL_MAX
+    test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(mod, monkeypatch)  # lowers the limit
+    monkeypatch.setattr(kernels, "BF16_KERNEL_MAX", limit)
+    test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(mod)
+    test_a_verify_gives_each_position_a_single_steps_bits(mod)
+    test_an_exact_q8_0_head_runs_as_shipped(mod)
+    y = mod.q4_mm(torch.full((1, 64), float("nan")).to(torch.bfloat16), *kernels.pack_q4(*_q4(16, 64)[:3]))
+    assert y.isnan().all()  # NaN in, NaN out (torch's float -> bfloat16 rule)
     _check_attention(mod)
     x = (torch.randn(5, 576) * 3).to(torch.bfloat16)
     w = (torch.randn(576) * 0.5 + 1).to(torch.bfloat16)
@@ -272,8 +284,6 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     heads = (torch.rand(9, 64) + 0.5).to(torch.bfloat16)  # a weight per head (Qwen3's q/k norms)
     xh = torch.randn(3, 9, 64).to(torch.bfloat16)
     assert torch.equal(mod.rms_bf16(xh, heads, 1e-6), _rms(xh, heads, 1e-6))
-    with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
-        mod.q4_mm(x[:, :64], *kernels.pack_q4(*_q4(16, 64)[:3]))
     gen = torch.Generator().manual_seed(9)
     for dtype in (torch.bfloat16, torch.float32):  # the Markov walk's generic loops
         base, w1, w2t = (torch.randn(*s, generator=gen).to(dtype) for s in ((2, 4, 300), (300, 16), (16, 300)))
@@ -282,7 +292,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
                            _walk_reference(base, w1, w2t, None, anchors))
     for x in _argmax_cases():  # the argmax's generic loop (kernels.argmax keeps torch's on this build)
         assert torch.equal(mod.argmax_f32(x), x.argmax(-1))
-    # the draft's decoding forward on this build (its matmuls on oneDNN): the modules' contexts, bit
+    # the draft's decoding forward on this build (its matmuls on the AVX2 tile): the modules' contexts, bit
     # for bit, and their block states up to bf16 rounding
     from dspark.model.packed import pack_linears
 

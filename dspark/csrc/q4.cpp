@@ -1,4 +1,5 @@
-// dspark's int4 weight-only matmul for CPUs with AVX512-BF16 (docs/BENCHMARKS.md, "Session 10").
+// dspark's int4 weight-only matmul (and its Q8_0 and bf16 variants) for CPUs with AVX512-BF16
+// (docs/BENCHMARKS.md, "Session 10"); an AVX2 + FMA build of the same scheme follows it ("Session 13").
 //
 // y [M, N] = x [M, K] @ W.T, W held as 4-bit groups of 32 inputs: w = q * d + lo (the GGUF Q4_1
 // rule), bf16 activations, fp32 sums, bf16 result. Compiled on first use by dspark/kernels.py.
@@ -25,6 +26,60 @@
 #include <initializer_list>
 #include <type_traits>
 #include <vector>
+
+namespace {
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// x [M, K] bf16 against a weight packed as [N/16, K/32, steps, 32] elements of `dtype`, with fp32
+// per-group tensors [N/16, K/32, 16] (scales, minimums): checked, -> (M, K, N)
+std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, const torch::Tensor& P,
+                                    at::ScalarType dtype, int64_t steps, std::initializer_list<torch::Tensor> groups) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), name, ": x must be a 2-D bf16 CPU tensor");
+  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == dtype && P.size(2) == steps && P.size(3) == 32 && P.is_contiguous(),
+              name, ": P must be a contiguous ", c10::toString(dtype), " [N/16, K/32, ", steps, ", 32] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16;
+  TORCH_CHECK(K == P.size(1) * 32, name, ": x has ", K, " inputs, the weight ", P.size(1) * 32);
+  for (const auto& s : groups)
+    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N / 16 * (K / 32) * 16,
+                name, ": its scales must be contiguous fp32 [N/16, K/32, 16] tensors");
+  return {M, K, N};
+}
+
+// rows m0..m0+M against all columns, in tiles of NB blocks of UNIT columns split between threads
+// (never inside a sum), then the blocks left over one at a time; tile(Int<M>, Int<NB>, m0, block)
+template <int UNIT, int M, int NB, typename Tile>
+void columns(int64_t N, int64_t m0, const Tile& tile) {
+  const int64_t blocks = N / UNIT, tiles = blocks / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tile(Int<M>{}, Int<NB>{}, m0, t * NB);
+  });
+  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile(Int<M>{}, Int<1>{}, m0, cb);
+}
+
+// rows in tiles of 8, then the rest (1-7) in one tile: each tile streams the whole weight, so a
+// verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, 7 rows cost 2.5x
+// one row on a cold cache). Fewer rows take more column blocks a tile, so that the vector units
+// have independent sums to interleave (NB1 blocks for a single row); a row's own operations are
+// the same whatever the tile.
+template <int UNIT, int NB1, typename Tile>
+void row_tiles(int64_t M, int64_t N, const Tile& tile) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) columns<UNIT, 8, 1>(N, m, tile);
+  switch (M - m) {
+    case 7: columns<UNIT, 7, 1>(N, m, tile); break;
+    case 6: columns<UNIT, 6, 1>(N, m, tile); break;
+    case 5: columns<UNIT, 5, 1>(N, m, tile); break;
+    case 4: columns<UNIT, 4, 2>(N, m, tile); break;
+    case 3: columns<UNIT, 3, 2>(N, m, tile); break;
+    case 2: columns<UNIT, 2, 4>(N, m, tile); break;
+    case 1: columns<UNIT, 1, NB1>(N, m, tile); break;
+    default: break;
+  }
+}
+
+}  // namespace
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 namespace {
@@ -91,54 +146,6 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
 }
 
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-// rows m0..m0+M against all columns, in tiles of NB blocks of 16 split between threads (never
-// inside a sum), then the blocks left over one at a time; tile(Int<M>, Int<NB>, m0, cb)
-template <int M, int NB, typename Tile>
-void columns(int64_t N, int64_t m0, const Tile& tile) {
-  const int64_t blocks = N / 16, tiles = blocks / NB;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) tile(Int<M>{}, Int<NB>{}, m0, t * NB);
-  });
-  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile(Int<M>{}, Int<1>{}, m0, cb);
-}
-
-// rows in tiles of 8, then the rest (1-7) in one tile: each tile streams the whole weight, so a
-// verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, 7 rows cost 2.5x
-// one row on a cold cache). Fewer rows take more column blocks a tile, so that the vector units
-// have independent sums to interleave (registers: 2 x rows x blocks accumulators <= 28).
-template <typename Tile>
-void row_tiles(int64_t M, int64_t N, const Tile& tile) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) columns<8, 1>(N, m, tile);
-  switch (M - m) {
-    case 7: columns<7, 1>(N, m, tile); break;
-    case 6: columns<6, 1>(N, m, tile); break;
-    case 5: columns<5, 1>(N, m, tile); break;
-    case 4: columns<4, 2>(N, m, tile); break;
-    case 3: columns<3, 2>(N, m, tile); break;
-    case 2: columns<2, 4>(N, m, tile); break;
-    case 1: columns<1, 2>(N, m, tile); break;
-    default: break;
-  }
-}
-
-// x [M, K] bf16 against a weight packed as [N/16, K/32, steps, 32] elements of `dtype`, with fp32
-// per-group tensors [N/16, K/32, 16] (scales, minimums): checked, -> (M, K, N)
-std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, const torch::Tensor& P,
-                                    at::ScalarType dtype, int64_t steps, std::initializer_list<torch::Tensor> groups) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), name, ": x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == dtype && P.size(2) == steps && P.size(3) == 32 && P.is_contiguous(),
-              name, ": P must be a contiguous ", c10::toString(dtype), " [N/16, K/32, ", steps, ", 32] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = P.size(0) * 16;
-  TORCH_CHECK(K == P.size(1) * 32, name, ": x has ", K, " inputs, the weight ", P.size(1) * 32);
-  for (const auto& s : groups)
-    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N / 16 * (K / 32) * 16,
-                name, ": its scales must be contiguous fp32 [N/16, K/32, 16] tensors");
-  return {M, K, N};
-}
 
 // y [M, N] bf16: the tile over every row tile and column block of xc (contiguous bf16 [M, K])
 template <typename Unpack>
@@ -148,7 +155,8 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
   auto y = torch::empty({M, N}, xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t G = K / 32;
-  row_tiles(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+  // registers: 2 x rows x blocks accumulators <= 28 of 32
+  row_tiles<16, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
     tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, D, L, xsum ? xsum + m0 * G : nullptr,
                                                      yp + m0 * N, N, cb);
   });
@@ -224,18 +232,131 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   };
   return matmul(xc, M, K, N, unpack, d, l, xsum.data());
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
+// at a time. Each weight is dequantised to fp32 once per call (q4: w = q * d + lo in one FMA, the
+// model's own value; q8: q * d; bf16: exact), and every row adds w * x in input order, one FMA a
+// weight: a row's operations do not depend on M or on which rows share the call (batch
+// invariance). Measured against torch's int4 kernel, which unpacks every weight once per row:
+// docs/BENCHMARKS.md "Session 13".
+namespace {
+
+inline __m128i to_bf16x8(__m256 a) {  // round to nearest even, NaN -> 0x7FC0: torch's float -> bfloat16
+  const __m256i u = _mm256_castps_si256(a);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each). Per group of 32 inputs,
+// STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights of inputs
+// IN * step + 0..IN-1 of the 8 columns, block = column block * G + group.
+template <int M, int NB, int IN, int STEPS, typename Unpack>
+inline void tile8(const float* x, int64_t K, const Unpack& unpack, uint16_t* y, int64_t N, int64_t hb) {
+  const int64_t G = K / 32;
+  __m256 acc[NB][M];
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+    for (int s = 0; s < STEPS; ++s) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        __m256 w[IN];
+        unpack(((hb + j) >> 1) * G + g, static_cast<int>((hb + j) & 1), s, w);
+#pragma GCC unroll 4
+        for (int i = 0; i < IN; ++i)
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m)
+            acc[j][m] = _mm256_fmadd_ps(w[i], _mm256_broadcast_ss(x + m * K + g * 32 + IN * s + i), acc[j][m]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (hb + j) * 8), to_bf16x8(acc[j][m]));
+}
+
+// y [M, N] bf16 = x (bf16 [M, K], widened once to fp32) against the unpacked weight
+template <int IN, int STEPS, typename Unpack>
+torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const Unpack& unpack) {
+  const auto xf = x.contiguous().to(torch::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  auto y = torch::empty({M, N}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // registers: rows x blocks accumulators + IN weights + a broadcast <= 16
+  row_tiles<8, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
+    tile8<decltype(rows)::value, decltype(nb)::value, IN, STEPS>(xp + m0 * K, K, unpack, yp + m0 * N, N, hb);
+  });
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
+  const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
+  const uint8_t* p = P.data_ptr<uint8_t>();
+  const float* d = D.data_ptr<float>();
+  const float* l = L.data_ptr<float>();
+  // step r of a block, 8 columns: 16 bytes; 16-bit word c = low nibbles q[c, 4r] | q[c, 4r + 1] << 8,
+  // high nibbles inputs 4r + 2, 4r + 3
+  auto unpack = [p, d, l](int64_t block, int half, int r, __m256* w) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 8 + r) * 32 + 16 * half));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i a = _mm256_cvtepu16_epi32(_mm_and_si128(v, m4));
+    const __m256i b = _mm256_cvtepu16_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    const __m256i ff = _mm256_set1_epi32(0xFF);
+    const __m256 dd = _mm256_loadu_ps(d + block * 16 + 8 * half), lo = _mm256_loadu_ps(l + block * 16 + 8 * half);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, ff)), dd, lo);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 8)), dd, lo);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, ff)), dd, lo);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 8)), dd, lo);
+  };
+  return matmul8<4, 8>(x, shape[0], shape[1], shape[2], unpack);
+}
+
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
+  const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
+  const int8_t* p = P.data_ptr<int8_t>();
+  const float* d = D.data_ptr<float>();
+  // pair r of a block, 8 columns: 16 bytes; 16-bit word c = q[c, 2r] | q[c, 2r + 1] << 8 (signed bytes)
+  auto unpack = [p, d](int64_t block, int half, int r, __m256* w) {
+    const __m256i a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 16 + r) * 32 + 16 * half)));
+    const __m256 dd = _mm256_loadu_ps(d + block * 16 + 8 * half);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24)), dd);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8)), dd);
+  };
+  return matmul8<2, 16>(x, shape[0], shape[1], shape[2], unpack);
+}
+
+torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
+  const auto shape = packed_shape("bf16_mm", x, P, torch::kBFloat16, 16, {D});
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
+  // pair r of a block, 8 columns: 32 bytes; 32-bit word c = w[c, 2r] | w[c, 2r + 1] << 16 (D: ones)
+  auto unpack = [p](int64_t block, int half, int r, __m256* w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (block * 16 + r) * 32 + 16 * half));
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  };
+  return matmul8<2, 16>(x, shape[0], shape[1], shape[2], unpack);
+}
 #else
-// an AVX2 build (dspark/kernels.py) has the norms and attention but not this kernel
+// a build without AVX2 (dspark/kernels.py never makes one) has no matmul kernels
 torch::Tensor q4_mm(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "q4_mm: this build of dspark's extension has no int4 kernel (it needs AVX512-BF16)");
+  TORCH_CHECK(false, "q4_mm: this build of dspark's extension has no int4 kernel (it needs AVX2 or AVX512-BF16)");
   return {};
 }
 torch::Tensor q8_mm(torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "q8_mm: this build of dspark's extension has no int8 kernel (it needs AVX512-BF16)");
+  TORCH_CHECK(false, "q8_mm: this build of dspark's extension has no int8 kernel (it needs AVX2 or AVX512-BF16)");
   return {};
 }
 torch::Tensor bf16_mm(torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "bf16_mm: this build of dspark's extension has no bf16 kernel (it needs AVX512-BF16)");
+  TORCH_CHECK(false, "bf16_mm: this build of dspark's extension has no bf16 kernel (it needs AVX2 or AVX512-BF16)");
   return {};
 }
 #endif

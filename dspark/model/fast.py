@@ -187,7 +187,7 @@ def for_draft(draft) -> FastDraft:
 
 
 def head_applies(draft, grad: bool | None = None) -> bool:
-    """Does the draft head run in Q8_0 here? (bf16 on a CPU with dspark's AVX512-BF16 tile, no
+    """Does the draft head run in Q8_0 here? (bf16 on a CPU with dspark's matmul tile, no
     gradient wanted: grad None reads torch's current mode.)"""
     w = draft.lm_head.weight
     grad = torch.is_grad_enabled() if grad is None else grad

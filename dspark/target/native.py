@@ -140,10 +140,11 @@ class Linear:
             self.s = s.to(act)
         elif fmt == "q8_0":  # group 32, w = q * d (the GGUF Q8_0 rule), dspark's kernel only
             if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape)):
-                raise DSparkError(f"q8_0 weights need dspark's AVX512-BF16 kernel and bf16 activations ({kernels.q4_status()})")
+                raise DSparkError(f"q8_0 weights need dspark's matmul tile (AVX2 or AVX512-BF16 builds) and bf16 "
+                                  f"activations ({kernels.q4_status()})")
             q, d = q8_groups(w)
             self.exact = is_q8_exact(w)
-            self.q8, self.w, self.kernel = kernels.pack_q8(q, d), None, "dspark AVX512-BF16"
+            self.q8, self.w, self.kernel = kernels.pack_q8(q, d), None, kernels.tile_name()
         elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
             if w.shape[1] % GROUP or w.shape[0] % 16:
                 raise DSparkError(f"int4 weights need an input size divisible by {GROUP} and an output size "
@@ -154,7 +155,7 @@ class Linear:
                 # dspark's kernel: d and lo kept in fp32 (torch's rounds them to bf16), and a
                 # verify of 8 rows costs far less than 8 single rows (kernels.py)
                 self.q4, self.w = kernels.pack_q4(q, d, lo), None
-                self.kernel = "dspark AVX512-BF16"
+                self.kernel = kernels.tile_name()
             else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
                 self.kernel = ("torch (asked for)" if ops == "torch" else
                                kernels.q4_status() if act == torch.bfloat16 else "torch (fp32 activations)")
@@ -370,7 +371,7 @@ class NativeTarget:
         int4 = self._int4_linears()
         if int4:
             ours = sum(lin.q4 is not None for lin in int4)
-            kernel = (f", int4 kernel: dspark AVX512-BF16 ({ours} of {len(int4)} matrices)" if ours
+            kernel = (f", int4 kernel: {kernels.tile_name()} ({ours} of {len(int4)} matrices)" if ours
                       else f", int4 kernel: {int4[0].kernel}")
         ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
         return (f"native runtime, weights {self.weights} (head {self.head_format}), "
