@@ -312,7 +312,7 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     spec, plain = sched.expected_rates(2)
     assert spec == pytest.approx(2 * 1.018 / (0.031 + 0.010), rel=0.02) and plain == pytest.approx(2 / 0.011, rel=0.01)
     assert not sched.should_draft(batch)
-    decisions = [sched.should_draft(batch) for _ in range(1200)]
+    decisions = [sched.should_draft(batch) for _ in range(3500)]
     probes = [i for i, d in enumerate(decisions) if d]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     # a probe costs the 30 ms draft pass over an 11 ms plain step: probes wait until they cost at most
@@ -324,10 +324,10 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     cheap = AdaptiveScheduler(curve, probe_share=1.0)
     cheap.verify_lengths(weak, batch)
     cheap.observe(res(3, t_draft=0.030), [])
-    decisions = [cheap.should_draft(batch) for _ in range(400)]
+    decisions = [cheap.should_draft(batch) for _ in range(1200)]
     probes = [i for i, d in enumerate(decisions) if d]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
-    assert probes[0] == sch.SKIP_PROBE and gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {sch.SKIP_PROBE_MAX}
+    assert probes[0] == sch.SKIP_PROBE and gaps[:4] == [32, 64, 128, 256] and set(gaps[4:]) == {sch.SKIP_PROBE_MAX}
     while not sched.should_draft(batch):
         pass
     sched.verify_lengths(_proposal([[6.0, 6.0, 6.0]] * 2), batch)  # this probe finds the text predictable again

@@ -47,6 +47,27 @@ def test_profile_respects_its_budget(caplog):
     assert rough.meta["repeats"] == 1 and "overran" in caplog.text
 
 
+def test_the_cheap_points_get_their_repeats_when_a_pass_fills_the_budget():
+    """One timed pass of a large verify can fill the budget; the 1-token step, which decides whether
+    drafting pays at all, must not then rest on one sample (a descheduled one read 2.3x its cost)."""
+    import time
+
+    class SlowAtLength:  # a forward of 64 tokens costs 100x one of 1-2 tokens
+        device, vocab_size = "cpu", 50
+
+        def new_state(self, batch):
+            return None
+
+        def forward(self, state, tokens, counts=None):
+            time.sleep(0.002 if tokens.shape[1] < 64 else 0.2)
+
+        def commit(self, state, keep):
+            pass
+
+    curve = profile_cost_curve(SlowAtLength(), [1, 2, 64], repeats=3, budget_s=0.6)
+    assert curve.meta["repeats"] == 3 and curve.meta["repeats_largest"] == 1
+
+
 def test_cache_round_trip_and_key(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     target = HFTarget(tiny_target())

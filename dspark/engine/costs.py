@@ -32,6 +32,9 @@ CURVE_FORMAT = "dspark-cost-curve"
 # as flat: the scheduler would then see almost no price for verification.
 FLAT_RATIO = 1.10
 PROFILE_CONTEXT = 32  # committed tokens the scratch state holds (attention has something to read)
+# how profile_cost_curve samples (part of a cached curve's identity): 2 = the small points get their
+# repeats even where one pass of the large ones fills the budget
+PROFILER = 2
 
 
 @dataclass(frozen=True)
@@ -115,9 +118,11 @@ def default_grid(max_tokens: int) -> list[int]:
 def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0) -> CostCurve:
     """Time target.forward of [1, T] random tokens on a scratch state (then discarded) for T in grid.
 
-    One warm-up pass (first calls per shape pay one-time kernel set-up), then up to `repeats`
-    timed passes while the budget lasts (a pass is skipped when it would end past the
-    budget); the minimum per point, because load from other processes only ever adds time,
+    One warm-up pass (first calls per shape pay one-time kernel set-up), one timed pass, then up
+    to `repeats - 1` more timings of each point that still fits in the budget (the cheap small
+    points, which decide whether drafting pays at all, get their repeats even where one pass of
+    the large ones fills the budget: one sample of a 1-token step can be a descheduled one);
+    the minimum per point, because load from other processes only ever adds time,
     and the adaptive scheduler rescales the whole curve to observed steps anyway. When the
     warm-up alone overruns the budget (a loaded machine) its own timings are used, with a
     warning, rather than making start-up slower still. A [1, T] forward costs what a padded
@@ -135,8 +140,12 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
     keep_none = torch.zeros(1, dtype=torch.long, device=dev)
     start = time.perf_counter()
     for rep in range(repeats + 1):
-        pass_start = time.perf_counter()
+        timed = 0
         for t in grid:
+            # after the first timed pass a point is timed again only if that fits in the budget
+            if rep >= 2 and time.perf_counter() + times[t][-1] - start > budget_s:
+                continue
+            timed += 1
             t0 = clock(dev)
             target.forward(state, batches[t])
             t1 = clock(dev)
@@ -149,9 +158,9 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
             break
         if rep == 0:
             times = {t: [] for t in grid}  # warm-up timings include one-time set-up: drop them
-        elif now + (now - pass_start) - start > budget_s:
+        elif not timed:
             break
-    meta = {"repeats": len(times[grid[0]]), "context": PROFILE_CONTEXT, "profile_s": round(time.perf_counter() - start, 3)}
+    meta = {"repeats": len(times[grid[0]]), "repeats_largest": len(times[grid[-1]]), "context": PROFILE_CONTEXT, "profile_s": round(time.perf_counter() - start, 3)}
     return CostCurve.from_points(grid, [min(times[t]) for t in grid], meta)
 
 
@@ -176,6 +185,7 @@ def curve_identity(target, grid: list[int]) -> dict:
         "threads": torch.get_num_threads(),
         "grid": list(grid),
         "torch": torch.__version__,
+        "profiler": PROFILER,
     }
 
 

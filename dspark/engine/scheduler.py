@@ -33,10 +33,13 @@ DEFAULT_THRESHOLD = 0.5
 EMA = 0.1  # weight of the newest step in the adaptive scheduler's running timings
 SKIP_PROBE = 16  # at least this many steps without drafting before one drafts to re-estimate survivals
 REALISED_MIN = 16  # verified requests at a depth before its measured acceptance replaces the prediction
-SKIP_PROBE_MAX = 128  # a probe that confirms skipping doubles the wait before the next, up to this
+SKIP_PROBE_MAX = 256  # a probe that confirms skipping doubles the wait before the next, up to this
 # probes may cost at most this share of the time spent decoding plainly: a draft pass dearer than a
-# target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share))
-PROBE_SHARE = 0.005
+# target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share)).
+# Measured on SmolLM2 (docs/BENCHMARKS.md "Session 13"): a probe that confirms skipping costs ~6 ms
+# against a ~11 ms plain step; at 0.5 % and waits up to 128 steps probes took 0.4-0.8 % of decoding,
+# most of what a draft that never pays still cost against plain decoding.
+PROBE_SHARE = 0.0025
 # while skipping, the two rates are compared again every RECHECK steps (and after every probe, or
 # when the batch changes): between probes they move by running averages only, and the comparison
 # runs before every step, where ~0.1 ms is 1% of a CPU step
