@@ -234,8 +234,8 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
-// at a time. Each weight is dequantised to fp32 once per call (q4: w = q * d + lo in one FMA, the
-// model's own value; q8: q * d; bf16: exact), and every row adds w * x in input order, one FMA a
+// at a time. Each weight is dequantised to fp32 once per tile of up to 8 rows (q4: w = q * d + lo
+// in one FMA, the model's own value; q8: q * d; bf16: exact), and every row adds w * x in input order, one FMA a
 // weight: a row's operations do not depend on M or on which rows share the call (batch
 // invariance). Measured against torch's int4 kernel, which unpacks every weight once per row:
 // docs/BENCHMARKS.md "Session 13".
