@@ -79,12 +79,10 @@ def fused_bias(*linears) -> torch.Tensor | None:
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 @ packed.T (+ bias) -> [..., out_features]."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if isinstance(packed, tuple):
-        y = extension().bf16_mm(x2, *packed)
-        y = y if bias is None else y + bias
-    else:
-        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    if isinstance(packed, tuple):  # dspark's tile takes x's own shape
+        y = extension().bf16_mm(x, *packed)
+        return y if bias is None else y + bias
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -232,7 +230,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
 
 
 def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q4`."""
+    """x [..., K] bf16 @ W.T -> [..., N] bf16, W packed by `pack_q4`."""
     return extension().q4_mm(x, *packed)
 
 
@@ -255,7 +253,7 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor):
 
 
 def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [M, K] bf16 @ W.T -> [M, N] bf16, W packed by `pack_q8`."""
+    """x [..., K] bf16 @ W.T -> [..., N] bf16, W packed by `pack_q8`."""
     return extension().q8_mm(x, *packed)
 
 

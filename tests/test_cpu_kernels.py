@@ -65,6 +65,9 @@ def test_rows_get_the_same_bits_in_any_batch(q4):
         assert torch.equal(kernels.q4_linear(x[i:i + 1], packed), full[i:i + 1])
     perm = torch.randperm(19, generator=torch.Generator().manual_seed(3))
     assert torch.equal(kernels.q4_linear(x[perm], packed), full[perm])
+    # the kernel takes x's own shape [..., K] (the runtime's [B, S, K] activations, a single row)
+    assert torch.equal(kernels.q4_linear(x[:18].view(3, 6, 192), packed), full[:18].view(3, 6, 64))
+    assert torch.equal(kernels.q4_linear(x[4], packed), full[4])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

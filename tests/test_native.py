@@ -375,3 +375,26 @@ def test_taps_stay_valid_after_later_forwards(runtime):
         target.commit(st, torch.tensor([1]))
         assert later.data_ptr() != first.data_ptr()
     assert torch.equal(first, kept)
+
+
+def test_the_cache_grows_under_a_running_state_and_the_layer_views_follow():
+    """Past CACHE_CHUNK entries the KV tensor is reallocated; the per-layer K/V views a forward
+    reads (NativeState.layer_kv, made once per tensor) must follow it: logits stay HF's."""
+    from dspark.target.native import CACHE_CHUNK
+
+    model = _mk("llama-untied-gqa")
+    native = NativeTarget(model, weights="fp32")
+    n = CACHE_CHUNK + 40
+    assert n < model.config.max_position_embeddings
+    ids = torch.randint(4, 96, (1, n), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids).logits
+    st = native.new_state(1)
+    first, at, kvs = None, 0, set()
+    for size in (CACHE_CHUNK - 8, 16, 24):  # the second forward runs past the first allocation
+        lg, _ = native.forward(st, ids[:, at : at + size])
+        native.commit(st, torch.tensor([size]))
+        kvs.add(st.kv.data_ptr())
+        assert (lg - ref[:, at : at + size]).abs().max() <= 1e-4, at
+        at += size
+    assert len(kvs) > 1  # the cache did grow

@@ -98,7 +98,7 @@ class FastDraft:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> draft-head logits [..., Vd] bf16."""
-        return kernels.q8_linear(h.reshape(-1, h.shape[-1]), self.head).view(*h.shape[:-1], -1)
+        return kernels.q8_linear(h, self.head)
 
     def stale(self, draft) -> bool:
         return draft.fc.weight is not self.fc_weight or any(t._version != v for t, v in self.versions)

@@ -23,7 +23,7 @@ set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -169,12 +169,11 @@ class Linear:
             return kernels.packed_linear(x, self.packed, self.b, self.out_features)
         if self.fmt in FLOATS:
             return F.linear(x, self.w, self.b)
+        if self.q4 is not None or self.q8 is not None:  # dspark's tile takes x's own shape
+            y = kernels.q4_linear(x, self.q4) if self.q4 is not None else kernels.q8_linear(x, self.q8)
+            return y if self.b is None else y + self.b
         x2 = x.reshape(-1, x.shape[-1])
-        if self.q4 is not None:
-            y = kernels.q4_linear(x2, self.q4)
-        elif self.q8 is not None:
-            y = kernels.q8_linear(x2, self.q8)
-        elif self.fmt == "int8":
+        if self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, GROUP, self.s)
@@ -204,6 +203,14 @@ class NativeState:
     kv: torch.Tensor | None
     lengths: torch.Tensor  # [B] long
     pending: int = 0
+    # (kv, [(K, V) of each layer]): made once per kv tensor, not 2 selects a layer every forward
+    _views: tuple = field(default=(), repr=False, compare=False)
+
+    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(keys, values) [B, Hkv, C, D] of each layer], views of kv."""
+        if not self._views or self._views[0] is not self.kv:
+            self._views = (self.kv, [(layer[0], layer[1]) for layer in self.kv])
+        return self._views[1]
 
     @property
     def batch(self) -> int:
@@ -456,7 +463,7 @@ class NativeTarget:
             # GQA without copying K/V: the G query heads sharing a KV head are folded into the
             # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
             mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
-        taps = {}
+        taps, layer_kv = {}, state.layer_kv()
         x = F.embedding(tokens, self.embed)  # [B, S, H]
         bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
         h = self._norm(x, self.layers[0].ln1)
@@ -467,7 +474,7 @@ class NativeTarget:
             qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
             if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
                 qk = self._norm(qk, layer.qk_norm)  # a weight row per head
-            kc, vc = state.kv[li, 0], state.kv[li, 1]  # [B, Hkv, C, D]
+            kc, vc = layer_kv[li]  # [B, Hkv, C, D]
             if fused_attn:
                 # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
                 # no mask to build, no transposes
