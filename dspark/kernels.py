@@ -105,7 +105,7 @@ ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
 SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp")
 FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk",
-             "argmax_f32")
+             "argmax_f32", "silu_mul_bf16")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {

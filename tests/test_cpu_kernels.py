@@ -278,6 +278,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(mod)
     test_a_verify_gives_each_position_a_single_steps_bits(mod)
     test_an_exact_q8_0_head_runs_as_shipped(mod)
+    _check_silu_mul(mod)
     y = mod.q4_mm(torch.full((1, 64), float("nan")).to(torch.bfloat16), *kernels.pack_q4(*_q4(16, 64)[:3]))
     assert y.isnan().all()  # NaN in, NaN out (torch's float -> bfloat16 rule)
     _check_attention(mod)
@@ -674,3 +675,36 @@ def test_argmax_is_torchs_choice(q4):
     assert torch.equal(kernels.argmax(bf), bf.float().argmax(-1))
     with pytest.raises(RuntimeError, match="fp32"):
         q4.argmax_f32(torch.randn(2, 8).double())
+
+
+def _check_silu_mul(mod):
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(11)
+    gu = (torch.randn(4, 3, 2 * 1536, generator=gen) * 4).to(torch.bfloat16)
+    gu[0, 0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5])
+    gu[0, 0, 7] = float("nan")
+    gu[1, 2, 1536 + 9] = float("nan")
+    g, u = gu.chunk(2, -1)
+    ref, out = F.silu(g) * u, mod.silu_mul_bf16(gu)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    # below gate -87 silu is under 1e-35 and the kernel's exp floors it to 0 (torch: until -88.7)
+    floor = g.float() < -87
+    assert (out[floor].float().abs() <= 1e-30).all() and (ref[floor].float().abs() <= 1e-30).all()
+    keep = ~nan & ~floor
+    same = out[keep] == ref[keep]
+    # its exp is not torch's: the rare value on a rounding boundary may land one bf16 step away
+    assert same.float().mean() >= 0.9999
+    assert ((out[keep].float() - ref[keep].float()).abs() <= 2 ** -7 * ref[keep].float().abs()).all()
+    assert torch.equal(out[0, 0, :5], ref[0, 0, :5])  # zeros (signed), saturation, past exp's floor
+    assert torch.equal(mod.silu_mul_bf16(gu[2:3]), out[2:3])  # a row alone: its bits in the batch
+    with pytest.raises(RuntimeError, match="multiple of"):
+        mod.silu_mul_bf16(gu[..., :40])
+
+
+def test_silu_mul_gives_torchs_bits(ext):
+    """The fused silu(gate) * up of the gate/up projection: torch's rounding steps (silu in fp32,
+    rounded, times up, rounded), NaN kept, row-independent; widths it cannot tile are refused."""
+    _check_silu_mul(ext)
