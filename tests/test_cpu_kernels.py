@@ -375,6 +375,14 @@ def test_rope_and_the_cache_write_give_torchs_bits(ext):
     k2[bidx, :, pos] = ref[:, :, Hq:]
     v2[bidx, :, pos] = v
     assert torch.equal(kc, k2) and torch.equal(vc, v2)
+    # the whole q/k/v projection with no v: the value heads read from its last Hkv heads
+    from dspark.target.native import NO_TENSOR
+
+    kc3, vc3 = torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16), torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16)
+    k3, v3 = kc3.clone(), vc3.clone()
+    k3[bidx, :, pos], v3[bidx, :, pos] = ref[:, :, Hq:], v
+    assert torch.equal(ext.rope_cache_bf16(torch.cat([qk, v], 2), NO_TENSOR, cos, sin, kc3, vc3, pos), q)
+    assert torch.equal(kc3, k3) and torch.equal(vc3, v3)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ext.rope_cache_bf16(qk, v, cos, sin, kc, vc, pos + C)
 

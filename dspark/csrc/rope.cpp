@@ -27,21 +27,28 @@ inline void rotate(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64
 // qk [B, S, Hq + Hkv, D] and v [B, S, Hkv, D] bf16 (last dim contiguous), cos / sin [P, D] bf16
 // tables, kc / vc [B, Hkv, C, D] caches, pos [B, S] int64. Rotates queries and keys at their
 // positions, writes keys and values at cache[b, :, pos[b, s]] -> rotated queries [B, S, Hq, D].
+// v empty: qk is the whole q/k/v projection [B, S, Hq + 2 Hkv, D], values in its last Hkv heads
+// (no slices to make in Python; Hkv from the cache).
 torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                               torch::Tensor kc, torch::Tensor vc, torch::Tensor pos) {
   using namespace rope;
   for (const auto* t : {&qk, &v, &cos, &sin, &kc, &vc})
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->stride(-1) == 1, "rope_cache_bf16: bf16 tensors with a contiguous last dim");
-  const int64_t B = qk.size(0), S = qk.size(1), D = qk.size(3), Hkv = v.size(2), Hq = qk.size(2) - Hkv, C = kc.size(2);
-  TORCH_CHECK(D % 2 == 0 && v.size(3) == D && cos.size(1) == D && sin.sizes() == cos.sizes() && kc.sizes() == vc.sizes() &&
-              kc.size(0) == B && kc.size(1) == Hkv && kc.size(3) == D, "rope_cache_bf16: shapes disagree");
+  const bool packed = v.numel() == 0;
+  TORCH_CHECK(qk.dim() == 4 && kc.dim() == 4 && (packed || v.dim() == 4), "rope_cache_bf16: qk, v and the caches must be 4-D");
+  const int64_t B = qk.size(0), S = qk.size(1), D = qk.size(3), Hkv = packed ? kc.size(1) : v.size(2),
+                Hq = qk.size(2) - (packed ? 2 : 1) * Hkv, C = kc.size(2);
+  const torch::Tensor& vt = packed ? qk : v;
+  const int64_t v0 = packed ? Hq + Hkv : 0;  // the first value head in vt
+  TORCH_CHECK(D % 2 == 0 && Hq >= 0 && vt.size(3) == D && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+              kc.sizes() == vc.sizes() && kc.size(0) == B && kc.size(1) == Hkv && kc.size(3) == D, "rope_cache_bf16: shapes disagree");
   TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong, "rope_cache_bf16: pos must be [B, S] int64");
   auto pc = pos.contiguous();
   const int64_t* pp = pc.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * S; ++i)
     TORCH_CHECK(pp[i] >= 0 && pp[i] < C, "rope_cache_bf16: position ", pp[i], " outside the cache of ", C);
   auto q = torch::empty({B, S, Hq, D}, qk.options());
-  const bf16 *qkp = qk.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>(), *cp = cos.data_ptr<at::BFloat16>(),
+  const bf16 *qkp = qk.data_ptr<at::BFloat16>(), *vp = vt.data_ptr<at::BFloat16>(), *cp = cos.data_ptr<at::BFloat16>(),
              *sp = sin.data_ptr<at::BFloat16>();
   bf16 *qo = q.data_ptr<at::BFloat16>(), *kp = kc.data_ptr<at::BFloat16>(), *vcp = vc.data_ptr<at::BFloat16>();
   for (int64_t b = 0; b < B; ++b)
@@ -55,7 +62,7 @@ torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor c
         const int64_t dst = b * kc.stride(0) + h * kc.stride(1) + p * kc.stride(2);
         rotate(qkp + b * qk.stride(0) + s * qk.stride(1) + (Hq + h) * qk.stride(2), c, sn, kp + dst, D);
         std::memcpy(vcp + b * vc.stride(0) + h * vc.stride(1) + p * vc.stride(2),
-                    vp + b * v.stride(0) + s * v.stride(1) + h * v.stride(2), D * sizeof(bf16));
+                    vp + b * vt.stride(0) + s * vt.stride(1) + (v0 + h) * vt.stride(2), D * sizeof(bf16));
       }
     }
   return q;

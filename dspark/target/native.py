@@ -40,6 +40,7 @@ WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-format name
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
+NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)  # rope_cache_bf16's "values inside qk"
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
 
 
@@ -471,10 +472,13 @@ class NativeTarget:
             if li in self.tap_indices:
                 taps[li] = x
             qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
-            qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
-            if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
-                qk = self._norm(qk, layer.qk_norm)  # a weight row per head
             kc, vc = layer_kv[li]  # [B, Hkv, C, D]
+            if fused_attn and layer.qk_norm is None:
+                qk, v = qkv, NO_TENSOR  # the kernel reads the value heads from qkv: no slices
+            else:
+                qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+                if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
+                    qk = self._norm(qk, layer.qk_norm)  # a weight row per head
             if fused_attn:
                 # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
                 # no mask to build, no transposes
