@@ -468,6 +468,7 @@ def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
     for M in (1, 2, 3, 7, 8):
         assert torch.equal(kernels.packed_linear(x[:M], packed, None, 48), y[:M])
     assert torch.equal(kernels.packed_linear(x[None, :3], packed, bias, 48)[0], y[:3] + bias)
+    assert kernels.pack_bf16(w[:1]) is None  # a one-output head (confidence): plain F.linear is faster
     monkeypatch.setattr(kernels, "BF16_KERNEL_MAX", 48 * 96 - 1)
     assert not isinstance(kernels.pack_bf16(w), tuple)  # oneDNN's packed weight (or None without it)
     with pytest.raises(RuntimeError, match="bf16_mm: x has 64 inputs, the weight 96"):
