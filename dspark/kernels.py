@@ -88,6 +88,16 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_featur
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def silu_mul(gu: torch.Tensor, ext) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection's output [..., 2I] (gate | up): one call of
+    the extension `ext` where it is given and the width tiles (csrc/attn.cpp `silu_mul_bf16`,
+    torch's rounding steps), torch's ops otherwise."""
+    if ext is not None and gu.shape[-1] % 32 == 0:
+        return ext.silu_mul_bf16(gu)
+    g, u = gu.chunk(2, -1)
+    return torch.nn.functional.silu(g) * u
+
+
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """x.argmax(dim), with half-precision logits widened to fp32 first (module docstring); over the
     last dimension on dspark's AVX-512 build (csrc/markov.cpp `argmax_f32`: torch's choice, ~7x

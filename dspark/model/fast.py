@@ -122,14 +122,8 @@ class FastDraft:
             q = self.ext.rope_cache_bf16(qk, v, cos, sin, kv.k, kv.v, pos)  # block keys at pos, in the scratch
             o = self.ext.attn_bf16(q, kv.k, kv.v, pos if causal[i] else last, self.D ** -0.5)
             x, h = self.ext.add_rms_bf16(x, ly["wo"](o), ly["ln2"], self.eps)
-            gu = ly["w13"](h)
-            if gu.shape[-1] % 32 == 0:  # silu(gate) * up in one call
-                act = self.ext.silu_mul_bf16(gu)
-            else:
-                g, u = gu.chunk(2, -1)
-                act = F.silu(g) * u
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
-            x, h = self.ext.add_rms_bf16(x, ly["w2"](act), nxt, self.eps)
+            x, h = self.ext.add_rms_bf16(x, ly["w2"](kernels.silu_mul(ly["w13"](h), self.ext)), nxt, self.eps)
         return h
 
     def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:

@@ -498,7 +498,7 @@ class NativeTarget:
                 o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
             x, h = self._add_norm(x, layer.wo(o), layer.ln2)
             # the residual add and the next layer's input norm (the final norm after the last)
-            x, h = self._add_norm(x, layer.w2(self._silu_mul(layer.w13(h))),
+            x, h = self._add_norm(x, layer.w2(kernels.silu_mul(layer.w13(h), self._ext)),
                                   self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm)
         if self.num_layers in self.tap_indices:
             taps[self.num_layers] = x  # pre-norm, like the HF target's hook on the last layer
@@ -527,13 +527,6 @@ class NativeTarget:
             return s, h
         x = x + r
         return x, _rms(x, w, self.eps)
-
-    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused gate/up output [..., 2I]: one call on dspark's extension."""
-        if self._ext is not None and gu.shape[-1] % 32 == 0:
-            return self._ext.silu_mul_bf16(gu)
-        g, u = gu.chunk(2, -1)
-        return F.silu(g) * u
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: final-normed hidden states -> fp32 logits."""
