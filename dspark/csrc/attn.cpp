@@ -184,16 +184,19 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   const int64_t R = gc.numel() / I2;
   const at::BFloat16* gp = gc.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < I; i += W) {
-      const V g = load_bf16(gp + r * I2 + i), u = load_bf16(gp + r * I2 + I + i);
-      const V na = neg_abs(g);
-      const V e = where_neg(add(na, set1(87.0f)), zero(), exp_neg(na));  // exp(-|g|), 0 below exp_neg's floor
-      const V sig = div(where_neg(g, e, set1(1.0f)), add(set1(1.0f), e));  // sigmoid(g)
-      alignas(64) at::BFloat16 s[W];
-      store_bf16(s, mul(g, sig));  // silu(g) rounded to bf16, as torch's bf16 silu returns it
-      store_bf16(op + r * I + i, mul(load_bf16(s), u));
+  // rows split between threads in blocks of 16 (a decode step's few rows run inline)
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < I; i += W) {
+        const V g = load_bf16(gp + r * I2 + i), u = load_bf16(gp + r * I2 + I + i);
+        const V na = neg_abs(g);
+        const V e = where_neg(add(na, set1(87.0f)), zero(), exp_neg(na));  // exp(-|g|), 0 below exp_neg's floor
+        const V sig = div(where_neg(g, e, set1(1.0f)), add(set1(1.0f), e));  // sigmoid(g)
+        alignas(64) at::BFloat16 s[W];
+        store_bf16(s, mul(g, sig));  // silu(g) rounded to bf16, as torch's bf16 silu returns it
+        store_bf16(op + r * I + i, mul(load_bf16(s), u));
+      }
     }
-  }
+  });
   return out;
 }
