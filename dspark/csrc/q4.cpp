@@ -32,6 +32,15 @@ namespace {
 template <int V>
 using Int = std::integral_constant<int, V>;
 
+// every accumulator of a tile [blocks][rows] set to v (the ISA's zero vector)
+template <typename Vec, int NB, int M>
+inline void fill(Vec (&acc)[NB][M], Vec v) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[j][m] = v;
+}
+
 // x [..., K] bf16 (M rows: every dimension but the last) against a weight packed as [N/16, K/32,
 // steps, 32] elements of `dtype`, with fp32 per-group tensors [N/16, K/32, 16] (scales, minimums):
 // checked, -> (M, K, N). Taking x's own shape spares the caller two reshapes a matmul (~240 small
@@ -111,16 +120,10 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float
                  uint16_t* y, int64_t N, int64_t cb) {
   const int64_t G = K / 32;
   __m512 acc[NB][M];
-#pragma GCC unroll 8
-  for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
     __m512 t[NB][M];  // sum over the group of q * x, per column
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) t[j][m] = _mm512_setzero_ps();
+    fill(t, _mm512_setzero_ps());
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
 #pragma GCC unroll 8
@@ -266,10 +269,7 @@ template <int M, int NB, int IN, int STEPS, typename Unpack>
 inline void tile8(const float* x, int64_t K, const Unpack& unpack, uint16_t* y, int64_t N, int64_t hb) {
   const int64_t G = K / 32;
   __m256 acc[NB][M];
-#pragma GCC unroll 8
-  for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[j][m] = _mm256_setzero_ps();
+  fill(acc, _mm256_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
 #pragma GCC unroll 16
     for (int s = 0; s < STEPS; ++s) {
