@@ -46,6 +46,9 @@ PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
 # oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
 # 1-3 rows (2.4 against 2.7-3.3 ms); a bf16 head is rare (a float target head; the draft's is Q8_0).
 BF16_KERNEL_MAX = 1 << 22
+# "no tensor" for the extension's optional arguments (rope_cache_bf16's values inside qk,
+# add_rms_bf16's taps): pybind passes no None to a Tensor argument
+NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)
 
 
 def pack_bf16(w: torch.Tensor):

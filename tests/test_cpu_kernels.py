@@ -157,8 +157,17 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
     r = torch.randn(R, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(H, generator=g) * 0.5 + 1).to(torch.bfloat16)
     assert torch.equal(ext.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
-    s, h = ext.add_rms_bf16(x, r, w, 1e-5)
+    s, h = ext.add_rms_bf16(x, r, w, 1e-5, kernels.NO_TENSOR, 0)
     assert torch.equal(s, x + r) and torch.equal(h, _rms(x + r, w, 1e-5))
+    # the sum also written into columns of a taps buffer, the rest of it untouched
+    taps = torch.full((R, 3 * H), 7.0, dtype=torch.bfloat16)
+    s2, h2 = ext.add_rms_bf16(x, r, w, 1e-5, taps, H)
+    assert torch.equal(s2, s) and torch.equal(h2, h) and torch.equal(taps[:, H : 2 * H], s)
+    assert bool((taps[:, :H] == 7).all() and (taps[:, 2 * H :] == 7).all())
+    with pytest.raises(RuntimeError, match="outside the buffer"):
+        ext.add_rms_bf16(x, r, w, 1e-5, taps, 2 * H + 1)
+    with pytest.raises(RuntimeError, match="x's rows"):
+        ext.add_rms_bf16(x, r, w, 1e-5, torch.zeros(R + 1, 3 * H, dtype=torch.bfloat16), 0)
     with pytest.raises(RuntimeError, match=r"w must be \[H\] with x \[..., H\]"):
         ext.rms_bf16(x, w[:-1], 1e-5)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -195,15 +204,23 @@ def test_a_verify_gives_each_position_a_single_steps_bits(q4):
 
 
 def test_the_extensions_forward_stays_near_torchs(ext):
-    """The attention kernel sums in another order than torch's: logits agree to bf16 precision."""
+    """The attention kernel sums in another order than torch's: logits and taps agree to bf16
+    precision. The taps the norm kernel writes in place are the residual stream itself: the
+    embeddings for tap 0, a repeated index twice, the last layer's output before the final norm."""
     model = tiny_target(dtype=torch.bfloat16)
-    ours, theirs = NativeTarget(model, (1, 4)), NativeTarget(model, (1, 4), ops="torch")
+    L, H = model.config.num_hidden_layers, model.config.hidden_size
+    taps = (0, 1, 1, L)
+    ours, theirs = NativeTarget(model, taps), NativeTarget(model, taps, ops="torch")
     assert ours._ext is not None and theirs._ext is None
     ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
     for kw in ({}, {"logits": "last"}, {"logits": "final"}):
         a, ta = ours.forward(ours.new_state(1), ids, **kw)
         b, tb = theirs.forward(theirs.new_state(1), ids, **kw)
         assert (a - b).abs().max() <= 0.05 * b.abs().max() and (ta.float() - tb.float()).abs().max() <= 0.05 * tb.abs().max(), kw
+        assert ta.shape == (1, 7, 4 * H) and torch.equal(ta[..., :H], model.get_input_embeddings()(ids))
+        assert torch.equal(ta[..., H : 2 * H], ta[..., 2 * H : 3 * H])
+    final, ta = ours.forward(ours.new_state(1), ids, logits="final")
+    assert torch.equal(ours._norm(ta[..., 3 * H :], ours.norm), final)  # the final norm of the last tap
 
 
 def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
@@ -486,7 +503,7 @@ def test_the_norm_kernel_takes_a_weight_per_head(ext):
     with pytest.raises(RuntimeError, match="heads"):
         ext.rms_bf16(x, w[:4], 1e-6)
     with pytest.raises(RuntimeError, match="one weight row"):
-        ext.add_rms_bf16(x.contiguous(), x.contiguous(), w, 1e-6)
+        ext.add_rms_bf16(x.contiguous(), x.contiguous(), w, 1e-6, kernels.NO_TENSOR, 0)
 
 
 def _contexts(draft, taps, steps, force_torch, monkeypatch):
@@ -543,6 +560,9 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
     block[:, 0] = 17
     with torch.inference_mode():
         assert torch.equal(draft.block_states(block, one), fh[1:2])
+        # the leading rows alone (a policy drafting 1-2 slots): the same bits, the rest not computed
+        for rows in (1, 2):
+            assert torch.equal(draft.block_states(block, one, rows), fh[1:2, :rows])
 
 
 def test_the_fast_path_is_left_where_it_does_not_apply(ext):

@@ -51,8 +51,11 @@ torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // (s, w * rms_norm(s)) with s = x + r rounded to bf16 (torch's bf16 add): the residual add and
-// the next norm in one call
-std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch::Tensor w, double eps) {
+// the next norm in one call. taps: an empty tensor, or a contiguous [..., n*H] buffer with x's
+// rows that also receives s in columns col..col+H (a hidden-state tap written where the draft
+// reads it: no copy of the residual stream and no concatenation of the taps after the forward)
+std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch::Tensor w, double eps,
+                                        torch::Tensor taps, int64_t col) {
   check(x, w);
   TORCH_CHECK(w.dim() == 1, "add_rms_bf16: one weight row for every row of x");
   TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == torch::kBFloat16, "add_rms_bf16: the residual must match x");
@@ -62,6 +65,15 @@ std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch:
   bf16* sp = s.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < xc.numel(); ++i) sp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(rp[i]));
   const int64_t H = w.size(0), R = xc.numel() / H;
+  if (taps.numel() > 0) {
+    TORCH_CHECK(taps.scalar_type() == torch::kBFloat16 && taps.is_contiguous() && taps.dim() == x.dim() &&
+                taps.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
+                "add_rms_bf16: taps must be a contiguous bf16 buffer with x's rows, got ", taps.sizes(), " for x ", x.sizes());
+    const int64_t F = taps.size(-1);
+    TORCH_CHECK(col >= 0 && col + H <= F, "add_rms_bf16: tap columns ", col, "..", col + H, " outside the buffer's ", F);
+    bf16* tp = taps.data_ptr<at::BFloat16>() + col;
+    for (int64_t i = 0; i < R; ++i) std::copy(sp + i * H, sp + (i + 1) * H, tp + i * F);
+  }
   norm_rows(sp, wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps));
   return {s, y};
 }

@@ -66,16 +66,17 @@ class StepResult:
 
 @torch.inference_mode()
 def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, depth: int | None = None):
-    """The draft's one forward over [anchor, MASK, ...]: (h [B, S, H], base logits of the first
-    `depth` sampled rows [B, depth, Vd] (all g by default), the Markov head's state before the
-    first sampled row, or None)."""
+    """The draft's one forward over [anchor, MASK, ...]: (h [B, r, H], the states of the block
+    rows up to the last one drafted, base logits of the first `depth` sampled rows [B, depth, Vd]
+    (all g by default), the Markov head's state before the first sampled row, or None)."""
     spec = draft.spec
     B = anchors.shape[0]
     block = anchors.new_full((B, spec.query_slots), spec.mask_token_id)
     block[:, 0] = anchors
-    h = draft.block_states(block, ctx)  # [B, S, H]: the whole block, as trained, whatever the depth
     rows = spec.sampled_rows
     stop = rows.stop if depth is None else rows.start + depth
+    # the whole block runs, as trained, whatever the depth; states are kept up to the last row read
+    h = draft.block_states(block, ctx, stop)  # [B, stop, H]
     base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
     mh = draft.markov_head
     state = mh.init_state(B, h) if mh is not None else None

@@ -212,12 +212,14 @@ class DSparkDraft(nn.Module):
             x = layer(x, kv, mask, cos, sin)
         return self.norm(x)
 
-    def block_states(self, block_ids: torch.Tensor, ctx: ContextCache) -> torch.Tensor:
-        """Decoding's forward: block_ids [N, S] over a context cache -> h [N, S, H]. On dspark's
-        CPU kernels where they apply (model/fast.py), else `forward`."""
+    def block_states(self, block_ids: torch.Tensor, ctx: ContextCache, rows: int | None = None) -> torch.Tensor:
+        """Decoding's forward: block_ids [N, S] over a context cache -> h [N, rows, H], the states
+        of the first `rows` block rows (all S by default; every row still shapes them: the block
+        attends to itself). On dspark's CPU kernels where they apply (model/fast.py), which then
+        skip the last layer's work on the other rows, else `forward`."""
         if fast.applies(self, ctx, block_ids.shape[0]):
-            return fast.for_draft(self).block(self, block_ids, ctx)
-        return self(block_ids, ctx.valid(), ctx.lengths)
+            return fast.for_draft(self).block(self, block_ids, ctx, rows)
+        return self(block_ids, ctx.valid(), ctx.lengths)[:, :rows]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Decoding's draft head: h [..., H] -> logits [..., Vd]; Q8_0 on dspark's kernel where it

@@ -106,8 +106,9 @@ class FastDraft:
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.ext.rms_bf16(x, w, self.eps)
 
-    def block(self, draft, block_ids: torch.Tensor, ctx) -> torch.Tensor:
-        """block_ids [N, S] -> post-norm block states h [N, S, H], as `DSparkDraft.forward` over ctx."""
+    def block(self, draft, block_ids: torch.Tensor, ctx, rows: int | None = None) -> torch.Tensor:
+        """block_ids [N, S] -> post-norm block states h [N, rows, H] of the first `rows` rows (all
+        S by default), as `DSparkDraft.forward` over ctx."""
         N, S = block_ids.shape
         pos, cos, sin = self._room(ctx, S)  # pos [N, S]: the block rows' positions
         last = (ctx.lengths + S - 1)[:, None].expand(N, S).contiguous()  # a row sees its whole block
@@ -120,10 +121,17 @@ class FastDraft:
             if ly["qk_norm"] is not None:
                 qk = self._rms(qk, ly["qk_norm"])
             q = self.ext.rope_cache_bf16(qk, v, cos, sin, kv.k, kv.v, pos)  # block keys at pos, in the scratch
-            o = self.ext.attn_bf16(q, kv.k, kv.v, pos if causal[i] else last, self.D ** -0.5)
-            x, h = self.ext.add_rms_bf16(x, ly["wo"](o), ly["ln2"], self.eps)
+            seen = pos if causal[i] else last
+            if rows is not None and i == len(self.layers) - 1 and rows < S:
+                # every row's keys and values are in the cache; past them the last layer works
+                # row by row (attention per query, then per-row matmuls, each row's own bits), so
+                # rows nobody reads are skipped: a depth-1 step needs one row of the MLP, not S
+                q, seen, x = q[:, :rows], seen[:, :rows].contiguous(), x[:, :rows].contiguous()
+            o = self.ext.attn_bf16(q, kv.k, kv.v, seen, self.D ** -0.5)
+            x, h = self.ext.add_rms_bf16(x, ly["wo"](o), ly["ln2"], self.eps, kernels.NO_TENSOR, 0)
             nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
-            x, h = self.ext.add_rms_bf16(x, ly["w2"](kernels.silu_mul(ly["w13"](h), self.ext)), nxt, self.eps)
+            x, h = self.ext.add_rms_bf16(x, ly["w2"](kernels.silu_mul(ly["w13"](h), self.ext)), nxt, self.eps,
+                                        kernels.NO_TENSOR, 0)
         return h
 
     def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark import kernels
-from dspark.kernels import q8_groups
+from dspark.kernels import NO_TENSOR, q8_groups
 from dspark.errors import DSparkError, RequestError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -40,7 +40,6 @@ WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-format name
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
-NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)  # rope_cache_bf16's "values inside qk"
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
 
 
@@ -399,6 +398,16 @@ class NativeTarget:
             if not 0 <= i <= self.num_layers:
                 raise RequestError(f"hidden_state_index {i} is outside 0..{self.num_layers} for this target")
         self.tap_indices = tuple(tap_indices)
+        # the forward writes tap i (i >= 1) into its columns of the taps as layer i - 1 adds its
+        # MLP output: _tap_cols[li] = those columns' offset for layer li's output, else None
+        H = self.embed.shape[1]
+        self._tap_cols = [None] * self.num_layers
+        for k, i in enumerate(self.tap_indices):
+            if i >= 1 and self._tap_cols[i - 1] is None:
+                self._tap_cols[i - 1] = k * H
+        # the rest, copied after the layers: tap 0 (the embeddings: source None) and repeats of an index
+        self._tap_fill = [(k * H, None if i == 0 else self._tap_cols[i - 1]) for k, i in enumerate(self.tap_indices)
+                          if i == 0 or self._tap_cols[i - 1] != k * H]
 
     # ---- cache ---------------------------------------------------------------------------
     def new_state(self, batch: int = 1) -> NativeState:
@@ -464,13 +473,14 @@ class NativeTarget:
             # GQA without copying K/V: the G query heads sharing a KV head are folded into the
             # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
             mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
-        taps, layer_kv = {}, state.layer_kv()
-        x = F.embedding(tokens, self.embed)  # [B, S, H]
+        layer_kv = state.layer_kv()
+        x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
+        H = x.shape[-1]
+        # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
+        tapped = x.new_empty(B, S, len(self.tap_indices) * H) if self.tap_indices else None
         bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
         h = self._norm(x, self.layers[0].ln1)
         for li, layer in enumerate(self.layers):
-            if li in self.tap_indices:
-                taps[li] = x
             qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
             kc, vc = layer_kv[li]  # [B, Hkv, C, D]
             if fused_attn and layer.qk_norm is None:
@@ -498,12 +508,13 @@ class NativeTarget:
                 o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
             x, h = self._add_norm(x, layer.wo(o), layer.ln2)
             # the residual add and the next layer's input norm (the final norm after the last)
+            # the last layer's output is tapped before the final norm, like the HF target's hook
             x, h = self._add_norm(x, layer.w2(kernels.silu_mul(layer.w13(h), self._ext)),
-                                  self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm)
-        if self.num_layers in self.tap_indices:
-            taps[self.num_layers] = x  # pre-norm, like the HF target's hook on the last layer
+                                  self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm,
+                                  tapped, self._tap_cols[li])
+        for col, src in self._tap_fill:
+            tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
         state.pending = S
-        tapped = torch.cat([taps[i] for i in self.tap_indices], -1) if self.tap_indices else None
         # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
         if logits == "final":
             return h, tapped
@@ -520,12 +531,15 @@ class NativeTarget:
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self._ext.rms_bf16(x, w, self.eps) if self._ext is not None else _rms(x, w, self.eps)
 
-    def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + r, its norm with weight w): one call on dspark's extension."""
+    def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, taps: torch.Tensor | None = None,
+                  col: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, its norm with weight w): one call on dspark's extension. With col, x + r is
+        also written to taps[..., col : col + H]."""
         if self._ext is not None:
-            s, h = self._ext.add_rms_bf16(x, r, w, self.eps)
-            return s, h
+            return self._ext.add_rms_bf16(x, r, w, self.eps, NO_TENSOR if col is None else taps, col or 0)
         x = x + r
+        if col is not None:
+            taps[..., col : col + x.shape[-1]] = x
         return x, _rms(x, w, self.eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
