@@ -168,6 +168,11 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
         ext.add_rms_bf16(x, r, w, 1e-5, taps, 2 * H + 1)
     with pytest.raises(RuntimeError, match="x's rows"):
         ext.add_rms_bf16(x, r, w, 1e-5, torch.zeros(R + 1, 3 * H, dtype=torch.bfloat16), 0)
+    # NaN in, NaN out: the sum at that place, the norm of the whole row
+    xn = x.clone()
+    xn[0, H // 2] = float("nan")
+    s, h = ext.add_rms_bf16(xn, r, w, 1e-5, kernels.NO_TENSOR, 0)
+    assert s.isnan().sum() == 1 and s[0, H // 2].isnan() and h[0].isnan().all() and not h[1:].isnan().any()
     with pytest.raises(RuntimeError, match=r"w must be \[H\] with x \[..., H\]"):
         ext.rms_bf16(x, w[:-1], 1e-5)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -253,16 +258,21 @@ def _attention_reference(q, k, v, pos):
 
 
 def _check_attention(mod):
+    """Heads sharing a KV head 1-7 at a time (the kernel takes up to 4 together), heads of 32,
+    64 and 128 values, key counts on and off the vector width."""
     g = torch.Generator().manual_seed(5)
-    B, S, Hq, Hkv, D, C = 2, 5, 6, 2, 32, 40
-    q = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
-    kv = (torch.randn(2, B, Hkv, C, D, generator=g) * 2).to(torch.bfloat16)
-    pos = torch.tensor([[20], [13]]) + torch.arange(S)[None]
-    o = mod.attn_bf16(q, kv[0], kv[1], pos, D ** -0.5)
-    ref = _attention_reference(q, kv[0], kv[1], pos)
-    assert ((o.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-4).all()
-    # a row alone, or with other rows around it, gets the same bits
-    assert torch.equal(mod.attn_bf16(q[1:, 2:3], kv[0][1:], kv[1][1:], pos[1:, 2:3], D ** -0.5)[0, 0], o[1, 2])
+    for B, S, Hq, Hkv, D, C, first in [(2, 5, 6, 2, 32, 40, (20, 13)), (2, 4, 7, 1, 64, 80, (15, 60)),
+                                       (1, 3, 14, 2, 64, 60, (33,)), (2, 2, 8, 4, 128, 50, (0, 47))]:
+        q = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
+        kv = (torch.randn(2, B, Hkv, C, D, generator=g) * 2).to(torch.bfloat16)
+        pos = (torch.tensor(first)[:, None] + torch.arange(S)[None]).clamp(max=C - 1)
+        o = mod.attn_bf16(q, kv[0], kv[1], pos, D ** -0.5)
+        ref = _attention_reference(q, kv[0], kv[1], pos)
+        assert ((o.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-4).all(), (Hq, Hkv, D)
+        # a row alone, or with other rows around it, gets the same bits
+        b, s = B - 1, S // 2
+        alone = mod.attn_bf16(q[b:, s : s + 1], kv[0][b:], kv[1][b:], pos[b:, s : s + 1], D ** -0.5)
+        assert torch.equal(alone[0, 0], o[b, s]), (Hq, Hkv, D)
     with pytest.raises(RuntimeError, match="outside the cache"):
         mod.attn_bf16(q, kv[0], kv[1], pos + C, D ** -0.5)
 

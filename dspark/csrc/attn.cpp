@@ -101,6 +101,104 @@ inline V exp_neg(V x) {
 
 }  // namespace attn
 
+namespace attn {
+
+// lane k of the result = the sum of the 8 lanes of h[k], k < 8, by one fixed tree: a key's score
+// reads its own vector only, whichever keys share the chunk
+inline __m256 sum8(const __m256* h) {
+  const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// lane k = the sum of the W lanes of a[k]
+#if defined(__AVX512F__)
+inline V sum_lanes(const V* a) {
+  __m256 h[16];
+  for (int k = 0; k < 16; ++k)
+    h[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
+  const __m256 lo = sum8(h), hi = sum8(h + 8);
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+#else
+inline V sum_lanes(const V* a) { return sum8(a); }
+#endif
+
+// G query heads of one position that share a KV head, over keys 0..n-1: each key's row is
+// loaded once for all G, and W keys' dot products are summed across lanes together. Every
+// query's arithmetic is its own and fixed (its dot products in D order, the same tree per key,
+// softmax and values in key order), so its result does not depend on which other queries,
+// heads or positions share the call. GT / DWT: G and D / W fixed at compile time (registers), 0:
+// read from g / dw (the same operations, in memory).
+template <int GT, int DWT>
+void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, const at::BFloat16* kb,
+            const at::BFloat16* vb, int64_t n, float sc, at::BFloat16* o, std::vector<float>& buf, std::vector<V>& vbuf) {
+  const int64_t G = GT ? GT : g_, DW = DWT ? DWT : dw_, D = DW * W, np = (n + W - 1) / W * W;
+  buf.resize(G * np + G);
+  float* inv = buf.data() + G * np;  // [G] 1 / sum of each query's softmax weights
+  constexpr bool fixed = GT > 0 && DWT > 0;
+  V qv_f[fixed ? GT * DWT : 1], acc_f[fixed ? GT * DWT : 1], part_f[fixed ? GT * W : 1];
+  if (!fixed) vbuf.resize(2 * G * DW + G * W);
+  V* qv = fixed ? qv_f : vbuf.data();                 // [G][DW] queries, scaled
+  V* acc = fixed ? acc_f : vbuf.data() + G * DW;      // [G][DW] sums of p * v
+  V* part = fixed ? part_f : vbuf.data() + 2 * G * DW;  // [G][W] one chunk's dot products, before the lane sums
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < DW; ++c) qv[g * DW + c] = mul(load_bf16(q + g * qstride + W * c), set1(sc));
+  for (int64_t j0 = 0; j0 < n; j0 += W) {
+    const int64_t live = std::min<int64_t>(W, n - j0);
+    for (int64_t k = 0; k < W; ++k) {
+      if (k >= live) {
+        for (int64_t g = 0; g < G; ++g) part[g * W + k] = zero();
+        continue;
+      }
+      const at::BFloat16* kr = kb + (j0 + k) * D;
+      V kv[DWT ? DWT : 32];
+      for (int64_t c = 0; c < DW; ++c) kv[c] = load_bf16(kr + W * c);
+      for (int64_t g = 0; g < G; ++g) {
+        V a = mul(qv[g * DW], kv[0]);
+        for (int64_t c = 1; c < DW; ++c) a = fma(qv[g * DW + c], kv[c], a);
+        part[g * W + k] = a;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const V sv = sum_lanes(part + g * W);
+      std::memcpy(buf.data() + g * np + j0, &sv, sizeof(sv));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* score = buf.data() + g * np;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, score[j]);
+    // softmax weights, W keys a vector (the last one padded with zeros): the same chunks for the same n
+    V lsum = zero();
+    const V mv = set1(m);
+    for (int64_t j = 0; j < n; j += W) {
+      const int live = static_cast<int>(std::min<int64_t>(W, n - j));
+      V e = exp_neg(sub(load_n(score + j, live), mv));
+      alignas(64) float tmp[W];
+      std::memcpy(tmp, &e, sizeof(e));
+      for (int i = live; i < W; ++i) tmp[i] = 0.0f;
+      for (int i = 0; i < live; ++i) score[j + i] = tmp[i];
+      lsum = add(lsum, load_n(tmp, W));
+    }
+    inv[g] = 1.0f / sum(lsum);
+  }
+  for (int64_t i = 0; i < G * DW; ++i) acc[i] = zero();
+  for (int64_t j = 0; j < n; ++j) {
+    V vv[DWT ? DWT : 32];
+    for (int64_t c = 0; c < DW; ++c) vv[c] = load_bf16(vb + j * D + W * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const V pj = set1(buf[g * np + j]);
+      for (int64_t c = 0; c < DW; ++c) acc[g * DW + c] = fma(pj, vv[c], acc[g * DW + c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < DW; ++c) store_bf16(o + g * D + W * c, mul(acc[g * DW + c], set1(inv[g])));
+}
+
+}  // namespace attn
+
 // q [B, S, Hq, D] bf16 (any strides), k / v [B, Hkv, C, D] bf16 (last dim contiguous), pos [B, S]
 // int64: query (b, s) sees keys 0..pos[b, s]. -> o [B, S, Hq * D] bf16 (the layout o_proj reads)
 torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pos, double scale) {
@@ -110,6 +208,7 @@ torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t B = q.size(0), S = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), C = k.size(2);
   TORCH_CHECK(D % 16 == 0 && k.size(3) == D && v.sizes() == k.sizes() && k.size(0) == B && Hq % Hkv == 0,
               "attn_bf16: head sizes must agree and be a multiple of 16");
+  TORCH_CHECK(D / W <= 32, "attn_bf16: heads of up to ", 32 * W, " values");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D, "attn_bf16: cache rows must be contiguous");
   TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong, "attn_bf16: pos must be [B, S] int64");
   auto qc = q.contiguous();
@@ -123,43 +222,36 @@ torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   at::BFloat16* op = o.data_ptr<at::BFloat16>();
   const int64_t G = Hq / Hkv, ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1), DW = D / W;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * S * Hq, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> score;
-    std::vector<V> qv(DW), acc(DW);
+  // one task per (batch row, position, KV head): its G query heads together
+  at::parallel_for(0, B * S * Hkv, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf;
+    std::vector<V> vbuf;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (S * Hq), s = (r / Hq) % S, hq = r % Hq, h = hq / G, n = pp[b * S + s] + 1;
-      const at::BFloat16* qr = qp + r * D;
-      for (int64_t c = 0; c < DW; ++c) qv[c] = mul(load_bf16(qr + W * c), set1(sc));
-      score.resize(((n + W - 1) / W) * W);
+      const int64_t b = r / (S * Hkv), s = (r / Hkv) % S, h = r % Hkv, n = pp[b * S + s] + 1;
+      const at::BFloat16* qr = qp + ((b * S + s) * Hq + h * G) * D;
       const at::BFloat16* kb = kp + b * ks0 + h * ks1;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        V a = mul(qv[0], load_bf16(kb + j * D));
-        for (int64_t c = 1; c < DW; ++c) a = fma(qv[c], load_bf16(kb + j * D + W * c), a);
-        score[j] = sum(a);
-        m = std::max(m, score[j]);
-      }
-      // softmax weights, W keys a vector (the last one padded with zeros): the same chunks for the same n
-      V lsum = zero();
-      const V mv = set1(m);
-      for (int64_t j = 0; j < n; j += W) {
-        const int live = static_cast<int>(std::min<int64_t>(W, n - j));
-        V e = exp_neg(sub(load_n(score.data() + j, live), mv));
-        alignas(64) float tmp[W];
-        std::memcpy(tmp, &e, sizeof(e));
-        for (int i = live; i < W; ++i) tmp[i] = 0.0f;
-        for (int i = 0; i < live; ++i) score[j + i] = tmp[i];
-        lsum = add(lsum, load_n(tmp, W));
-      }
-      const float inv = 1.0f / sum(lsum);
       const at::BFloat16* vb = vp + b * vs0 + h * vs1;
-      for (int64_t c = 0; c < DW; ++c) acc[c] = zero();
-      for (int64_t j = 0; j < n; ++j) {
-        const V pj = set1(score[j]);
-        for (int64_t c = 0; c < DW; ++c) acc[c] = fma(pj, load_bf16(vb + j * D + W * c), acc[c]);
+      at::BFloat16* orow = op + ((b * S + s) * Hq + h * G) * D;
+      // up to 4 query heads at a time, with their count and head size known to the compiler
+      // (registers) for heads of 64 and 128 values; other sizes the same way at run time
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gs = std::min<int64_t>(4, G - g0);
+        const at::BFloat16* qs = qr + g0 * D;
+        at::BFloat16* os = orow + g0 * D;
+        if (DW == 64 / W) {
+          if (gs == 1) attend<1, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 2) attend<2, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 3) attend<3, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else attend<4, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+        } else if (DW == 128 / W) {
+          if (gs == 1) attend<1, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 2) attend<2, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 3) attend<3, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else attend<4, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+        } else {
+          attend<0, 0>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+        }
       }
-      at::BFloat16* orow = op + ((b * S + s) * Hq + hq) * D;
-      for (int64_t c = 0; c < DW; ++c) store_bf16(orow + W * c, mul(acc[c], set1(inv)));
     }
   });
   return o;

@@ -32,6 +32,17 @@ namespace {
 template <int V>
 using Int = std::integral_constant<int, V>;
 
+// 8 bf16 -> fp32 (exact) and back (both builds have AVX2; q4's AVX2 tile and the norms use them)
+inline __m256 widen_bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline __m256 bf16x8_to_f32(const void* p) { return widen_bf16x8(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+inline __m128i to_bf16x8(__m256 a) {  // round to nearest even, NaN -> 0x7FC0: torch's float -> bfloat16
+  const __m256i u = _mm256_castps_si256(a);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 // every accumulator of a tile [blocks][rows] set to v (the ISA's zero vector)
 template <typename Vec, int NB, int M>
 inline void fill(Vec (&acc)[NB][M], Vec v) {
@@ -253,14 +264,6 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 // invariance). Measured against torch's int4 kernel, which unpacks every weight once per row:
 // docs/BENCHMARKS.md "Session 13".
 namespace {
-
-inline __m128i to_bf16x8(__m256 a) {  // round to nearest even, NaN -> 0x7FC0: torch's float -> bfloat16
-  const __m256i u = _mm256_castps_si256(a);
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
 
 // rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each). Per group of 32 inputs,
 // STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights of inputs
