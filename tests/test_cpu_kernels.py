@@ -747,3 +747,35 @@ def test_silu_mul_gives_torchs_bits(ext):
     """The fused silu(gate) * up of the gate/up projection: torch's rounding steps (silu in fp32,
     rounded, times up, rounded), NaN kept, row-independent; widths it cannot tile are refused."""
     _check_silu_mul(ext)
+
+
+@pytest.mark.parametrize("family", ["llama-int4", "llama-bf16", "qwen2-bias", "qwen3-qknorm"])
+def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
+    """csrc/layers.cpp runs a forward's layers in one call: logits, final states, taps (tap 0, a
+    middle layer, the last one) and the cache bit for bit those of the Python loop over the same
+    kernels: prefill, a verify block, a ragged batch."""
+    from tests.test_native import _mk
+
+    model = {"llama-int4": lambda: q4_exact(tiny_target()), "llama-bf16": lambda: tiny_target(dtype=torch.bfloat16),
+             "qwen2-bias": lambda: _mk("qwen2-bias").to(torch.bfloat16),
+             "qwen3-qknorm": lambda: _mk("qwen3-qknorm").to(torch.bfloat16)}[family]()
+    L = model.config.num_hidden_layers
+    one = NativeTarget(model, (0, 1, L), act_dtype=torch.bfloat16)
+    loop = one.view((0, 1, L))
+    loop._stack = None
+    assert one._stack is not None, family
+    rows = [[5, 17, 33, 8, 9, 60, 2], [40, 41, 42]]
+    ids, counts = torch.tensor([rows[0], rows[1] + [0] * 4]), torch.tensor([7, 3])
+    states = {}
+    for name, t in (("one", one), ("loop", loop)):
+        st = t.new_state(2)
+        outs = [t.forward(st, ids, counts)]
+        t.commit(st, counts)
+        outs.append(t.forward(st, torch.tensor([[11, 12, 3], [4, 77, 6]]), torch.tensor([3, 2]), logits="all"))
+        t.commit(st, torch.tensor([1, 2]))
+        outs.append(t.forward(st, torch.tensor([[9], [8]]), logits="final"))
+        t.commit(st, torch.tensor([1, 1]))
+        states[name] = (outs, st)
+    for (a, ta), (b, tb) in zip(states["one"][0], states["loop"][0]):
+        assert torch.equal(a, b) and torch.equal(ta, tb), family
+    assert torch.equal(states["one"][1].kv, states["loop"][1].kv)

@@ -23,6 +23,7 @@ set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,8 @@ FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-format name
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
+# DSPARK_LAYERS_IN_ONE_CALL=0: the Python layer loop even where the extension's runs (to compare)
+LAYERS_IN_ONE_CALL = os.environ.get("DSPARK_LAYERS_IN_ONE_CALL", "1") != "0"
 
 
 def _rope_type(cfg) -> str:
@@ -192,6 +195,39 @@ class Layer:
     w2: Linear  # I -> H
 
 
+class _LayerStack:
+    """The layers handed to the extension's `layers_forward` (csrc/layers.cpp: the decoder's layer
+    loop in one call, the Python loop's kernels in its order); released with the last target
+    view that holds it."""
+
+    def __init__(self, ext, layers: list[Layer]):
+        flat = []
+        for ly in layers:
+            flat += [ly.ln1, NO_TENSOR if ly.qk_norm is None else ly.qk_norm, ly.ln2]
+            for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
+                packed = lin.q4 or lin.q8 or lin.packed
+                flat += [packed[0], packed[1], packed[2] if len(packed) > 2 else NO_TENSOR,
+                         NO_TENSOR if lin.b is None else lin.b]
+        self.ext, self.id = ext, ext.layers_register(flat)
+
+    def __del__(self):
+        self.ext.layers_release(self.id)
+
+    @staticmethod
+    def of(target: "NativeTarget") -> "_LayerStack | None":
+        """Where every piece of the forward runs on the extension's kernels (bf16 with the matmul
+        tile, heads of a multiple of 16, a gate/up width of a multiple of 32), else None."""
+        if target._ext is None or target.head_dim % 16 or not LAYERS_IN_ONE_CALL:
+            return None
+        for ly in target.layers:
+            for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
+                if lin.q4 is None and lin.q8 is None and not isinstance(lin.packed, tuple):
+                    return None
+            if ly.w13.out_features % 32:
+                return None
+        return _LayerStack(target._ext, target.layers)
+
+
 @dataclass
 class NativeState:
     """KV cache of B requests: kv [L, 2, B, Hkv, C, D]; row b holds lengths[b] committed entries.
@@ -340,6 +376,7 @@ class NativeTarget:
             scale = float(getattr(rot, "attention_scaling", 1.0))
             self.cos = (emb.cos() * scale).to(act)
             self.sin = (emb.sin() * scale).to(act)
+        self._stack = _LayerStack.of(self)
         self.set_taps(tap_indices)
 
     def _build(self, base, fmt: str, act: torch.dtype) -> list[Layer]:
@@ -405,6 +442,7 @@ class NativeTarget:
         for k, i in enumerate(self.tap_indices):
             if i >= 1 and self._tap_cols[i - 1] is None:
                 self._tap_cols[i - 1] = k * H
+        self._tap_cols_or_none = [-1 if c is None else c for c in self._tap_cols]  # layers_forward's reading
         # the rest, copied after the layers: tap 0 (the embeddings: source None) and repeats of an index
         self._tap_fill = [(k * H, None if i == 0 else self._tap_cols[i - 1]) for k, i in enumerate(self.tap_indices)
                           if i == 0 or self._tap_cols[i - 1] != k * H]
@@ -473,12 +511,39 @@ class NativeTarget:
             # GQA without copying K/V: the G query heads sharing a KV head are folded into the
             # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
             mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
-        layer_kv = state.layer_kv()
         x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
         H = x.shape[-1]
         # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
         tapped = x.new_empty(B, S, len(self.tap_indices) * H) if self.tap_indices else None
         bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
+        if self._stack is not None:  # `_layers` in one call of the extension (csrc/layers.cpp)
+            x, h = self._ext.layers_forward(self._stack.id, x, state.kv, self.cos, self.sin, pos, self.norm, self.eps,
+                                            Hq, Hkv, NO_TENSOR if tapped is None else tapped, self._tap_cols_or_none)
+        else:
+            x, h = self._layers(x, state, pos, cos, sin, mask, bidx, uniform, fused_attn, L0, T, tapped)
+        for col, src in self._tap_fill:
+            tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
+        state.pending = S
+        # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
+        if logits == "final":
+            return h, tapped
+        if logits == "last":
+            h = h[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
+            return self._logits(h), tapped
+        if full or bool((counts == S).all()):
+            return self._logits(h), tapped
+        valid = torch.arange(S, device=dev)[None, :] < counts[:, None]  # [B, S]
+        out = torch.zeros(B, S, self.vocab_size, device=dev)
+        out[valid] = self._logits(h[valid])
+        return out, tapped
+
+    def _layers(self, x, state, pos, cos, sin, mask, bidx, uniform: bool, fused_attn: bool, L0: int, T: int, tapped):
+        """The decoder layers over the embeddings x [B, S, H] -> (the last layer's output, its final
+        norm); the extension's `layers_forward` runs the fused_attn branch in one call."""
+        B, S, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        G = Hq // Hkv
+        layer_kv = state.layer_kv()
         h = self._norm(x, self.layers[0].ln1)
         for li, layer in enumerate(self.layers):
             qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
@@ -512,21 +577,7 @@ class NativeTarget:
             x, h = self._add_norm(x, layer.w2(kernels.silu_mul(layer.w13(h), self._ext)),
                                   self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm,
                                   tapped, self._tap_cols[li])
-        for col, src in self._tap_fill:
-            tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
-        state.pending = S
-        # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
-        if logits == "final":
-            return h, tapped
-        if logits == "last":
-            h = h[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
-            return self._logits(h), tapped
-        if full or bool((counts == S).all()):
-            return self._logits(h), tapped
-        valid = torch.arange(S, device=dev)[None, :] < counts[:, None]  # [B, S]
-        out = torch.zeros(B, S, self.vocab_size, device=dev)
-        out[valid] = self._logits(h[valid])
-        return out, tapped
+        return x, h
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self._ext.rms_bf16(x, w, self.eps) if self._ext is not None else _rms(x, w, self.eps)

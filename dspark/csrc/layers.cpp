@@ -1,0 +1,101 @@
+// A decoder's layer stack in one call (docs/BENCHMARKS.md, "Session 14"): the same kernels, in the
+// same order, as the Python loop of dspark/target/native.py (`NativeTarget.forward`), whose ~15
+// Python-level calls and views a layer cost ~0.6-1 ms of a ~7-9 ms SmolLM2 step. Bit for bit
+// the Python loop's result (tested).
+//
+// The weights are handed over once (`layers_register`) and kept here under a handle, since
+// passing ~600 tensors through pybind on every call would cost what it saves.
+#include <torch/extension.h>
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace layers {
+
+struct Lin {  // y = x @ W.T (+ b): W packed for dspark's tile; P's dtype names the format
+  torch::Tensor P, D, L, b;  // L: int4 minimums (empty for Q8_0 / bf16); b: bias (empty: none)
+};
+struct Layer {
+  torch::Tensor ln1, qkn, ln2;  // qkn: Qwen3's q/k norm weights [Hq + Hkv, D] (empty: none)
+  Lin qkv, o, gu, down;
+};
+
+std::mutex mu;
+std::unordered_map<int64_t, std::vector<Layer>> stacks;
+int64_t next_id = 1;
+
+torch::Tensor lin(const Lin& l, const torch::Tensor& x) {
+  const auto t = l.P.scalar_type();
+  torch::Tensor y = t == torch::kByte ? q4_mm(x, l.P, l.D, l.L) : t == torch::kChar ? q8_mm(x, l.P, l.D) : bf16_mm(x, l.P, l.D);
+  return l.b.numel() ? y + l.b : y;
+}
+
+}  // namespace layers
+
+// t: per layer ln1, qk_norm, ln2, then P, D, L, bias of wqkv, wo, w13, w2 (19 tensors; an empty
+// tensor where there is none) -> a handle for layers_forward
+int64_t layers_register(std::vector<torch::Tensor> t) {
+  using namespace layers;
+  constexpr size_t PER = 19;
+  TORCH_CHECK(!t.empty() && t.size() % PER == 0, "layers_register: ", PER, " tensors a layer, got ", t.size());
+  std::vector<Layer> stack;
+  for (size_t i = 0; i < t.size(); i += PER) {
+    auto l = [&](size_t j) {
+      const auto fmt = t[i + j].scalar_type();
+      TORCH_CHECK(fmt == torch::kByte || fmt == torch::kChar || fmt == torch::kBFloat16, "layers_register: a weight dspark's tile does not hold");
+      return Lin{t[i + j], t[i + j + 1], t[i + j + 2], t[i + j + 3]};
+    };
+    stack.push_back(Layer{t[i], t[i + 1], t[i + 2], l(3), l(7), l(11), l(15)});
+  }
+  std::lock_guard<std::mutex> g(mu);
+  stacks[next_id] = std::move(stack);
+  return next_id++;
+}
+
+void layers_release(int64_t id) {
+  std::lock_guard<std::mutex> g(layers::mu);
+  layers::stacks.erase(id);
+}
+
+// x [B, S, H] (the embeddings) through every layer; kv [L, 2, B, Hkv, C, D] (the cache the new
+// keys and values are written to at pos [B, S]), cos / sin the RoPE tables, final the final
+// norm's weight (final_w). taps: empty, or [B, S, n*H] receiving layer i's output in columns tap_cols[i]
+// (-1: none). -> (the last layer's output, its final norm)
+std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor x, torch::Tensor kv, torch::Tensor cos, torch::Tensor sin,
+                                          torch::Tensor pos, torch::Tensor final_w, double eps, int64_t hq, int64_t hkv,
+                                          torch::Tensor taps, std::vector<int64_t> tap_cols) {
+  using namespace layers;
+  const std::vector<Layer>* stack;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = stacks.find(id);
+    TORCH_CHECK(it != stacks.end(), "layers_forward: no layer stack ", id);
+    stack = &it->second;
+  }
+  const int64_t L = static_cast<int64_t>(stack->size()), B = x.size(0), S = x.size(1), D = kv.size(5);
+  TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && tap_cols.size() == static_cast<size_t>(L), "layers_forward: ", L, " layers");
+  const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D ** -0.5
+  const auto none = torch::empty({0}, x.options());
+  torch::Tensor h = rms_bf16(x, (*stack)[0].ln1, eps);
+  for (int64_t li = 0; li < L; ++li) {
+    const Layer& ly = (*stack)[li];
+    const auto kc = kv.select(0, li).select(0, 0), vc = kv.select(0, li).select(0, 1);
+    auto qkv = lin(ly.qkv, h).view({B, S, hq + 2 * hkv, D});
+    torch::Tensor q;
+    if (ly.qkn.numel()) {  // Qwen3: q_norm on the query heads, k_norm on the key heads
+      q = rope_cache_bf16(rms_bf16(qkv.narrow(2, 0, hq + hkv), ly.qkn, eps), qkv.narrow(2, hq + hkv, hkv), cos, sin, kc, vc, pos);
+    } else {  // the kernel reads the value heads from qkv
+      q = rope_cache_bf16(qkv, none, cos, sin, kc, vc, pos);
+    }
+    auto o = attn_bf16(q, kc, vc, pos, scale);
+    auto xh = add_rms_bf16(x, lin(ly.o, o), ly.ln2, eps, none, 0);
+    const auto& next = li + 1 < L ? (*stack)[li + 1].ln1 : final_w;
+    const bool tap = tap_cols[li] >= 0;
+    xh = add_rms_bf16(xh[0], lin(ly.down, silu_mul_bf16(lin(ly.gu, xh[1]))), next, eps,
+                      tap ? taps : none, tap ? tap_cols[li] : 0);
+    x = xh[0];
+    h = xh[1];
+  }
+  return {x, h};
+}
