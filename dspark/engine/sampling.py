@@ -62,8 +62,10 @@ def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor, n: torch.Te
 
     Returns (accepted [B], next_token [B]): the target's argmax after the last accepted draft.
     """
-    best = argmax(target_logits)  # [B, S]
     g = drafts.shape[1]
+    if g == 0:  # a step without drafts (plain decoding): the target's token, nothing to compare
+        return torch.zeros_like(n), argmax(target_logits[:, 0])
+    best = argmax(target_logits)  # [B, S]
     verified = torch.arange(g, device=drafts.device)[None, :] < n[:, None]
     match = (best[:, :g] == drafts) & verified
     accepted = match.long().cumprod(-1).sum(-1)
