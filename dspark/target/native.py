@@ -9,8 +9,11 @@ step is bound by reading the weights and by per-op overhead, not by FLOPs:
 - one KV cache per batch row, preallocated with a capacity and a length per row: `commit` is a
   length update, rejected drafts are simply overwritten by the next forward, and a ragged batch
   is never repacked (each row writes at its own offset, a mask hides what lies past its length);
-- the hidden-state taps are read in-line (tap i = the input of decoder layer i = HF
-  hidden_states[i]; tap num_layers = the last layer's output BEFORE the final norm);
+- the hidden-state taps are written in-line into the buffer the draft reads (tap i = the input
+  of decoder layer i = HF hidden_states[i]; tap num_layers = the last layer's output BEFORE the
+  final norm);
+- with dspark's CPU extension (bf16; dspark/kernels.py) the whole layer loop is one call
+  (csrc/layers.cpp), the same kernels in the same order as `_layers`, bit for bit;
 - the LM head runs only on the positions whose logits are used;
 - weights in the format that is fastest on the machine: fp32, bf16, or weight-only int8 /
   int4 (group 32, the layout of the GGUF Q4_0/Q4_1 files, so a model dequantised from such a
