@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import time
 from pathlib import Path
@@ -46,6 +47,50 @@ PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
 # oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
 # 1-3 rows (2.4 against 2.7-3.3 ms); a bf16 head is rare (a float target head; the draft's is Q8_0).
 BF16_KERNEL_MAX = 1 << 22
+# DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages; to compare)
+HUGE_PAGES = os.environ.get("DSPARK_HUGE_PAGES", "1") != "0"
+HUGE = 2 << 20  # a transparent huge page (x86-64)
+
+
+def into_huge_pages(holders) -> int:
+    """Move the weights held at obj.field (a tensor or a tuple of tensors; (obj, field) pairs) into
+    one anonymous mapping that the kernel is asked to back with 2 MB pages (madvise
+    MADV_HUGEPAGE: Linux with transparent huge pages in `madvise` or `always` mode), in place;
+    -> the bytes moved (0 where it cannot: elsewhere the tensors stay as they are).
+
+    A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
+    TLB misses a step, and the matmuls read at ~60 % of the speed they reach in 2 MB pages
+    (docs/BENCHMARKS.md, "Session 14"). Only plain CPU tensors move (not oneDNN's packed ones);
+    the views keep the mapping alive."""
+    def movable(t):
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0
+    slots = [(obj, field) for obj, field in holders
+             if movable(getattr(obj, field)) or (isinstance(getattr(obj, field), tuple) and any(movable(t) for t in getattr(obj, field)))]
+    tensors = [t for obj, field in slots for t in (getattr(obj, field) if isinstance(getattr(obj, field), tuple) else (getattr(obj, field),))
+               if movable(t)]
+    if not (HUGE_PAGES and tensors and hasattr(mmap, "MADV_HUGEPAGE")):
+        return 0
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    try:
+        mm = mmap.mmap(-1, sum(sizes) + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return 0
+    arena = torch.frombuffer(mm, dtype=torch.uint8)
+    at = (-arena.data_ptr()) % HUGE  # the first weight on a huge page boundary
+    moved = {}
+    for t, n in zip(tensors, sizes):
+        v = arena[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        moved[id(t)] = v
+        at += n
+    for obj, field in slots:
+        val = getattr(obj, field)
+        new = tuple(moved.get(id(t), t) for t in val) if isinstance(val, tuple) else moved[id(val)]
+        setattr(obj, field, new)
+    return sum(sizes)
+
+
 # "no tensor" for the extension's optional arguments (rope_cache_bf16's values inside qk,
 # add_rms_bf16's taps): pybind passes no None to a Tensor argument
 NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)

@@ -779,3 +779,45 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
     for (a, ta), (b, tb) in zip(states["one"][0], states["loop"][0]):
         assert torch.equal(a, b) and torch.equal(ta, tb), family
     assert torch.equal(states["one"][1].kv, states["loop"][1].kv)
+
+
+def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
+    """into_huge_pages copies the weights a step streams into one mapping (asked for 2 MB pages),
+    in place: the same values, shapes and dtypes, tuples kept tuples, anything else left alone;
+    DSPARK_HUGE_PAGES=0 moves nothing; a target's logits do not depend on it."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise(MADV_HUGEPAGE) here")
+
+    class Holder:
+        pass
+
+    g = torch.Generator().manual_seed(3)
+    a, b = Holder(), Holder()
+    a.w = torch.randn(40, 33, generator=g)
+    a.packed = (torch.randint(0, 255, (3, 7), dtype=torch.uint8, generator=g), torch.randn(5, generator=g).to(torch.bfloat16))
+    b.w, b.other = None, "not a tensor"
+    before = (a.w.clone(), tuple(t.clone() for t in a.packed))
+    moved = kernels.into_huge_pages([(a, "w"), (a, "packed"), (b, "w"), (b, "other")])
+    assert moved >= a.w.numel() * 4 + 21 + 10 and b.w is None and b.other == "not a tensor"
+    assert isinstance(a.packed, tuple) and torch.equal(a.w, before[0])
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a.packed, before[1]))
+    base = a.w.untyped_storage().data_ptr()
+    assert a.packed[0].untyped_storage().data_ptr() == base  # one mapping
+    monkeypatch.setattr(kernels, "HUGE_PAGES", False)
+    c = Holder()
+    c.w = torch.randn(4, 4)
+    ptr = c.w.data_ptr()
+    assert kernels.into_huge_pages([(c, "w")]) == 0 and c.w.data_ptr() == ptr
+    model = q4_exact(tiny_target())
+    ids = torch.tensor([[5, 17, 33, 8, 9]])
+    plain = NativeTarget(model, act_dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "HUGE_PAGES", True)
+    huge = NativeTarget(model, act_dtype=torch.bfloat16)
+    def first(t):
+        lin = t.layers[0].wqkv
+        return (lin.q4 or lin.q8 or (lin.w,))[0].untyped_storage().data_ptr()
+
+    assert first(huge) != first(plain)
+    assert torch.equal(huge.forward(huge.new_state(1), ids)[0], plain.forward(plain.new_state(1), ids)[0])

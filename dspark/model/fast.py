@@ -74,6 +74,9 @@ class FastDraft:
         w = draft.lm_head.weight.detach()
         self.head = kernels.pack_q8(*kernels.q8_groups(w)) if kernels.tile_applies(*w.shape) else None
         self.ext = kernels.extension()
+        # a drafting step reads these right after the target's step evicted them: in 2 MB pages
+        kernels.into_huge_pages([(self.fc, "packed"), (self, "head")]
+                                + [(ly[k], "packed") for ly in self.layers for k in ("wqkv", "wkv", "wo", "w13", "w2")])
         # what a weight update shows: an in-place change bumps a tensor's version; `.to()` replaces fc.weight
         self.fc_weight = draft.fc.weight
         self.versions = [(t, t._version) for t in draft.parameters()]

@@ -379,6 +379,10 @@ class NativeTarget:
             scale = float(getattr(rot, "attention_scaling", 1.0))
             self.cos = (emb.cos() * scale).to(act)
             self.sin = (emb.sin() * scale).to(act)
+            # every weight a step streams in 2 MB pages, where the OS gives them (before the
+            # extension's layer stack takes its references)
+            lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
+            kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")])
         self._stack = _LayerStack.of(self)
         self.set_taps(tap_indices)
 
