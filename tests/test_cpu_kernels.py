@@ -784,7 +784,7 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
 def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     """into_huge_pages copies the weights a step streams into one mapping (asked for 2 MB pages),
     in place: the same values, shapes and dtypes, tuples kept tuples, anything else left alone;
-    DSPARK_HUGE_PAGES=0 moves nothing; a target's logits do not depend on it."""
+    DSPARK_HUGE_PAGES=0 moves nothing; a target's logits do not depend on it, its cost curve does."""
     import mmap
 
     if not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -819,5 +819,8 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
         lin = t.layers[0].wqkv
         return (lin.q4 or lin.q8 or (lin.w,))[0].untyped_storage().data_ptr()
 
-    assert first(huge) != first(plain)
+    assert first(huge) != first(plain) and huge.huge_pages and not plain.huge_pages
+    from dspark.engine.costs import cache_path, curve_identity  # a step costs less: its own cost curve
+
+    assert cache_path(curve_identity(huge, [1, 8])) != cache_path(curve_identity(plain, [1, 8]))
     assert torch.equal(huge.forward(huge.new_state(1), ids)[0], plain.forward(plain.new_state(1), ids)[0])

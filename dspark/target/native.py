@@ -382,7 +382,7 @@ class NativeTarget:
             # every weight a step streams in 2 MB pages, where the OS gives them (before the
             # extension's layer stack takes its references)
             lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
-            kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")])
+            self.huge_pages = kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")]) > 0
         self._stack = _LayerStack.of(self)
         self.set_taps(tap_indices)
 
