@@ -241,7 +241,8 @@ def decode_step(
     else:
         n, tokens = batch.anchors.new_zeros(B), batch.anchors[:, None]
     t2 = now(dev)
-    logits, taps = target.forward(batch.target, tokens, 1 + n)
+    # counts None: every row verifies its 1 + 0 tokens (a plain step's forward needs no counts)
+    logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
     t3 = now(dev)
     accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
     keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache

@@ -488,11 +488,10 @@ class NativeTarget:
         dev = self.device
         tokens = tokens.to(dev)
         full = counts is None
-        counts = torch.full((B,), S, dtype=torch.long, device=dev) if counts is None else counts.to(dev)
         lengths = state.lengths
-        if int((lengths + counts).max()) > self.max_length:
-            raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         L0 = int(lengths.max())
+        if (L0 + S if full else int((lengths + counts.to(dev)).max())) > self.max_length:
+            raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         self._reserve(state, L0 + S)
         T = L0 + S  # keys read: every row's committed entries + the S new ones (shorter rows masked)
         uniform = B == 1 or bool((lengths == lengths[0]).all())
@@ -535,11 +534,13 @@ class NativeTarget:
         if logits == "final":
             return h, tapped
         if logits == "last":
-            h = h[torch.arange(B, device=dev), counts - 1][:, None]  # [B, 1, H]
+            if full:
+                return self._logits(h[:, -1:]), tapped  # [B, 1, V]
+            h = h[torch.arange(B, device=dev), counts.to(dev) - 1][:, None]  # [B, 1, H]
             return self._logits(h), tapped
         if full or bool((counts == S).all()):
             return self._logits(h), tapped
-        valid = torch.arange(S, device=dev)[None, :] < counts[:, None]  # [B, S]
+        valid = torch.arange(S, device=dev)[None, :] < counts.to(dev)[:, None]  # [B, S]
         out = torch.zeros(B, S, self.vocab_size, device=dev)
         out[valid] = self._logits(h[valid])
         return out, tapped
