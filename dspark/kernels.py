@@ -59,18 +59,19 @@ def into_huge_pages(holders) -> int:
     -> the bytes moved (0 where it cannot: elsewhere the tensors stay as they are).
 
     A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
-    TLB misses a step, and the matmuls read at ~60 % of the speed they reach in 2 MB pages
+    TLB misses a step, and the matmuls stream at ~75 % of the speed they reach in 2 MB pages
     (docs/BENCHMARKS.md, "Session 14"). Only plain CPU tensors move (not oneDNN's packed ones);
     the views keep the mapping alive."""
-    def movable(t):
-        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0
-    slots = [(obj, field) for obj, field in holders
-             if movable(getattr(obj, field)) or (isinstance(getattr(obj, field), tuple) and any(movable(t) for t in getattr(obj, field)))]
-    tensors = [t for obj, field in slots for t in (getattr(obj, field) if isinstance(getattr(obj, field), tuple) else (getattr(obj, field),))
-               if movable(t)]
+    def held(obj, field):
+        val = getattr(obj, field)
+        return val if isinstance(val, tuple) else (val,)
+
+    # each movable tensor once, however many holders share it
+    tensors = {id(t): t for obj, field in holders for t in held(obj, field)
+               if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0}
     if not (HUGE_PAGES and tensors and hasattr(mmap, "MADV_HUGEPAGE")):
         return 0
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values()]
     try:
         mm = mmap.mmap(-1, sum(sizes) + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mm.madvise(mmap.MADV_HUGEPAGE)
@@ -79,15 +80,15 @@ def into_huge_pages(holders) -> int:
     arena = torch.frombuffer(mm, dtype=torch.uint8)
     at = (-arena.data_ptr()) % HUGE  # the first weight on a huge page boundary
     moved = {}
-    for t, n in zip(tensors, sizes):
-        v = arena[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        v.copy_(t)
-        moved[id(t)] = v
+    for (key, t), n in zip(tensors.items(), sizes):
+        moved[key] = arena[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
         at += n
-    for obj, field in slots:
+    for obj, field in holders:
         val = getattr(obj, field)
-        new = tuple(moved.get(id(t), t) for t in val) if isinstance(val, tuple) else moved[id(val)]
-        setattr(obj, field, new)
+        if isinstance(val, tuple):
+            setattr(obj, field, tuple(moved.get(id(t), t) for t in val))
+        elif id(val) in moved:
+            setattr(obj, field, moved[id(val)])
     return sum(sizes)
 
 

@@ -214,7 +214,10 @@ class _LayerStack:
         self.ext, self.id = ext, ext.layers_register(flat)
 
     def __del__(self):
-        self.ext.layers_release(self.id)
+        try:
+            self.ext.layers_release(self.id)
+        except Exception:  # at interpreter exit the extension may be gone first; nothing to free then
+            pass
 
     @staticmethod
     def of(target: "NativeTarget") -> "_LayerStack | None":
