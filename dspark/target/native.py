@@ -446,13 +446,12 @@ class NativeTarget:
                 raise RequestError(f"hidden_state_index {i} is outside 0..{self.num_layers} for this target")
         self.tap_indices = tuple(tap_indices)
         # the forward writes tap i (i >= 1) into its columns of the taps as layer i - 1 adds its
-        # MLP output: _tap_cols[li] = those columns' offset for layer li's output, else None
+        # MLP output: _tap_cols[li] = those columns' offset for layer li's output, else -1
         H = self.embed.shape[1]
-        self._tap_cols = [None] * self.num_layers
+        self._tap_cols = [-1] * self.num_layers
         for k, i in enumerate(self.tap_indices):
-            if i >= 1 and self._tap_cols[i - 1] is None:
+            if i >= 1 and self._tap_cols[i - 1] < 0:
                 self._tap_cols[i - 1] = k * H
-        self._tap_cols_or_none = [-1 if c is None else c for c in self._tap_cols]  # layers_forward's reading
         # the rest, copied after the layers: tap 0 (the embeddings: source None) and repeats of an index
         self._tap_fill = [(k * H, None if i == 0 else self._tap_cols[i - 1]) for k, i in enumerate(self.tap_indices)
                           if i == 0 or self._tap_cols[i - 1] != k * H]
@@ -527,7 +526,7 @@ class NativeTarget:
         bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
         if self._stack is not None:  # `_layers` in one call of the extension (csrc/layers.cpp)
             x, h = self._ext.layers_forward(self._stack.id, x, state.kv, self.cos, self.sin, pos, self.norm, self.eps,
-                                            Hq, Hkv, NO_TENSOR if tapped is None else tapped, self._tap_cols_or_none)
+                                            Hq, Hkv, NO_TENSOR if tapped is None else tapped, self._tap_cols)
         else:
             x, h = self._layers(x, state, pos, cos, sin, mask, bidx, uniform, fused_attn, L0, T, tapped)
         for col, src in self._tap_fill:
@@ -594,13 +593,13 @@ class NativeTarget:
         return self._ext.rms_bf16(x, w, self.eps) if self._ext is not None else _rms(x, w, self.eps)
 
     def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, taps: torch.Tensor | None = None,
-                  col: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + r, its norm with weight w): one call on dspark's extension. With col, x + r is
-        also written to taps[..., col : col + H]."""
+                  col: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, its norm with weight w): one call on dspark's extension. With col >= 0, x + r
+        is also written to taps[..., col : col + H]."""
         if self._ext is not None:
-            return self._ext.add_rms_bf16(x, r, w, self.eps, NO_TENSOR if col is None else taps, col or 0)
+            return self._ext.add_rms_bf16(x, r, w, self.eps, NO_TENSOR if col < 0 else taps, max(col, 0))
         x = x + r
-        if col is not None:
+        if col >= 0:
             taps[..., col : col + x.shape[-1]] = x
         return x, _rms(x, w, self.eps)
 
