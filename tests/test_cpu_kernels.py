@@ -805,7 +805,12 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a.packed, before[1]))
     base = a.w.untyped_storage().data_ptr()
     assert a.packed[0].untyped_storage().data_ptr() == base  # one mapping
+    z = kernels.huge_zeros((2, 3, 1000), torch.bfloat16)  # a KV cache's allocation
+    assert z.shape == (2, 3, 1000) and z.dtype == torch.bfloat16 and z.is_contiguous() and not z.any()
+    z[1, 2, 999] = 1.0
+    assert z.sum() == 1
     monkeypatch.setattr(kernels, "HUGE_PAGES", False)
+    assert not kernels.huge_zeros((4, 5), torch.float32).any()
     c = Holder()
     c.w = torch.randn(4, 4)
     ptr = c.w.data_ptr()

@@ -461,7 +461,10 @@ class NativeTarget:
         return NativeState(None, torch.zeros(batch, dtype=torch.long, device=self.device))
 
     def _alloc(self, batch: int, capacity: int) -> torch.Tensor:
-        return torch.zeros(self.num_layers, 2, batch, self.n_kv, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+        shape = (self.num_layers, 2, batch, self.n_kv, capacity, self.head_dim)
+        if self.device.type == "cpu":  # attention reads it every step: in 2 MB pages where the OS gives them
+            return kernels.huge_zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _reserve(self, state: NativeState, need: int) -> None:
         """Make room for `need` entries per row (rare: capacity doubles, in CACHE_CHUNK steps)."""
