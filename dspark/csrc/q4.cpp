@@ -143,11 +143,19 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float
         unpack((cb + j) * G + g, r, wa, wb);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
-          uint32_t xa, xb;
-          std::memcpy(&xa, x + m * K + g * 32 + 4 * r, 4);
-          std::memcpy(&xb, x + m * K + g * 32 + 4 * r + 2, 4);
-          t[j][m] = _mm512_dpbf16_ps(t[j][m], wa, (__m512bh)_mm512_set1_epi32(static_cast<int>(xa)));
-          t[j][m] = _mm512_dpbf16_ps(t[j][m], wb, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb)));
+          const uint16_t* xp = x + m * K + g * 32 + 4 * r;
+          if constexpr (M >= 2) {
+            // several rows: each x pair broadcast inside the instruction ({1to16}, one fused load),
+            // the same arithmetic as below with fewer instructions to issue (+25 % at 8 rows)
+            asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(t[j][m]) : "v"(wa), "m"(*reinterpret_cast<const uint32_t*>(xp)));
+            asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(t[j][m]) : "v"(wb), "m"(*reinterpret_cast<const uint32_t*>(xp + 2)));
+          } else {
+            uint32_t xa, xb;
+            std::memcpy(&xa, xp, 4);
+            std::memcpy(&xb, xp + 2, 4);
+            t[j][m] = _mm512_dpbf16_ps(t[j][m], wa, (__m512bh)_mm512_set1_epi32(static_cast<int>(xa)));
+            t[j][m] = _mm512_dpbf16_ps(t[j][m], wb, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb)));
+          }
         }
       }
     }
