@@ -80,7 +80,8 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor x, torch::Te
   torch::Tensor h = rms_bf16(x, (*stack)[0].ln1, eps);
   for (int64_t li = 0; li < L; ++li) {
     const Layer& ly = (*stack)[li];
-    const auto kc = kv.select(0, li).select(0, 0), vc = kv.select(0, li).select(0, 1);
+    const auto lkv = kv.select(0, li);
+    const auto kc = lkv.select(0, 0), vc = lkv.select(0, 1);
     auto qkv = lin(ly.qkv, h).view({B, S, hq + 2 * hkv, D});
     torch::Tensor q;
     if (ly.qkn.numel()) {  // Qwen3: q_norm on the query heads, k_norm on the key heads

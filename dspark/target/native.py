@@ -498,11 +498,45 @@ class NativeTarget:
         if (L0 + S if full else int((lengths + counts.to(dev)).max())) > self.max_length:
             raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         self._reserve(state, L0 + S)
+        pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
+        x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
+        H = x.shape[-1]
+        # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
+        tapped = x.new_empty(B, S, len(self.tap_indices) * H) if self.tap_indices else None
+        if self._stack is not None:  # `_layers` in one call of the extension (csrc/layers.cpp)
+            x, h = self._ext.layers_forward(self._stack.id, x, state.kv, self.cos, self.sin, pos, self.norm, self.eps,
+                                            self.n_heads, self.n_kv, NO_TENSOR if tapped is None else tapped, self._tap_cols)
+        else:
+            x, h = self._layers(x, state, pos, L0, tapped)
+        for col, src in self._tap_fill:
+            tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
+        state.pending = S
+        # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
+        if logits == "final":
+            return h, tapped
+        if logits == "last":
+            if full:
+                return self._logits(h[:, -1:]), tapped  # [B, 1, V]
+            h = h[torch.arange(B, device=dev), counts.to(dev) - 1][:, None]  # [B, 1, H]
+            return self._logits(h), tapped
+        if full or bool((counts == S).all()):
+            return self._logits(h), tapped
+        valid = torch.arange(S, device=dev)[None, :] < counts.to(dev)[:, None]  # [B, S]
+        out = torch.zeros(B, S, self.vocab_size, device=dev)
+        out[valid] = self._logits(h[valid])
+        return out, tapped
+
+    def _layers(self, x, state, pos, L0: int, tapped):
+        """The decoder layers over the embeddings x [B, S, H] at positions pos [B, S] (L0: the
+        longest row's committed length) -> (the last layer's output, its final norm); the
+        extension's `layers_forward` runs the fused_attn branch in one call."""
+        B, S, _ = x.shape
+        dev = x.device
         T = L0 + S  # keys read: every row's committed entries + the S new ones (shorter rows masked)
+        lengths = state.lengths
         uniform = B == 1 or bool((lengths == lengths[0]).all())
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         G = Hq // Hkv
-        pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
         # dspark's RoPE and attention kernels (bf16 on a CPU with the extension) read positions:
         # no RoPE rows to gather, no mask to build
         fused_attn = self._ext is not None and D % 16 == 0
@@ -522,40 +556,7 @@ class NativeTarget:
             # GQA without copying K/V: the G query heads sharing a KV head are folded into the
             # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
             mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
-        x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
-        H = x.shape[-1]
-        # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
-        tapped = x.new_empty(B, S, len(self.tap_indices) * H) if self.tap_indices else None
         bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
-        if self._stack is not None:  # `_layers` in one call of the extension (csrc/layers.cpp)
-            x, h = self._ext.layers_forward(self._stack.id, x, state.kv, self.cos, self.sin, pos, self.norm, self.eps,
-                                            Hq, Hkv, NO_TENSOR if tapped is None else tapped, self._tap_cols)
-        else:
-            x, h = self._layers(x, state, pos, cos, sin, mask, bidx, uniform, fused_attn, L0, T, tapped)
-        for col, src in self._tap_fill:
-            tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
-        state.pending = S
-        # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
-        if logits == "final":
-            return h, tapped
-        if logits == "last":
-            if full:
-                return self._logits(h[:, -1:]), tapped  # [B, 1, V]
-            h = h[torch.arange(B, device=dev), counts.to(dev) - 1][:, None]  # [B, 1, H]
-            return self._logits(h), tapped
-        if full or bool((counts == S).all()):
-            return self._logits(h), tapped
-        valid = torch.arange(S, device=dev)[None, :] < counts.to(dev)[:, None]  # [B, S]
-        out = torch.zeros(B, S, self.vocab_size, device=dev)
-        out[valid] = self._logits(h[valid])
-        return out, tapped
-
-    def _layers(self, x, state, pos, cos, sin, mask, bidx, uniform: bool, fused_attn: bool, L0: int, T: int, tapped):
-        """The decoder layers over the embeddings x [B, S, H] -> (the last layer's output, its final
-        norm); the extension's `layers_forward` runs the fused_attn branch in one call."""
-        B, S, _ = x.shape
-        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        G = Hq // Hkv
         layer_kv = state.layer_kv()
         h = self._norm(x, self.layers[0].ln1)
         for li, layer in enumerate(self.layers):
