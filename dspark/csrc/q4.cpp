@@ -70,6 +70,25 @@ std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, co
   return {M, K, N};
 }
 
+// per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32, in input order: the Q4_1
+// minimum's term (lo x that sum), the same in both builds
+std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  std::vector<float> s(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float a = 0.f;
+      for (int64_t i = 0; i < 32; ++i) {
+        const uint32_t u = static_cast<uint32_t>(x[m * K + g * 32 + i]) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        a += f;
+      }
+      s[m * G + g] = a;
+    }
+  return s;
+}
+
 // x's shape with the last dimension N: the matmul's result
 std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();
@@ -237,21 +256,9 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   const int64_t M = shape[0], K = shape[1], N = shape[2];
-  const int64_t G = K / 32;
   auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  std::vector<float> xsum(M * G);  // per row and group: sum of x (the lo term), fp32, in input order
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < 32; ++i) {
-        const uint32_t u = static_cast<uint32_t>(xp[m * K + g * 32 + i]) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        s += f;
-      }
-      xsum[m * G + g] = s;
-    }
+  const std::vector<float> xsum = group_sums(xp, M, K);
   const uint8_t* p = P.data_ptr<uint8_t>();
   const float* d = D.data_ptr<float>();
   const float* l = L.data_ptr<float>();
@@ -266,34 +273,57 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
-// at a time. Each weight is dequantised to fp32 once per tile of up to 8 rows (q4: w = q * d + lo
-// in one FMA, the model's own value; q8: q * d; bf16: exact), and every row adds w * x in input order, one FMA a
-// weight: a row's operations do not depend on M or on which rows share the call (batch
-// invariance). Measured against torch's int4 kernel, which unpacks every weight once per row:
-// docs/BENCHMARKS.md "Session 13".
+// at a time, every row adding w * x in input order, one FMA a weight and row. int4 and Q8_0 apply
+// the group scale as the AVX-512 tile does: per group t = sum of q * x (q exact in fp32), then
+// acc += t * d (+ lo * the group's sum of x), so a weight costs a conversion and no dequantising
+// multiply-add: 1-2 rows ran 1.2-1.3x faster than with w = q * d + lo per weight (docs/BENCHMARKS.md
+// "Session 15"). bf16 weights are summed as they are. A row's operations do not depend on M or
+// on which rows share the call (batch invariance).
 namespace {
 
 // rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each). Per group of 32 inputs,
-// STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights of inputs
-// IN * step + 0..IN-1 of the 8 columns, block = column block * G + group.
-template <int M, int NB, int IN, int STEPS, typename Unpack>
-inline void tile8(const float* x, int64_t K, const Unpack& unpack, uint16_t* y, int64_t N, int64_t hb) {
+// STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights (SCALED: the
+// integer q) of inputs IN * step + 0..IN-1 of the 8 columns, block = column block * G + group.
+// SCALED: D, L [N/16, G, 16] the group scales and minimums (L null: none), xsum [M, G].
+template <int M, int NB, int IN, int STEPS, bool SCALED, typename Unpack>
+inline void tile8(const float* x, int64_t K, const Unpack& unpack, const float* D, const float* L, const float* xsum,
+                  uint16_t* y, int64_t N, int64_t hb) {
   const int64_t G = K / 32;
   __m256 acc[NB][M];
   fill(acc, _mm256_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
+    __m256 t[NB][M];  // SCALED: the group's sums of q * x (else acc itself takes w * x)
+    if constexpr (SCALED) fill(t, _mm256_setzero_ps());
+    auto& s = [&]() -> auto& { if constexpr (SCALED) return t; else return acc; }();
 #pragma GCC unroll 16
-    for (int s = 0; s < STEPS; ++s) {
+    for (int r = 0; r < STEPS; ++r) {
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
         __m256 w[IN];
-        unpack(((hb + j) >> 1) * G + g, static_cast<int>((hb + j) & 1), s, w);
+        unpack(((hb + j) >> 1) * G + g, static_cast<int>((hb + j) & 1), r, w);
 #pragma GCC unroll 4
         for (int i = 0; i < IN; ++i)
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m)
-            acc[j][m] = _mm256_fmadd_ps(w[i], _mm256_broadcast_ss(x + m * K + g * 32 + IN * s + i), acc[j][m]);
+            s[j][m] = _mm256_fmadd_ps(w[i], _mm256_broadcast_ss(x + m * K + g * 32 + IN * r + i), s[j][m]);
       }
+    }
+    if constexpr (SCALED) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const int64_t at = (((hb + j) >> 1) * G + g) * 16 + 8 * ((hb + j) & 1);
+        const __m256 d = _mm256_loadu_ps(D + at);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(t[j][m], d, acc[j][m]);
+        if (L != nullptr) {
+          const __m256 lo = _mm256_loadu_ps(L + at);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xsum[m * G + g]), acc[j][m]);
+        }
+      }
+      // past 4 sums both they and the group's sums do not fit in 16 registers: the sums stay in
+      // L1, read and written once a group (left to the compiler, it spilled inside the group)
+      if constexpr (M * NB > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");
     }
   }
 #pragma GCC unroll 4
@@ -303,16 +333,22 @@ inline void tile8(const float* x, int64_t K, const Unpack& unpack, uint16_t* y, 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (hb + j) * 8), to_bf16x8(acc[j][m]));
 }
 
-// y [..., N] bf16 = x (bf16 [..., K], M rows, widened once to fp32) against the unpacked weight
-template <int IN, int STEPS, typename Unpack>
-torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const Unpack& unpack) {
-  const auto xf = x.contiguous().to(torch::kFloat);
+// y [..., N] bf16 = x (bf16 [..., K], M rows, widened once to fp32) against the packed weight
+template <int IN, int STEPS, bool SCALED, typename Unpack>
+torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const Unpack& unpack,
+                      const float* D = nullptr, const float* L = nullptr) {
+  const auto xc = x.contiguous();
+  const auto xf = xc.to(torch::kFloat);
   const float* xp = xf.data_ptr<float>();
+  const int64_t G = K / 32;
+  const std::vector<float> xsum = L != nullptr ? group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K)
+                                               : std::vector<float>();
   auto y = torch::empty(out_shape(x, N), x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // registers: rows x blocks accumulators + IN weights + a broadcast <= 16
+  // registers: rows x blocks sums (and group sums) + IN weights + a broadcast <= 16
   row_tiles<8, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
-    tile8<decltype(rows)::value, decltype(nb)::value, IN, STEPS>(xp + m0 * K, K, unpack, yp + m0 * N, N, hb);
+    tile8<decltype(rows)::value, decltype(nb)::value, IN, STEPS, SCALED>(
+        xp + m0 * K, K, unpack, D, L, L != nullptr ? xsum.data() + m0 * G : nullptr, yp + m0 * N, N, hb);
   });
   return y;
 }
@@ -322,49 +358,44 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   const uint8_t* p = P.data_ptr<uint8_t>();
-  const float* d = D.data_ptr<float>();
-  const float* l = L.data_ptr<float>();
   // step r of a block, 8 columns: 16 bytes; 16-bit word c = low nibbles q[c, 4r] | q[c, 4r + 1] << 8,
   // high nibbles inputs 4r + 2, 4r + 3
-  auto unpack = [p, d, l](int64_t block, int half, int r, __m256* w) {
+  auto unpack = [p](int64_t block, int half, int r, __m256* w) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 8 + r) * 32 + 16 * half));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i a = _mm256_cvtepu16_epi32(_mm_and_si128(v, m4));
     const __m256i b = _mm256_cvtepu16_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
     const __m256i ff = _mm256_set1_epi32(0xFF);
-    const __m256 dd = _mm256_loadu_ps(d + block * 16 + 8 * half), lo = _mm256_loadu_ps(l + block * 16 + 8 * half);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, ff)), dd, lo);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 8)), dd, lo);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, ff)), dd, lo);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 8)), dd, lo);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, ff));
+    w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 8));
+    w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, ff));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 8));
   };
-  return matmul8<4, 8>(x, shape[0], shape[1], shape[2], unpack);
+  return matmul8<4, 8, true>(x, shape[0], shape[1], shape[2], unpack, D.data_ptr<float>(), L.data_ptr<float>());
 }
 
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
   const int8_t* p = P.data_ptr<int8_t>();
-  const float* d = D.data_ptr<float>();
   // pair r of a block, 8 columns: 16 bytes; 16-bit word c = q[c, 2r] | q[c, 2r + 1] << 8 (signed bytes)
-  auto unpack = [p, d](int64_t block, int half, int r, __m256* w) {
+  auto unpack = [p](int64_t block, int half, int r, __m256* w) {
     const __m256i a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 16 + r) * 32 + 16 * half)));
-    const __m256 dd = _mm256_loadu_ps(d + block * 16 + 8 * half);
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24)), dd);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8)), dd);
+    w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24));
+    w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8));
   };
-  return matmul8<2, 16>(x, shape[0], shape[1], shape[2], unpack);
+  return matmul8<2, 16, true>(x, shape[0], shape[1], shape[2], unpack, D.data_ptr<float>());
 }
 
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("bf16_mm", x, P, torch::kBFloat16, 16, {D});
   const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
-  // pair r of a block, 8 columns: 32 bytes; 32-bit word c = w[c, 2r] | w[c, 2r + 1] << 16 (D: ones)
+  // pair r of a block, 8 columns: 32 bytes; 32-bit word c = w[c, 2r] | w[c, 2r + 1] << 16 (D: ones, unread)
   auto unpack = [p](int64_t block, int half, int r, __m256* w) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (block * 16 + r) * 32 + 16 * half));
     w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   };
-  return matmul8<2, 16>(x, shape[0], shape[1], shape[2], unpack);
+  return matmul8<2, 16, false>(x, shape[0], shape[1], shape[2], unpack);
 }
 #else
 // a build without AVX2 (dspark/kernels.py never makes one) has no matmul kernels
