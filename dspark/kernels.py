@@ -190,7 +190,7 @@ FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16
 ISAS = {
     "avx512": (("avx512f", "avx512bw", "avx512_bf16"),
                ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
-    "avx2": (("avx2", "fma"), ("-O3", "-fopenmp", "-mavx2", "-mfma")),  # 8-lane matmuls, norms, attention
+    "avx2": (("avx2", "fma", "f16c"), ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")),  # 8-lane matmuls, norms, attention
 }
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 
@@ -293,19 +293,24 @@ def tile_applies(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 32 == 0 and tile_name() is not None
 
 
+def _group_scales(d: torch.Tensor, lo: torch.Tensor | None, N: int, G: int) -> tuple[torch.Tensor, ...]:
+    """Per-group scales (and minimums) [N, G] -> csrc/q4.cpp's [N/16, G, 16] `Scales`: fp16 where
+    every value is an fp16 number (GGUF stores Q4_1's and Q8_0's so: the kernels widen them to the
+    same fp32 values, and a 1-row int4 matmul streams a sixth fewer bytes), fp32 otherwise."""
+    ts = [t.float() for t in (d, lo) if t is not None]
+    dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in ts) else torch.float32
+    return tuple(t.reshape(N // 16, 16, G).permute(0, 2, 1).to(dtype).contiguous() for t in ts)
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
-    """q [N, K] in 0..15, d / lo [N, K/32] fp32 (w = q * d + lo) -> (P, D, L), csrc/q4.cpp's layout."""
+    """q [N, K] in 0..15, d / lo [N, K/32] (w = q * d + lo) -> (P, D, L), csrc/q4.cpp's layout (D, L: `_group_scales`)."""
     N, K = q.shape
     G = K // 32
     qb = q.to(torch.int32).reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, quad, column, 4]
     b0 = qb[..., 0] | (qb[..., 2] << 4)
     b1 = qb[..., 1] | (qb[..., 3] << 4)
     P = torch.stack([b0, b1], -1).reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous()
-
-    def cols(s):
-        return s.float().reshape(N // 16, 16, G).permute(0, 2, 1).contiguous()
-
-    return P, cols(d), cols(lo)
+    return (P, *_group_scales(d, lo, N, G))
 
 
 def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
@@ -324,11 +329,11 @@ def q8_groups(w: torch.Tensor, group: int = 32):
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor):
-    """q [N, K] int8 values, d [N, K/32] fp32 (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout."""
+    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout (D: `_group_scales`)."""
     N, K = q.shape
     G = K // 32
     qb = q.to(torch.int8).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, G, pair, column, 2]
-    return qb.reshape(N // 16, G, 16, 32).contiguous(), d.float().reshape(N // 16, 16, G).permute(0, 2, 1).contiguous()
+    return (qb.reshape(N // 16, G, 16, 32).contiguous(), *_group_scales(d, None, N, G))
 
 
 def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:

@@ -299,6 +299,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
     test_rows_get_the_same_bits_in_any_batch(mod)
     test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
+    test_fp16_group_scales_give_the_fp32_scales_bits(mod)
     limit = kernels.BF16_KERNEL_MAX
     test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(mod, monkeypatch)  # lowers the limit
     monkeypatch.setattr(kernels, "BF16_KERNEL_MAX", limit)
@@ -351,6 +352,30 @@ def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
     assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all()
     for i in range(11):
         assert torch.equal(kernels.q8_linear(x[i:i + 1], packed), y[i:i + 1])
+
+
+def test_fp16_group_scales_give_the_fp32_scales_bits(q4):
+    """GGUF stores Q4_1's and Q8_0's scales and minimums as fp16: the packers keep them in fp16
+    (a sixth fewer bytes for a 1-row int4 matmul) only where every value is an fp16 number, and the
+    kernels widen them to the very fp32 values: the same bits as fp32 scales, at any row count."""
+    q, d, lo, _ = _q4(48, 96, seed=4)
+    d16, lo16 = d.half().float(), lo.half().float()
+    packed = kernels.pack_q4(q, d16, lo16)
+    assert packed[1].dtype == packed[2].dtype == torch.float16
+    wide = (packed[0], packed[1].float(), packed[2].float())
+    assert kernels.pack_q4(q, d, lo)[1].dtype == torch.float32  # random fp32 scales are kept as they are
+    assert kernels.pack_q4(q, d16, lo)[1].dtype == torch.float32  # one tensor not fp16-exact: both fp32
+    qq = torch.randint(-127, 128, (48, 96), generator=torch.Generator().manual_seed(5))
+    p8 = kernels.pack_q8(qq, d16)
+    assert p8[1].dtype == torch.float16
+    for M in (1, 2, 3, 8, 11):
+        x = torch.randn(M, 96, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+        assert torch.equal(kernels.q4_linear(x, packed), kernels.q4_linear(x, wide)), M
+        assert torch.equal(kernels.q8_linear(x, p8), kernels.q8_linear(x, (p8[0], p8[1].float()))), M
+    with pytest.raises(RuntimeError, match="one dtype"):
+        q4.q4_mm(x, packed[0], packed[1], packed[2].float())
+    with pytest.raises(RuntimeError, match="fp32 or fp16"):
+        q4.q8_mm(x, p8[0], p8[1].double())
 
 
 def test_an_exact_q8_0_head_runs_as_shipped(q4):

@@ -53,7 +53,8 @@ inline void fill(Vec (&acc)[NB][M], Vec v) {
 }
 
 // x [..., K] bf16 (M rows: every dimension but the last) against a weight packed as [N/16, K/32,
-// steps, 32] elements of `dtype`, with fp32 per-group tensors [N/16, K/32, 16] (scales, minimums):
+// steps, 32] elements of `dtype`, with per-group tensors [N/16, K/32, 16] (scales, minimums; fp32, or
+// fp16 where each value is one, all of one dtype):
 // checked, -> (M, K, N). Taking x's own shape spares the caller two reshapes a matmul (~240 small
 // ops a SmolLM2 forward).
 std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, const torch::Tensor& P,
@@ -65,10 +66,34 @@ std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, co
   TORCH_CHECK(K == P.size(1) * 32 && K > 0, name, ": x has ", K, " inputs, the weight ", P.size(1) * 32);
   const int64_t M = x.numel() / K;
   for (const auto& s : groups)
-    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N / 16 * (K / 32) * 16,
-                name, ": its scales must be contiguous fp32 [N/16, K/32, 16] tensors");
+    TORCH_CHECK((s.scalar_type() == torch::kFloat || s.scalar_type() == torch::kHalf) &&
+                    s.scalar_type() == groups.begin()->scalar_type() && s.is_contiguous() && s.numel() == N / 16 * (K / 32) * 16,
+                name, ": its scales must be contiguous fp32 or fp16 [N/16, K/32, 16] tensors of one dtype");
   return {M, K, N};
 }
+
+// a weight's per-group scales or minimums [N/16, K/32, 16]: fp32, or fp16 where every value is
+// one (GGUF stores them so; kernels.pack_q4 / pack_q8 check): the same fp32 values with a sixth
+// fewer bytes to stream for an int4 weight at one row. p null: none.
+struct Scales {
+  const void* p = nullptr;
+  bool half = false;
+  Scales() = default;
+  explicit Scales(const torch::Tensor& t) : p(t.data_ptr()), half(t.scalar_type() == torch::kHalf) {}
+#ifdef __F16C__
+  // 8 values from index i, widened to fp32 (exact); both builds have F16C
+  __m256 load8(int64_t i) const {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+                : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+#endif
+#ifdef __AVX512F__
+  __m512 load16(int64_t i) const {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+                : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+#endif
+};
 
 // per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32, in input order: the Q4_1
 // minimum's term (lo x that sum), the same in both builds
@@ -146,7 +171,7 @@ inline __m512i nibble_to_bf16() {
 // `block` = column block * G + group. Each group's sums are scaled by D, plus L x the group's sum
 // of x where the format has a minimum (L null: none).
 template <int M, int NB, typename Unpack>
-inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float* D, const float* L, const float* xsum,
+inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scales& D, const Scales& L, const float* xsum,
                  uint16_t* y, int64_t N, int64_t cb) {
   const int64_t G = K / 32;
   __m512 acc[NB][M];
@@ -180,11 +205,11 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float
     }
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) {
-      const __m512 d = _mm512_loadu_ps(D + ((cb + j) * G + g) * 16);
+      const __m512 d = D.load16(((cb + j) * G + g) * 16);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(t[j][m], d, acc[j][m]);
-      if (L != nullptr) {
-        const __m512 lo = _mm512_loadu_ps(L + ((cb + j) * G + g) * 16);
+      if (L.p != nullptr) {
+        const __m512 lo = L.load16(((cb + j) * G + g) * 16);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xsum[m * G + g]), acc[j][m]);
       }
@@ -200,8 +225,8 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const float
 
 // y [..., N] bf16: the tile over every row tile and column block of xc (contiguous bf16 [..., K], M rows)
 template <typename Unpack>
-torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, const Unpack& unpack, const float* D,
-                     const float* L, const float* xsum) {
+torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, const Unpack& unpack, const Scales& D,
+                     const Scales& L, const float* xsum) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -218,12 +243,11 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
 
 // Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
 // of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
-// byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] fp32.
+// byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] (Scales).
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
   const int64_t M = shape[0], K = shape[1], N = shape[2];
   const int8_t* p = P.data_ptr<int8_t>();
-  const float* d = D.data_ptr<float>();
   // step r of a block: pairs 2r and 2r + 1, 64 bytes, exact as bf16 (|q| <= 128)
   auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
     const int8_t* b = p + (block * 16 + 2 * r) * 32;
@@ -233,7 +257,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
     wa = _mm512_cvtne2ps_pbh(a[1], a[0]);
     wb = _mm512_cvtne2ps_pbh(a[3], a[2]);
   };
-  return matmul(x.contiguous(), M, K, N, unpack, d, nullptr, nullptr);
+  return matmul(x.contiguous(), M, K, N, unpack, Scales(D), Scales(), nullptr);
 }
 
 // bf16 weights: the same scheme with nothing to unpack, for the small row counts of a draft (oneDNN's
@@ -244,13 +268,12 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("bf16_mm", x, P, torch::kBFloat16, 16, {D});
   const int64_t M = shape[0], K = shape[1], N = shape[2];
   const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
-  const float* d = D.data_ptr<float>();
   auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
     const uint16_t* b = p + (block * 16 + 2 * r) * 32;
     wa = (__m512bh)_mm512_loadu_si512(b);
     wb = (__m512bh)_mm512_loadu_si512(b + 32);
   };
-  return matmul(x.contiguous(), M, K, N, unpack, d, nullptr, nullptr);
+  return matmul(x.contiguous(), M, K, N, unpack, Scales(D), Scales(), nullptr);
 }
 
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
@@ -260,8 +283,6 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const std::vector<float> xsum = group_sums(xp, M, K);
   const uint8_t* p = P.data_ptr<uint8_t>();
-  const float* d = D.data_ptr<float>();
-  const float* l = L.data_ptr<float>();
   // step r of a block: 32 bytes, the low nibbles inputs 4r, 4r + 1, the high ones 4r + 2, 4r + 3
   const __m512i table = nibble_to_bf16();
   auto unpack = [p, table](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
@@ -269,7 +290,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
     wa = (__m512bh)_mm512_permutexvar_epi16(v, table);
     wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
   };
-  return matmul(xc, M, K, N, unpack, d, l, xsum.data());
+  return matmul(xc, M, K, N, unpack, Scales(D), Scales(L), xsum.data());
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
@@ -284,9 +305,9 @@ namespace {
 // rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each). Per group of 32 inputs,
 // STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights (SCALED: the
 // integer q) of inputs IN * step + 0..IN-1 of the 8 columns, block = column block * G + group.
-// SCALED: D, L [N/16, G, 16] the group scales and minimums (L null: none), xsum [M, G].
+// SCALED: D, L [N/16, G, 16] the group scales and minimums (L.p null: none), xsum [M, G].
 template <int M, int NB, int IN, int STEPS, bool SCALED, typename Unpack>
-inline void tile8(const float* x, int64_t K, const Unpack& unpack, const float* D, const float* L, const float* xsum,
+inline void tile8(const float* x, int64_t K, const Unpack& unpack, const Scales& D, const Scales& L, const float* xsum,
                   uint16_t* y, int64_t N, int64_t hb) {
   const int64_t G = K / 32;
   __m256 acc[NB][M];
@@ -312,11 +333,11 @@ inline void tile8(const float* x, int64_t K, const Unpack& unpack, const float* 
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
         const int64_t at = (((hb + j) >> 1) * G + g) * 16 + 8 * ((hb + j) & 1);
-        const __m256 d = _mm256_loadu_ps(D + at);
+        const __m256 d = D.load8(at);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(t[j][m], d, acc[j][m]);
-        if (L != nullptr) {
-          const __m256 lo = _mm256_loadu_ps(L + at);
+        if (L.p != nullptr) {
+          const __m256 lo = L.load8(at);
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xsum[m * G + g]), acc[j][m]);
         }
@@ -336,19 +357,19 @@ inline void tile8(const float* x, int64_t K, const Unpack& unpack, const float* 
 // y [..., N] bf16 = x (bf16 [..., K], M rows, widened once to fp32) against the packed weight
 template <int IN, int STEPS, bool SCALED, typename Unpack>
 torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const Unpack& unpack,
-                      const float* D = nullptr, const float* L = nullptr) {
+                      const Scales& D = Scales(), const Scales& L = Scales()) {
   const auto xc = x.contiguous();
   const auto xf = xc.to(torch::kFloat);
   const float* xp = xf.data_ptr<float>();
   const int64_t G = K / 32;
-  const std::vector<float> xsum = L != nullptr ? group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K)
+  const std::vector<float> xsum = L.p != nullptr ? group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K)
                                                : std::vector<float>();
   auto y = torch::empty(out_shape(x, N), x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // registers: rows x blocks sums (and group sums) + IN weights + a broadcast <= 16
   row_tiles<8, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
     tile8<decltype(rows)::value, decltype(nb)::value, IN, STEPS, SCALED>(
-        xp + m0 * K, K, unpack, D, L, L != nullptr ? xsum.data() + m0 * G : nullptr, yp + m0 * N, N, hb);
+        xp + m0 * K, K, unpack, D, L, L.p != nullptr ? xsum.data() + m0 * G : nullptr, yp + m0 * N, N, hb);
   });
   return y;
 }
@@ -371,7 +392,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
     w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, ff));
     w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 8));
   };
-  return matmul8<4, 8, true>(x, shape[0], shape[1], shape[2], unpack, D.data_ptr<float>(), L.data_ptr<float>());
+  return matmul8<4, 8, true>(x, shape[0], shape[1], shape[2], unpack, Scales(D), Scales(L));
 }
 
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
@@ -383,7 +404,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
     w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24));
     w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8));
   };
-  return matmul8<2, 16, true>(x, shape[0], shape[1], shape[2], unpack, D.data_ptr<float>());
+  return matmul8<2, 16, true>(x, shape[0], shape[1], shape[2], unpack, Scales(D));
 }
 
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
