@@ -166,14 +166,14 @@ def silu_mul(gu: torch.Tensor, ext) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x.argmax(dim), with half-precision logits widened to fp32 first (module docstring); over the
-    last dimension on dspark's AVX-512 build (csrc/markov.cpp `argmax_f32`: torch's choice, ~7x
-    faster), elsewhere torch's."""
+    """x.argmax(dim), with half-precision logits compared as their fp32 values (module docstring);
+    over the last dimension of fp32 or bf16 on dspark's AVX-512 build (csrc/markov.cpp
+    `argmax_last`: torch's choice, ~7x faster, bf16 widened in place), elsewhere torch's."""
+    if (dim in (-1, x.dim() - 1) and x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.shape[-1] > 0 and extension_isa() == "avx512"):
+        return extension().argmax_last(x)
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
         x = x.float()
-    if (dim in (-1, x.dim() - 1) and x.dim() >= 1 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.shape[-1] > 0 and extension_isa() == "avx512"):
-        return extension().argmax_f32(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
     return x.argmax(dim)
 
 
@@ -184,7 +184,7 @@ ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
 SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp")  # layers.cpp calls the others
 FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk",
-             "argmax_f32", "silu_mul_bf16", "layers_register", "layers_release", "layers_forward")
+             "argmax_last", "silu_mul_bf16", "layers_register", "layers_release", "layers_forward")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {

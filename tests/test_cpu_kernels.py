@@ -323,7 +323,8 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         assert torch.equal(mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
                            _walk_reference(base, w1, w2t, None, anchors))
     for x in _argmax_cases():  # the argmax's generic loop (kernels.argmax keeps torch's on this build)
-        assert torch.equal(mod.argmax_f32(x), x.argmax(-1))
+        assert torch.equal(mod.argmax_last(x), x.argmax(-1))
+        assert torch.equal(mod.argmax_last(x.to(torch.bfloat16)), x.to(torch.bfloat16).float().argmax(-1))
     # the draft's decoding forward on this build (its matmuls on the AVX2 tile): the modules' contexts, bit
     # for bit, and their block states up to bf16 rounding
     from dspark.model.packed import pack_linears
@@ -733,12 +734,16 @@ def test_argmax_is_torchs_choice(q4):
     """Greedy verification's argmax (every verified row of every step) on the extension picks what
     torch's picks, in every case where the two could differ, over any leading shape."""
     for x in _argmax_cases():
-        assert torch.equal(q4.argmax_f32(x), x.argmax(-1))
+        assert torch.equal(q4.argmax_last(x), x.argmax(-1))
         assert torch.equal(kernels.argmax(x[None]), x[None].argmax(-1)) and kernels.argmax(x[0]).dim() == 0
+        # bf16 logits (a greedy plain step's head output) are compared as their exact fp32 values
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(q4.argmax_last(xb), xb.float().argmax(-1))
+        assert torch.equal(q4.argmax_last(xb.view(2, 3, -1)), xb.float().argmax(-1).view(2, 3))
     bf = torch.randn(3, 700).to(torch.bfloat16)
     assert torch.equal(kernels.argmax(bf), bf.float().argmax(-1))
-    with pytest.raises(RuntimeError, match="fp32"):
-        q4.argmax_f32(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        q4.argmax_last(torch.randn(2, 8).double())
 
 
 def _check_silu_mul(mod):
@@ -800,10 +805,26 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
         t.commit(st, torch.tensor([1, 2]))
         outs.append(t.forward(st, torch.tensor([[9], [8]]), logits="final"))
         t.commit(st, torch.tensor([1, 1]))
+        # a greedy plain step's argmax (out of the same call where the stack holds the head) is the
+        # argmax of the step's logits
+        logits, _ = t.forward(st, torch.tensor([[21], [22]]))
+        t.commit(st, torch.tensor([0, 0]))
+        best, taps = t.forward(st, torch.tensor([[21], [22]]), logits="argmax")
+        if t is one:  # a stack without the head: the head and argmax from Python, the same choice
+            t.commit(st, torch.tensor([0, 0]))
+            t._stack.head = False
+            assert torch.equal(t.forward(st, torch.tensor([[21], [22]]), logits="argmax")[0], best)
+            t._stack.head = True
+        t.commit(st, torch.tensor([1, 1]))
+        assert best.shape == (2, 1) and torch.equal(best, kernels.argmax(logits)), (family, name)
+        outs.append((best, taps))
         states[name] = (outs, st)
+    assert one._stack.head, family  # every family's head sits on the tile: its argmax comes out of the stack's call
     for (a, ta), (b, tb) in zip(states["one"][0], states["loop"][0]):
         assert torch.equal(a, b) and torch.equal(ta, tb), family
     assert torch.equal(states["one"][1].kv, states["loop"][1].kv)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        one.forward(one.new_state(1), torch.tensor([[3, model.config.vocab_size]]))
 
 
 def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):

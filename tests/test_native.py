@@ -9,6 +9,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from dspark import kernels
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
@@ -281,6 +282,9 @@ def test_hf_target_last_logits_match_full_ragged():
     assert torch.allclose(last[0, 0], full[0, 5], atol=1e-5) and torch.allclose(last[1, 0], full[1, 3], atol=1e-5)
     one, _ = t.forward(t.new_state(1), ids[:1], logits="last")
     assert torch.allclose(one[0, 0], full[0, 5], atol=1e-5)
+    # logits="argmax" (what a greedy plain step asks for): the choice greedy verification makes
+    best, _ = t.forward(t.new_state(2), ids, counts, logits="argmax")
+    assert best.shape == (2, 6) and torch.equal(best, kernels.argmax(full))
 
 
 def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):

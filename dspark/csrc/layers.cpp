@@ -1,12 +1,15 @@
 // A decoder's layer stack in one call (docs/BENCHMARKS.md, "Session 14"): the same kernels, in the
 // same order, as the Python loop of dspark/target/native.py (`NativeTarget.forward`), whose ~15
 // Python-level calls and views a layer cost ~0.6-1 ms of a ~7-9 ms SmolLM2 step. Bit for bit
-// the Python loop's result (tested).
+// the Python loop's result (tested). The embedding lookup, the positions and, for a greedy plain
+// step, the head and its argmax run in the same call ("Session 15"): after a step has streamed
+// ~100 MB of weights through the caches, each small torch op it calls from Python costs 50-150 us.
 //
 // The weights are handed over once (`layers_register`) and kept here under a handle, since
 // passing ~600 tensors through pybind on every call would cost what it saves.
 #include <torch/extension.h>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -21,8 +24,13 @@ struct Layer {
   Lin qkv, o, gu, down;
 };
 
+struct Stack {
+  std::vector<Layer> layers;
+  Lin head;  // the LM head where dspark's tile holds it (P empty: none; logits are then Python's)
+};
+
 std::mutex mu;
-std::unordered_map<int64_t, std::vector<Layer>> stacks;
+std::unordered_map<int64_t, Stack> stacks;
 int64_t next_id = 1;
 
 torch::Tensor lin(const Lin& l, const torch::Tensor& x) {
@@ -34,20 +42,21 @@ torch::Tensor lin(const Lin& l, const torch::Tensor& x) {
 }  // namespace layers
 
 // t: per layer ln1, qk_norm, ln2, then P, D, L, bias of wqkv, wo, w13, w2 (19 tensors; an empty
-// tensor where there is none) -> a handle for layers_forward
+// tensor where there is none), then the head's P, D, L, bias (4 more; P empty: no head here) ->
+// a handle for layers_forward
 int64_t layers_register(std::vector<torch::Tensor> t) {
   using namespace layers;
   constexpr size_t PER = 19;
-  TORCH_CHECK(!t.empty() && t.size() % PER == 0, "layers_register: ", PER, " tensors a layer, got ", t.size());
-  std::vector<Layer> stack;
-  for (size_t i = 0; i < t.size(); i += PER) {
-    auto l = [&](size_t j) {
-      const auto fmt = t[i + j].scalar_type();
-      TORCH_CHECK(fmt == torch::kByte || fmt == torch::kChar || fmt == torch::kBFloat16, "layers_register: a weight dspark's tile does not hold");
-      return Lin{t[i + j], t[i + j + 1], t[i + j + 2], t[i + j + 3]};
-    };
-    stack.push_back(Layer{t[i], t[i + 1], t[i + 2], l(3), l(7), l(11), l(15)});
-  }
+  TORCH_CHECK(t.size() > 4 && (t.size() - 4) % PER == 0, "layers_register: ", PER, " tensors a layer and 4 for the head, got ", t.size());
+  auto l = [&](size_t j) {
+    const auto fmt = t[j].scalar_type();
+    TORCH_CHECK(fmt == torch::kByte || fmt == torch::kChar || fmt == torch::kBFloat16, "layers_register: a weight dspark's tile does not hold");
+    return Lin{t[j], t[j + 1], t[j + 2], t[j + 3]};
+  };
+  Stack stack;
+  const size_t n = t.size() - 4;
+  for (size_t i = 0; i < n; i += PER) stack.layers.push_back(Layer{t[i], t[i + 1], t[i + 2], l(i + 3), l(i + 7), l(i + 11), l(i + 15)});
+  if (t[n].numel()) stack.head = l(n);
   std::lock_guard<std::mutex> g(mu);
   stacks[next_id] = std::move(stack);
   return next_id++;
@@ -58,28 +67,52 @@ void layers_release(int64_t id) {
   layers::stacks.erase(id);
 }
 
-// x [B, S, H] (the embeddings) through every layer; kv [L, 2, B, Hkv, C, D] (the cache the new
-// keys and values are written to at pos [B, S]), cos / sin the RoPE tables, final the final
-// norm's weight (final_w). taps: empty, or [B, S, n*H] receiving layer i's output in columns tap_cols[i]
-// (-1: none). -> (the last layer's output, its final norm)
-std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor x, torch::Tensor kv, torch::Tensor cos, torch::Tensor sin,
-                                          torch::Tensor pos, torch::Tensor final_w, double eps, int64_t hq, int64_t hkv,
-                                          torch::Tensor taps, std::vector<int64_t> tap_cols) {
+// tokens [B, S] embedded (embed [V, H]) and run through every layer at positions lengths[b] + s;
+// kv [L, 2, B, Hkv, C, D] (the cache the new keys and values are written to), cos / sin the RoPE
+// tables, final_w the final norm's weight. taps: empty, or [B, S, n*H] receiving layer i's output
+// in columns tap_cols[i] (-1: none). argmax: also the head and each position's argmax (the
+// registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
+// output, its final norm[, the argmax [B, S] int64])
+std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv, torch::Tensor cos,
+                                          torch::Tensor sin, torch::Tensor lengths, torch::Tensor final_w, double eps, int64_t hq,
+                                          int64_t hkv, torch::Tensor taps, std::vector<int64_t> tap_cols, bool argmax) {
   using namespace layers;
-  const std::vector<Layer>* stack;
+  const Stack* stack;
   {
     std::lock_guard<std::mutex> g(mu);
     auto it = stacks.find(id);
     TORCH_CHECK(it != stacks.end(), "layers_forward: no layer stack ", id);
     stack = &it->second;
   }
-  const int64_t L = static_cast<int64_t>(stack->size()), B = x.size(0), S = x.size(1), D = kv.size(5);
+  const auto& lys = stack->layers;
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong &&
+                  lengths.numel() == tokens.size(0) && embed.dim() == 2 && embed.scalar_type() == torch::kBFloat16,
+              "layers_forward: tokens [B, S] and lengths [B] int64, embed [V, H] bf16");
+  const int64_t L = static_cast<int64_t>(lys.size()), B = tokens.size(0), S = tokens.size(1), D = kv.size(5);
+  const int64_t V = embed.size(0), H = embed.size(1);
   TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && tap_cols.size() == static_cast<size_t>(L), "layers_forward: ", L, " layers");
+  TORCH_CHECK(!argmax || stack->head.P.numel(), "layers_forward: no head registered for argmax");
+  // F.embedding and lengths[:, None] + arange(S), without two more ops from Python
+  const auto tk = tokens.contiguous();
+  const auto em = embed.contiguous();
+  const int64_t* tp = tk.data_ptr<int64_t>();
+  auto x = torch::empty({B, S, H}, em.options());
+  auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* ep = em.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < B * S; ++i) {
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < V, "token id ", tp[i], " is outside the vocabulary of ", V);
+    std::memcpy(xp + i * H, ep + tp[i] * H, H * sizeof(at::BFloat16));
+  }
+  const auto lc = lengths.contiguous();
+  auto pos = torch::empty({B, S}, tk.options());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < S; ++j) pos.data_ptr<int64_t>()[b * S + j] = lc.data_ptr<int64_t>()[b] + j;
+  const auto embedded = x;
   const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D ** -0.5
   const auto none = torch::empty({0}, x.options());
-  torch::Tensor h = rms_bf16(x, (*stack)[0].ln1, eps);
+  torch::Tensor h = rms_bf16(x, lys[0].ln1, eps);
   for (int64_t li = 0; li < L; ++li) {
-    const Layer& ly = (*stack)[li];
+    const Layer& ly = lys[li];
     const auto lkv = kv.select(0, li);
     const auto kc = lkv.select(0, 0), vc = lkv.select(0, 1);
     auto qkv = lin(ly.qkv, h).view({B, S, hq + 2 * hkv, D});
@@ -91,12 +124,13 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor x, torch::Te
     }
     auto o = attn_bf16(q, kc, vc, pos, scale);
     auto xh = add_rms_bf16(x, lin(ly.o, o), ly.ln2, eps, none, 0);
-    const auto& next = li + 1 < L ? (*stack)[li + 1].ln1 : final_w;
+    const auto& next = li + 1 < L ? lys[li + 1].ln1 : final_w;
     const bool tap = tap_cols[li] >= 0;
     xh = add_rms_bf16(xh[0], lin(ly.down, silu_mul_bf16(lin(ly.gu, xh[1]))), next, eps,
                       tap ? taps : none, tap ? tap_cols[li] : 0);
     x = xh[0];
     h = xh[1];
   }
-  return {x, h};
+  if (argmax) return {embedded, x, h, markov::argmax_rows(lin(stack->head, h))};
+  return {embedded, x, h};
 }

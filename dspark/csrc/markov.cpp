@@ -5,7 +5,7 @@
 // fp32): the bias W2 z is accumulated in fp32 and rounded to that dtype, added to the base logit
 // in fp32 and rounded again; the first largest logit wins, as torch's argmax. Only the fp32
 // summation order of the rank-r product differs from the matmul library's. Also here, with the
-// same choice rule: `argmax_f32`, greedy verification's argmax over the target's logits.
+// same choice rule: `argmax_last`, greedy verification's argmax over the target's logits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -141,8 +141,19 @@ namespace markov {
 // torch.argmax's choice over x[0..V) (the first NaN, else the first largest), in two vector passes
 // where AVX-512 runs: the maximum and whether any NaN is there, then the first entry equal to it.
 // torch's CPU argmax compares one element at a time (~1 ns each: ~50 us over SmolLM2's 49 152
-// logits, paid for every verified row of every step).
-inline int64_t first_max(const float* x, int64_t V) {
+// logits, paid for every verified row of every step). T: fp32, or bf16 (widened exactly: the
+// same choice as over the fp32 copy, which a greedy plain step then need not make).
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+#ifdef __AVX512F__
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+#endif
+
+template <typename T>
+inline int64_t first_max(const T* x, int64_t V) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
@@ -151,7 +162,7 @@ inline int64_t first_max(const float* x, int64_t V) {
     __m512 m = _mm512_set1_ps(best);
     __mmask16 unordered = 0;
     for (; i + 16 <= V; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 v = load16(x + i);
       unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       m = _mm512_max_ps(m, v);
     }
@@ -160,37 +171,48 @@ inline int64_t first_max(const float* x, int64_t V) {
   }
 #endif
   for (; i < V; ++i) {
-    nan = nan || std::isnan(x[i]);
-    best = x[i] > best ? x[i] : best;
+    const float v = widen(x[i]);
+    nan = nan || std::isnan(v);
+    best = v > best ? v : best;
   }
   if (nan) {  // rare (a broken forward): the first NaN, as torch
     for (int64_t j = 0; j < V; ++j)
-      if (std::isnan(x[j])) return j;
+      if (std::isnan(widen(x[j]))) return j;
   }
   int64_t j = 0;
 #ifdef __AVX512F__
   const __m512 b = _mm512_set1_ps(best);
   for (; j + 16 <= V; j += 16) {
-    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), b, _CMP_EQ_OQ);
+    const __mmask16 eq = _mm512_cmp_ps_mask(load16(x + j), b, _CMP_EQ_OQ);
     if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
   }
 #endif
   for (; j < V; ++j)
-    if (x[j] == best) return j;
+    if (widen(x[j]) == best) return j;
   return 0;  // every entry -inf: the first, as torch
+}
+
+// x [..., V] fp32 or bf16 (contiguous) -> [...] int64: torch.argmax(x, -1), row by row
+inline torch::Tensor argmax_rows(const torch::Tensor& x) {
+  const int64_t V = x.size(-1), R = x.numel() / V;
+  auto out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  if (x.scalar_type() == torch::kBFloat16) {
+    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < R; ++r) op[r] = first_max(xp + r * V, V);
+  } else {
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) op[r] = first_max(xp + r * V, V);
+  }
+  return out;
 }
 
 }  // namespace markov
 
-// x [R, V] fp32 (contiguous) -> [R] int64: torch.argmax(x, -1), row by row
-torch::Tensor argmax_f32(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && x.size(1) > 0,
-              "argmax_f32: x must be a 2-D fp32 CPU tensor with a non-empty last dimension");
-  auto xc = x.contiguous();
-  const int64_t R = xc.size(0), V = xc.size(1);
-  auto out = torch::empty({R}, xc.options().dtype(torch::kLong));
-  const float* xp = xc.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) op[r] = markov::first_max(xp + r * V, V);
-  return out;
+// x [..., V] fp32 or bf16 -> [...] int64: torch.argmax(x, -1) (of the fp32 copy, for bf16)
+torch::Tensor argmax_last(torch::Tensor x) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.device().is_cpu() &&
+                  x.size(-1) > 0,
+              "argmax_last: x must be an fp32 or bf16 CPU tensor with a non-empty last dimension");
+  return markov::argmax_rows(x.contiguous());
 }

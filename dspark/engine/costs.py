@@ -146,8 +146,9 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
             if rep >= 2 and time.perf_counter() + times[t][-1] - start > budget_s:
                 continue
             timed += 1
+            # a 1-token point is a plain step, which (greedy) reads the target's argmax alone
             t0 = clock(dev)
-            target.forward(state, batches[t])
+            target.forward(state, batches[t], logits="argmax" if t == 1 else "all")
             t1 = clock(dev)
             target.commit(state, keep_none)  # drop the pending entries: the scratch context stays as it was
             times[t].append(t1 - t0)

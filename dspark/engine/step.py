@@ -241,10 +241,14 @@ def decode_step(
     else:
         n, tokens = batch.anchors.new_zeros(B), batch.anchors[:, None]
     t2 = now(dev)
-    # counts None: every row verifies its 1 + 0 tokens (a plain step's forward needs no counts)
-    logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
-    t3 = now(dev)
-    accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
+    if g or not all(p.greedy for p in batch.params):
+        logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
+        t3 = now(dev)
+        accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
+    else:  # a greedy plain step reads the target's argmax alone: no fp32 logits (and one call on the native stack)
+        best, taps = target.forward(batch.target, tokens, None, logits="argmax")
+        t3 = now(dev)
+        accepted, nxt = n, best[:, 0]
     keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     target.commit(batch.target, keep)
     t4 = now(dev)

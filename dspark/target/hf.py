@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from dspark.errors import RequestError
+from dspark.kernels import argmax
 from dspark.ragged import merge_rows, pack
 
 
@@ -95,6 +96,8 @@ class HFTarget:
         Positions continue each row's committed length; padding rows/keys are masked out.
         logits="last": only each row's last valid position -> [B, 1, V] (all a prefill needs:
         the LM head over a whole prompt is wasted work).
+        logits="argmax": each position's greedy token [B, S] int64 instead (what a greedy plain
+        step reads; `kernels.argmax`, the choice greedy verification makes).
         taps is a new tensor on every call, never a reused buffer: the engine keeps the taps of
         steps that did not draft until the next drafting step (Batch.pending).
         """
@@ -123,6 +126,8 @@ class HFTarget:
         )
         state.pending = S
         taps = torch.cat([self._captured[k] for k in self.tap_indices], dim=-1) if self.tap_indices else None
+        if logits == "argmax":
+            return argmax(out.logits), taps
         out_logits = out.logits.float()
         if logits == "last" and not last_only:
             out_logits = out_logits[torch.arange(B, device=self.device), counts - 1][:, None]

@@ -203,14 +203,19 @@ class _LayerStack:
     loop in one call, the Python loop's kernels in its order); released with the last target
     view that holds it."""
 
-    def __init__(self, ext, layers: list[Layer]):
+    def __init__(self, ext, layers: list[Layer], head: "Linear | None" = None):
+        def weight(lin):
+            packed = lin.q4 or lin.q8 or lin.packed
+            return [packed[0], packed[1], packed[2] if len(packed) > 2 else NO_TENSOR, NO_TENSOR if lin.b is None else lin.b]
+
         flat = []
         for ly in layers:
             flat += [ly.ln1, NO_TENSOR if ly.qk_norm is None else ly.qk_norm, ly.ln2]
             for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
-                packed = lin.q4 or lin.q8 or lin.packed
-                flat += [packed[0], packed[1], packed[2] if len(packed) > 2 else NO_TENSOR,
-                         NO_TENSOR if lin.b is None else lin.b]
+                flat += weight(lin)
+        # the head too where the tile holds it: a greedy plain step then takes its argmax in the same call
+        self.head = head is not None and _on_tile(head)
+        flat += weight(head) if self.head else [NO_TENSOR] * 4
         self.ext, self.id = ext, ext.layers_register(flat)
 
     def __del__(self):
@@ -226,12 +231,14 @@ class _LayerStack:
         if target._ext is None or target.head_dim % 16 or not LAYERS_IN_ONE_CALL:
             return None
         for ly in target.layers:
-            for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
-                if lin.q4 is None and lin.q8 is None and not isinstance(lin.packed, tuple):
-                    return None
-            if ly.w13.out_features % 32:
+            if not all(_on_tile(lin) for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)) or ly.w13.out_features % 32:
                 return None
-        return _LayerStack(target._ext, target.layers)
+        return _LayerStack(target._ext, target.layers, target.head if target._head_act == torch.bfloat16 else None)
+
+
+def _on_tile(lin: "Linear") -> bool:
+    """Is this weight on dspark's matmul tile (int4, Q8_0 or packed bf16)?"""
+    return lin.q4 is not None or lin.q8 is not None or isinstance(lin.packed, tuple)
 
 
 @dataclass
@@ -484,6 +491,9 @@ class NativeTarget:
         logits="last": only each row's last valid position -> [B, 1, V] (prefill needs no more).
         logits="final": no LM head: the post-norm final hidden states [B, S, H] instead (what
         training's features store; padding positions hold whatever padding computes).
+        logits="argmax": each position's greedy token [B, S] int64 (torch's argmax of its logits,
+        padding positions included; a greedy plain step needs no more, and on the extension's
+        layer stack it comes out of the same call, with no fp32 logits made).
         Padding positions (>= counts[b]) get zero logits: nothing reads them.
         taps is a new tensor on every call, as HFTarget.forward's (the engine keeps it).
         """
@@ -498,15 +508,20 @@ class NativeTarget:
         if (L0 + S if full else int((lengths + counts.to(dev)).max())) > self.max_length:
             raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         self._reserve(state, L0 + S)
-        pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
-        x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
-        H = x.shape[-1]
+        H = self.embed.shape[1]
         # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
-        tapped = x.new_empty(B, S, len(self.tap_indices) * H) if self.tap_indices else None
-        if self._stack is not None:  # `_layers` in one call of the extension (csrc/layers.cpp)
-            x, h = self._ext.layers_forward(self._stack.id, x, state.kv, self.cos, self.sin, pos, self.norm, self.eps,
-                                            self.n_heads, self.n_kv, NO_TENSOR if tapped is None else tapped, self._tap_cols)
+        tapped = torch.empty(B, S, len(self.tap_indices) * H, dtype=self.embed.dtype, device=dev) if self.tap_indices else None
+        ids = None
+        if self._stack is not None:  # the embedding, `_layers` (and the head's argmax) in one call (csrc/layers.cpp)
+            argmax = logits == "argmax" and self._stack.head
+            out = self._ext.layers_forward(self._stack.id, tokens, self.embed, state.kv, self.cos, self.sin, lengths,
+                                           self.norm, self.eps, self.n_heads, self.n_kv,
+                                           NO_TENSOR if tapped is None else tapped, self._tap_cols, argmax)
+            embedded, x, h = out[:3]
+            ids = out[3] if argmax else None
         else:
+            pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
+            x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
             x, h = self._layers(x, state, pos, L0, tapped)
         for col, src in self._tap_fill:
             tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
@@ -514,6 +529,8 @@ class NativeTarget:
         # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
         if logits == "final":
             return h, tapped
+        if logits == "argmax":
+            return (ids if ids is not None else kernels.argmax(self._logits(h))), tapped
         if logits == "last":
             if full:
                 return self._logits(h[:, -1:]), tapped  # [B, 1, V]
