@@ -11,13 +11,15 @@ value, and ties still go to the first index), and torch's CPU argmax runs 3-4x f
 (measured on Zen 4, one thread: 214 -> 50 us over SmolLM2's 49 152 logits, 1.4 -> 0.44 ms for an
 8-token verify, 61 -> 19 us over the draft's 16 384). The AVX-512 build's own argmax (two vector
 passes: the maximum, then its first index; the first NaN where there is one, as torch) takes
-21 us for 3 x 49 152 fp32 logits against torch's 150 (2 threads).
+21 us for 3 x 49 152 fp32 logits against torch's 150 (2 threads), and reads bf16 logits as they
+are (a greedy plain step's head output, argmax'd in the layer stack's own call: "Session 15").
 
 int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4.cpp`),
 compiled on first use (~1 min, once per machine and source version, cached under
 `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
 an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call (docs/
-BENCHMARKS.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"). The same
+BENCHMARKS.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"). Group
+scales and minimums that are all fp16 numbers (GGUF's, "Session 15") are held in fp16. The same
 extension fuses the native runtime's RMSNorms (and the residual add before each) for bf16
 activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
 (`csrc/attn.cpp`). Anywhere else, or if it cannot be compiled, torch's ops run and `q4_status()`

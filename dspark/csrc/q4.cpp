@@ -17,7 +17,7 @@
 // Layout (made by kernels.pack_q4):
 //   P  [N/16, K/32, 8, 32] uint8: column block, group, quad r (inputs k = 32g + 4r + 0..3);
 //      byte 2c = q[c, k0] | q[c, k2] << 4, byte 2c+1 = q[c, k1] | q[c, k3] << 4
-//   D, L [N/16, K/32, 16] fp32: d and lo of each column of the block
+//   D, L [N/16, K/32, 16] fp32 or fp16 (`Scales`): d and lo of each column of the block
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
