@@ -104,9 +104,11 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     std::memcpy(xp + i * H, ep + tp[i] * H, H * sizeof(at::BFloat16));
   }
   const auto lc = lengths.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
   auto pos = torch::empty({B, S}, tk.options());
+  int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < S; ++j) pos.data_ptr<int64_t>()[b * S + j] = lc.data_ptr<int64_t>()[b] + j;
+    for (int64_t j = 0; j < S; ++j) pp[b * S + j] = lp[b] + j;
   const auto embedded = x;
   const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D ** -0.5
   const auto none = torch::empty({0}, x.options());
