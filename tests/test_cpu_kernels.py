@@ -825,6 +825,9 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
     assert torch.equal(states["one"][1].kv, states["loop"][1].kv)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         one.forward(one.new_state(1), torch.tensor([[3, model.config.vocab_size]]))
+    # int32 ids (F.embedding takes them too) give the int64 ids' logits
+    as32, _ = one.forward(one.new_state(1), ids[:1].int())
+    assert torch.equal(as32, one.forward(one.new_state(1), ids[:1])[0])
 
 
 def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):

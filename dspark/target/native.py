@@ -501,7 +501,7 @@ class NativeTarget:
             raise RuntimeError("commit() the previous forward before running another")
         B, S = tokens.shape
         dev = self.device
-        tokens = tokens.to(dev)
+        tokens = tokens.to(dev, torch.long)  # the layer stack reads int64 ids (F.embedding took int32 too)
         full = counts is None
         lengths = state.lengths
         L0 = int(lengths.max())
