@@ -197,13 +197,11 @@ inline torch::Tensor argmax_rows(const torch::Tensor& x) {
   const int64_t V = x.size(-1), R = x.numel() / V;
   auto out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(torch::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  if (x.scalar_type() == torch::kBFloat16) {
-    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  auto rows = [&](const auto* xp) {
     for (int64_t r = 0; r < R; ++r) op[r] = first_max(xp + r * V, V);
-  } else {
-    const float* xp = x.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r) op[r] = first_max(xp + r * V, V);
-  }
+  };
+  if (x.scalar_type() == torch::kBFloat16) rows(x.data_ptr<c10::BFloat16>());
+  else rows(x.data_ptr<float>());
   return out;
 }
 

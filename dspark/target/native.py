@@ -158,8 +158,9 @@ class Linear:
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
             if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape):
-                # dspark's kernel: d and lo kept in fp32 (torch's rounds them to bf16), and a
-                # verify of 8 rows costs far less than 8 single rows (kernels.py)
+                # dspark's kernel: d and lo kept exact (fp32, or fp16 where every value is one, as
+                # GGUF's; torch's rounds them to bf16), and a verify of 8 rows costs far less than 8
+                # single rows (kernels.py)
                 self.q4, self.w = kernels.pack_q4(q, d, lo), None
                 self.kernel = kernels.tile_name()
             else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
@@ -233,7 +234,7 @@ class _LayerStack:
         for ly in target.layers:
             if not all(_on_tile(lin) for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)) or ly.w13.out_features % 32:
                 return None
-        return _LayerStack(target._ext, target.layers, target.head if target._head_act == torch.bfloat16 else None)
+        return _LayerStack(target._ext, target.layers, target.head)  # a head on the tile runs in bf16, as the layers
 
 
 def _on_tile(lin: "Linear") -> bool:
