@@ -69,13 +69,14 @@ void layers_release(int64_t id) {
 
 // tokens [B, S] embedded (embed [V, H]) and run through every layer at positions lengths[b] + s;
 // kv [L, 2, B, Hkv, C, D] (the cache the new keys and values are written to), cos / sin the RoPE
-// tables, final_w the final norm's weight. taps: empty, or [B, S, n*H] receiving layer i's output
-// in columns tap_cols[i] (-1: none). argmax: also the head and each position's argmax (the
-// registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
-// output, its final norm[, the argmax [B, S] int64])
+// tables, final_w the final norm's weight. tap_width: 0, or the taps' width n*H: a new [B, S, n*H]
+// receives layer i's output in columns tap_cols[i] (-1: none; allocated here, since a tensor made
+// from Python right after a step costs ~20-30 us). argmax: also the head and each position's argmax
+// (the registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
+// output, its final norm, the taps (empty: none)[, the argmax [B, S] int64])
 std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv, torch::Tensor cos,
                                           torch::Tensor sin, torch::Tensor lengths, torch::Tensor final_w, double eps, int64_t hq,
-                                          int64_t hkv, torch::Tensor taps, std::vector<int64_t> tap_cols, bool argmax) {
+                                          int64_t hkv, int64_t tap_width, std::vector<int64_t> tap_cols, bool argmax) {
   using namespace layers;
   const Stack* stack;
   {
@@ -112,6 +113,9 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
   const auto embedded = x;
   const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D ** -0.5
   const auto none = torch::empty({0}, x.options());
+  TORCH_CHECK(tap_width >= 0, "layers_forward: tap width ", tap_width);
+  for (const int64_t c : tap_cols) TORCH_CHECK(c < 0 || c + H <= tap_width, "layers_forward: tap column ", c, " outside the taps' width ", tap_width);
+  const auto taps = tap_width ? torch::empty({B, S, tap_width}, x.options()) : none;
   torch::Tensor h = rms_bf16(x, lys[0].ln1, eps);
   for (int64_t li = 0; li < L; ++li) {
     const Layer& ly = lys[li];
@@ -133,6 +137,6 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     x = xh[0];
     h = xh[1];
   }
-  if (argmax) return {embedded, x, h, markov::argmax_rows(lin(stack->head, h))};
-  return {embedded, x, h};
+  if (argmax) return {embedded, x, h, taps, markov::argmax_rows(lin(stack->head, h))};
+  return {embedded, x, h, taps};
 }

@@ -95,6 +95,14 @@ struct Scales {
 #endif
 };
 
+// Each unpack also asks for the weight bytes AHEAD bytes further on, into L2 (docs/BENCHMARKS.md,
+// "Session 16"). Left to the hardware's prefetcher, a tile waited on memory and computed in turn:
+// 8 rows of a bf16 stack cost one row's streaming time plus their arithmetic (14.4 against 8.2 ms
+// for SmolLM2's 120 layer matrices); asked ahead, 10.1 ms. L1 (T0) hurt at every row count, as did
+// distances of 2-8 KB. A tile's column blocks are consecutive in memory, so AHEAD is ~a tile on.
+constexpr int64_t AHEAD = 16384;
+inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
+
 // per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32, in input order: the Q4_1
 // minimum's term (lo x that sum), the same in both builds
 std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
@@ -251,6 +259,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   // step r of a block: pairs 2r and 2r + 1, 64 bytes, exact as bf16 (|q| <= 128)
   auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
     const int8_t* b = p + (block * 16 + 2 * r) * 32;
+    prefetch_ahead(b);  // a step reads one 64-byte line
     __m512 a[4];
     for (int i = 0; i < 4; ++i)
       a[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i))));
@@ -270,6 +279,8 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
   auto unpack = [p](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
     const uint16_t* b = p + (block * 16 + 2 * r) * 32;
+    prefetch_ahead(b);  // a step reads two 64-byte lines
+    prefetch_ahead(b + 32);
     wa = (__m512bh)_mm512_loadu_si512(b);
     wb = (__m512bh)_mm512_loadu_si512(b + 32);
   };
@@ -286,7 +297,9 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   // step r of a block: 32 bytes, the low nibbles inputs 4r, 4r + 1, the high ones 4r + 2, 4r + 3
   const __m512i table = nibble_to_bf16();
   auto unpack = [p, table](int64_t block, int r, __m512bh& wa, __m512bh& wb) {
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (block * 8 + r) * 32)));
+    const uint8_t* b = p + (block * 8 + r) * 32;
+    if (!(r & 1)) prefetch_ahead(b);  // two steps read one 64-byte line (r is unrolled: no branch)
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
     wa = (__m512bh)_mm512_permutexvar_epi16(v, table);
     wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
   };
@@ -382,6 +395,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   // step r of a block, 8 columns: 16 bytes; 16-bit word c = low nibbles q[c, 4r] | q[c, 4r + 1] << 8,
   // high nibbles inputs 4r + 2, 4r + 3
   auto unpack = [p](int64_t block, int half, int r, __m256* w) {
+    if (half == 0 && !(r & 1)) prefetch_ahead(p + (block * 8 + r) * 32);  // a 64-byte line: both halves, 2 steps
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 8 + r) * 32 + 16 * half));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i a = _mm256_cvtepu16_epi32(_mm_and_si128(v, m4));
@@ -400,6 +414,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const int8_t* p = P.data_ptr<int8_t>();
   // pair r of a block, 8 columns: 16 bytes; 16-bit word c = q[c, 2r] | q[c, 2r + 1] << 8 (signed bytes)
   auto unpack = [p](int64_t block, int half, int r, __m256* w) {
+    if (half == 0 && !(r & 1)) prefetch_ahead(p + (block * 16 + r) * 32);  // a 64-byte line: both halves, 2 pairs
     const __m256i a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 16 + r) * 32 + 16 * half)));
     w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24));
     w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8));
@@ -412,6 +427,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const uint16_t* p = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
   // pair r of a block, 8 columns: 32 bytes; 32-bit word c = w[c, 2r] | w[c, 2r + 1] << 16 (D: ones, unread)
   auto unpack = [p](int64_t block, int half, int r, __m256* w) {
+    if (half == 0) prefetch_ahead(p + (block * 16 + r) * 32);  // a 64-byte line: both halves of a pair
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (block * 16 + r) * 32 + 16 * half));
     w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));

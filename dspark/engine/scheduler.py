@@ -225,6 +225,7 @@ class AdaptiveScheduler(VerifyPolicy):
         self._probing = False  # the last drafting step was a probe between skipped steps
         self._skip_R: int | None = None  # requests at the last comparison that chose skipping
         self._times: dict[int, list[float]] = {}  # expected_rates' curve lookups, per request count
+        self._predicted: dict[int, float] = {}  # observe's curve lookups, per batch token count
         self._best_depth: int | None = None  # the depth expected_rates found best (draft_depth)
         self.prior = prior
         if prior is not None:
@@ -368,13 +369,19 @@ class AdaptiveScheduler(VerifyPolicy):
             return
         fixed = res.t_draft + res.t_other
         verified = res.verified
-        predicted = self.curve.step_time(len(verified) * (1 + max(verified, default=0)))  # batch_tokens
+        drafted = res.drafted[0] > 0  # every row of a step drafts, or none does
+        tokens = len(verified) * (1 + max(verified)) if drafted else len(verified)  # batch_tokens
+        # a plain float per token count: this runs after every step, skipped ones included, right
+        # after the forward evicted the interpreter's working set (docs/BENCHMARKS.md, "Session 16")
+        predicted = self._predicted.get(tokens)
+        if predicted is None:
+            predicted = self._predicted[tokens] = self.curve.step_time(tokens)
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         w = 1.0 if self._seen == 0 else EMA
         self.scale = (1 - w) * self.scale + w * ratio
         self._seen += 1
-        if not any(res.drafted):  # a skipped step: its fixed time is the plain overhead
+        if not drafted:  # a skipped step: its fixed time is the plain overhead
             # the first one replaces the stand-in (a drafting step's non-draft part, or a prior's 0)
             w = 1.0 if self._plain_seen == 0 else EMA
             self.plain_overhead = fixed if self.plain_overhead is None else (1 - w) * self.plain_overhead + w * fixed

@@ -510,17 +510,19 @@ class NativeTarget:
             raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         self._reserve(state, L0 + S)
         H = self.embed.shape[1]
-        # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
-        tapped = torch.empty(B, S, len(self.tap_indices) * H, dtype=self.embed.dtype, device=dev) if self.tap_indices else None
+        width = len(self.tap_indices) * H
         ids = None
         if self._stack is not None:  # the embedding, `_layers` (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and self._stack.head
+            # the call makes the taps [B, S, n*H] and writes each tap as its layer runs
             out = self._ext.layers_forward(self._stack.id, tokens, self.embed, state.kv, self.cos, self.sin, lengths,
-                                           self.norm, self.eps, self.n_heads, self.n_kv,
-                                           NO_TENSOR if tapped is None else tapped, self._tap_cols, argmax)
+                                           self.norm, self.eps, self.n_heads, self.n_kv, width, self._tap_cols, argmax)
             embedded, x, h = out[:3]
-            ids = out[3] if argmax else None
+            tapped = out[3] if width else None
+            ids = out[4] if argmax else None
         else:
+            # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
+            tapped = torch.empty(B, S, width, dtype=self.embed.dtype, device=dev) if width else None
             pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
             x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
             x, h = self._layers(x, state, pos, L0, tapped)
