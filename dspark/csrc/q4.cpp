@@ -144,8 +144,8 @@ void columns(int64_t N, int64_t m0, const Tile& tile) {
 // verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, 7 rows cost 2.5x
 // one row on a cold cache). Fewer rows take more column blocks a tile, so that the vector units
 // have independent sums to interleave (NB1 blocks for a single row); a row's own operations are
-// the same whatever the tile.
-template <int UNIT, int NB1, typename Tile>
+// the same whatever the tile. NB2: blocks a tile for two rows.
+template <int UNIT, int NB1, int NB2, typename Tile>
 void row_tiles(int64_t M, int64_t N, const Tile& tile) {
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) columns<UNIT, 8, 1>(N, m, tile);
@@ -155,7 +155,7 @@ void row_tiles(int64_t M, int64_t N, const Tile& tile) {
     case 5: columns<UNIT, 5, 1>(N, m, tile); break;
     case 4: columns<UNIT, 4, 2>(N, m, tile); break;
     case 3: columns<UNIT, 3, 2>(N, m, tile); break;
-    case 2: columns<UNIT, 2, 4>(N, m, tile); break;
+    case 2: columns<UNIT, 2, NB2>(N, m, tile); break;
     case 1: columns<UNIT, 1, NB1>(N, m, tile); break;
     default: break;
   }
@@ -239,8 +239,10 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t G = K / 32;
-  // registers: 2 x rows x blocks accumulators <= 28 of 32
-  row_tiles<16, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+  // registers: 2 x rows x blocks accumulators <= 28 of 32. Two rows take 2 blocks a tile, not 4,
+  // since the weights are asked for ahead (AHEAD): the Q8_0 head 1.57 -> 1.31 ms, the int4 layers
+  // 3.35 -> 3.10 ms at 2 rows, cold (docs/BENCHMARKS.md, "Session 16")
+  row_tiles<16, 2, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
     tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, D, L, xsum ? xsum + m0 * G : nullptr,
                                                      yp + m0 * N, N, cb);
   });
@@ -380,7 +382,7 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
   auto y = torch::empty(out_shape(x, N), x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // registers: rows x blocks sums (and group sums) + IN weights + a broadcast <= 16
-  row_tiles<8, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
+  row_tiles<8, 4, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
     tile8<decltype(rows)::value, decltype(nb)::value, IN, STEPS, SCALED>(
         xp + m0 * K, K, unpack, D, L, L.p != nullptr ? xsum.data() + m0 * G : nullptr, yp + m0 * N, N, hb);
   });
