@@ -4,7 +4,9 @@
 // is computed on its own, over its keys 0..pos in a fixed order, so its result does not depend
 // on which other rows or positions share the call: a verify of 8 positions gives each position
 // exactly what a 1-token step would (lossless greedy verification in bf16).
-// Built for AVX-512 (16 lanes) or AVX2 + FMA (8 lanes); the algorithm is the same.
+// Built for AVX-512 (16 lanes) or AVX2 + FMA (8 lanes); the algorithm is the same, except that
+// with AVX512-BF16 the q.k products of heads of 32k values are bf16 dot products (the two builds'
+// bits differ; each is batch invariant).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -127,13 +129,21 @@ inline V sum_lanes(const V* a) { return sum8(a); }
 
 // G query heads of one position that share a KV head, over keys 0..n-1: each key's row is
 // loaded once for all G, and W keys' dot products are summed across lanes together. Every
-// query's arithmetic is its own and fixed (its dot products in D order, the same tree per key,
+// query's arithmetic is its own and fixed (its dot products in one order, the same tree per key,
 // softmax and values in key order), so its result does not depend on which other queries,
 // heads or positions share the call. GT / DWT: G and D / W fixed at compile time (registers), 0:
 // read from g / dw (the same operations, in memory).
 template <int GT, int DWT>
 void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, const at::BFloat16* kb,
             const at::BFloat16* vb, int64_t n, float sc, at::BFloat16* o, std::vector<float>& buf, std::vector<V>& vbuf) {
+#if defined(__AVX512BF16__)
+  // heads of a multiple of 32 values (fixed at compile time): q.k by the bf16 dot product, pairs
+  // of values a lane, and the score scaled after the sum: no widening of the keys, half the
+  // instructions a key (docs/BENCHMARKS.md, "Session 16")
+  constexpr bool BDOT = DWT > 0 && DWT % 2 == 0;
+#else
+  constexpr bool BDOT = false;
+#endif
   const int64_t G = GT ? GT : g_, DW = DWT ? DWT : dw_, D = DW * W, np = (n + W - 1) / W * W;
   buf.resize(G * np + G);
   float* inv = buf.data() + G * np;  // [G] 1 / sum of each query's softmax weights
@@ -143,8 +153,16 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
   V* qv = fixed ? qv_f : vbuf.data();                 // [G][DW] queries, scaled
   V* acc = fixed ? acc_f : vbuf.data() + G * DW;      // [G][DW] sums of p * v
   V* part = fixed ? part_f : vbuf.data() + 2 * G * DW;  // [G][W] one chunk's dot products, before the lane sums
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < DW; ++c) qv[g * DW + c] = mul(load_bf16(q + g * qstride + W * c), set1(sc));
+#if defined(__AVX512BF16__)
+  constexpr int DB = BDOT ? DWT / 2 : 1;  // 32 bf16 values a register
+  __m512bh qb[BDOT ? GT * DB : 1];
+  if constexpr (BDOT)
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < DB; ++c) qb[g * DB + c] = (__m512bh)_mm512_loadu_si512(q + g * qstride + 32 * c);
+  else
+#endif
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < DW; ++c) qv[g * DW + c] = mul(load_bf16(q + g * qstride + W * c), set1(sc));
   for (int64_t j0 = 0; j0 < n; j0 += W) {
     const int64_t live = std::min<int64_t>(W, n - j0);
     for (int64_t k = 0; k < W; ++k) {
@@ -153,6 +171,18 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
         continue;
       }
       const at::BFloat16* kr = kb + (j0 + k) * D;
+#if defined(__AVX512BF16__)
+      if constexpr (BDOT) {
+        __m512bh kv2[DB];
+        for (int c = 0; c < DB; ++c) kv2[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+        for (int64_t g = 0; g < G; ++g) {
+          V a = _mm512_dpbf16_ps(zero(), qb[g * DB], kv2[0]);
+          for (int c = 1; c < DB; ++c) a = _mm512_dpbf16_ps(a, qb[g * DB + c], kv2[c]);
+          part[g * W + k] = a;
+        }
+        continue;
+      }
+#endif
       V kv[DWT ? DWT : 32];
       for (int64_t c = 0; c < DW; ++c) kv[c] = load_bf16(kr + W * c);
       for (int64_t g = 0; g < G; ++g) {
@@ -162,7 +192,8 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      const V sv = sum_lanes(part + g * W);
+      V sv = sum_lanes(part + g * W);
+      if constexpr (BDOT) sv = mul(sv, set1(sc));
       std::memcpy(buf.data() + g * np + j0, &sv, sizeof(sv));
     }
   }
