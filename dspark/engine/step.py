@@ -227,21 +227,22 @@ def decode_step(
     # cost exceeds the expected gain): then this is a plain target step, and the committed
     # position's taps wait in batch.pending until the draft next runs.
     drafting = draft is not None and policy.should_draft(batch)
+    prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
     if drafting:
         flush_context(draft, batch)
         prop = propose(draft, batch, policy.draft_depth(batch))
-    else:
-        prop = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None)
-    g = prop.tokens.shape[1]
+    g = prop.tokens.shape[1] if prop is not None else 0
     t1 = now(dev)
+    plain_greedy = not g and all(p.greedy for p in batch.params)
     if g:
         n = policy.verify_lengths(prop, batch)
         m = int(n.max()) if B else 0
         tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
     else:
-        n, tokens = batch.anchors.new_zeros(B), batch.anchors[:, None]
+        tokens = batch.anchors[:, None]
+        if not plain_greedy:  # sampled rows are accepted as a proposal of no tokens
+            prop, n = Proposal(batch.anchors.new_zeros(B, 0), [None] * B, None), batch.anchors.new_zeros(B)
     t2 = now(dev)
-    plain_greedy = not g and all(p.greedy for p in batch.params)
     if plain_greedy:
         # the target's argmax alone: no fp32 logits (one call on the native stack), and nothing to
         # accept: every row keeps its anchor, so the step's small tensor ops (each ~30-50 us after a
@@ -272,5 +273,5 @@ def decode_step(
     return StepResult(
         drafted=[g] * B, verified=verified, accepted=acc, committed=committed,
         t_draft=(t1 - t0) + (t5 - t4), t_verify=t3 - t2, t_other=(t2 - t1) + (t4 - t3),
-        conf_logits=prop.conf_logits,
+        conf_logits=prop.conf_logits if prop is not None else None,
     )
