@@ -307,8 +307,8 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   const int64_t R = gc.numel() / I2;
   const at::BFloat16* gp = gc.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  // rows split between threads in blocks of 16 (a decode step's few rows run inline)
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  // rows split between threads in blocks of 4 (a decode step's row runs inline; as the norms)
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t i = 0; i < I; i += W) {
         const V g = load_bf16(gp + r * I2 + i), u = load_bf16(gp + r * I2 + I + i);

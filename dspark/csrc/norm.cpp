@@ -4,6 +4,7 @@
 // in fp32, round to bf16, multiply by the bf16 weight, round. Rows are independent, so a row's
 // result does not depend on the batch.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <cmath>
@@ -14,13 +15,18 @@ using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as 
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
-// w holds `heads` rows of H weights: row r of x is scaled by weight row r % heads (1: one weight
-// for every row; Qwen3's q/k norms: one per head). 8 lanes at a time (bf16x8_to_f32 / to_bf16x8,
-// the rounding of torch's casts), the rest of a row one by one with the same steps.
-void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, float eps, int64_t heads = 1) {
+// rows split between threads in blocks of ROWS: a decode step's one row runs inline, a verify
+// block's or a batch's 8 rows on both cores (on one, add + norm cost ~15 us a call at 8 rows and
+// silu ~9: ~0.9 ms of an 8-row SmolLM2 forward; docs/BENCHMARKS.md, "Session 16")
+constexpr int64_t ROWS = 4;
+
+// w holds `heads` rows of H weights: row r of x is scaled by weight row (first + r) % heads (1:
+// one weight for every row; Qwen3's q/k norms: one per head). 8 lanes at a time (bf16x8_to_f32 /
+// to_bf16x8, the rounding of torch's casts), the rest of a row one by one with the same steps.
+void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, float eps, int64_t heads = 1, int64_t first = 0) {
   for (int64_t r = 0; r < R; ++r) {
     const bf16* xr = x + r * H;
-    const bf16* w = w0 + (r % heads) * H;
+    const bf16* w = w0 + ((first + r) % heads) * H;
     bf16* yr = y + r * H;
     // 16 partial sums in a fixed order, the same for every row
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -70,7 +76,11 @@ torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   auto xc = x.contiguous(), wc = w.contiguous();
   auto y = torch::empty_like(xc);
   const int64_t H = w.size(-1), R = xc.numel() / H, heads = w.dim() == 2 ? w.size(0) : 1;
-  norm_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps), heads);
+  const bf16 *xp = xc.data_ptr<at::BFloat16>(), *wp = wc.data_ptr<at::BFloat16>();
+  bf16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, R, ROWS, [&](int64_t r0, int64_t r1) {
+    norm_rows(xp + r0 * H, wp, yp + r0 * H, r1 - r0, H, static_cast<float>(eps), heads, r0);
+  });
   return y;
 }
 
@@ -87,17 +97,24 @@ std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch:
   auto s = torch::empty_like(xc), y = torch::empty_like(xc);
   const bf16 *xp = xc.data_ptr<at::BFloat16>(), *rp = rc.data_ptr<at::BFloat16>();
   bf16* sp = s.data_ptr<at::BFloat16>();
-  add_bf16(xp, rp, sp, xc.numel());
   const int64_t H = w.size(0), R = xc.numel() / H;
+  bf16* tp = nullptr;
+  int64_t F = 0;
   if (taps.numel() > 0) {
     TORCH_CHECK(taps.scalar_type() == torch::kBFloat16 && taps.is_contiguous() && taps.dim() == x.dim() &&
                 taps.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
                 "add_rms_bf16: taps must be a contiguous bf16 buffer with x's rows, got ", taps.sizes(), " for x ", x.sizes());
-    const int64_t F = taps.size(-1);
+    F = taps.size(-1);
     TORCH_CHECK(col >= 0 && col + H <= F, "add_rms_bf16: tap columns ", col, "..", col + H, " outside the buffer's ", F);
-    bf16* tp = taps.data_ptr<at::BFloat16>() + col;
-    for (int64_t i = 0; i < R; ++i) std::copy(sp + i * H, sp + (i + 1) * H, tp + i * F);
+    tp = taps.data_ptr<at::BFloat16>() + col;
   }
-  norm_rows(sp, wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, H, static_cast<float>(eps));
+  const bf16* wp = wc.data_ptr<at::BFloat16>();
+  bf16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, R, ROWS, [&](int64_t r0, int64_t r1) {
+    add_bf16(xp + r0 * H, rp + r0 * H, sp + r0 * H, (r1 - r0) * H);
+    if (tp != nullptr)
+      for (int64_t i = r0; i < r1; ++i) std::copy(sp + i * H, sp + (i + 1) * H, tp + i * F);
+    norm_rows(sp + r0 * H, wp, yp + r0 * H, r1 - r0, H, static_cast<float>(eps));
+  });
   return {s, y};
 }
