@@ -4,6 +4,7 @@
 // product and the sum rounded to bf16), so the bits are torch's. Rows are independent.
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <cstring>
 
@@ -13,9 +14,22 @@ using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as 
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
-// out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = (-x2, x1), D = 2 * half
+// out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = (-x2, x1), D = 2 * half.
+// 8 lanes at a time where half is a multiple of 8 (csrc/q4.cpp's bf16x8_to_f32 / to_bf16x8: the
+// same products, roundings and sum; one by one it cost ~10 ns a value, 0.2-0.3 ms of a SmolLM2
+// step and 1.2 ms of an 8-token one on the AVX2 build), else one value at a time
 inline void rotate(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
   const int64_t h = D / 2;
+  if (h % 8 == 0) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 r = i < h ? _mm256_xor_ps(bf16x8_to_f32(x + i + h), sign) : bf16x8_to_f32(x + i - h);
+      const __m256 a = widen_bf16x8(to_bf16x8(_mm256_mul_ps(bf16x8_to_f32(x + i), bf16x8_to_f32(c + i))));
+      const __m256 b = widen_bf16x8(to_bf16x8(_mm256_mul_ps(r, bf16x8_to_f32(s + i))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), to_bf16x8(_mm256_add_ps(a, b)));
+    }
+    return;
+  }
   for (int64_t i = 0; i < D; ++i) {
     const float r = i < h ? -static_cast<float>(x[i + h]) : static_cast<float>(x[i - h]);
     out[i] = bf16(rb(x[i] * c[i]) + rb(r * s[i]));
