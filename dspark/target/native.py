@@ -456,6 +456,7 @@ class NativeTarget:
         # the forward writes tap i (i >= 1) into its columns of the taps as layer i - 1 adds its
         # MLP output: _tap_cols[li] = those columns' offset for layer li's output, else -1
         H = self.embed.shape[1]
+        self._tap_width = len(self.tap_indices) * H  # the taps' columns, n * H
         self._tap_cols = [-1] * self.num_layers
         for k, i in enumerate(self.tap_indices):
             if i >= 1 and self._tap_cols[i - 1] < 0:
@@ -509,8 +510,7 @@ class NativeTarget:
         if (L0 + S if full else int((lengths + counts.to(dev)).max())) > self.max_length:
             raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         self._reserve(state, L0 + S)
-        H = self.embed.shape[1]
-        width = len(self.tap_indices) * H
+        H, width = self.embed.shape[1], self._tap_width
         ids = None
         if self._stack is not None:  # the embedding, `_layers` (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and self._stack.head
