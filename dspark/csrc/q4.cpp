@@ -239,10 +239,11 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t G = K / 32;
-  // registers: 2 x rows x blocks accumulators <= 28 of 32. Two rows take 2 blocks a tile, not 4,
-  // since the weights are asked for ahead (AHEAD): the Q8_0 head 1.57 -> 1.31 ms, the int4 layers
-  // 3.35 -> 3.10 ms at 2 rows, cold (docs/BENCHMARKS.md, "Session 16")
-  row_tiles<16, 2, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
+  // registers: 2 x rows x blocks accumulators <= 28 of 32. With the weights asked for ahead
+  // (AHEAD), wide tiles stopped paying at 1-2 rows: one row takes 1 block a tile (was 2; a 1-token
+  // int4 forward -0.30 ms), two rows 2 (was 4; the Q8_0 head 1.57 -> 1.31 ms, the int4 layers
+  // 3.35 -> 3.10 ms at 2 rows, cold) (docs/BENCHMARKS.md, "Session 16")
+  row_tiles<16, 1, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
     tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, D, L, xsum ? xsum + m0 * G : nullptr,
                                                      yp + m0 * N, N, cb);
   });
