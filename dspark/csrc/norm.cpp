@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -15,10 +16,12 @@ using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as 
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
-// rows split between threads in blocks of ROWS: a decode step's one row runs inline, a verify
-// block's or a batch's 8 rows on both cores (on one, add + norm cost ~15 us a call at 8 rows and
-// silu ~9: ~0.9 ms of an 8-row SmolLM2 forward; docs/BENCHMARKS.md, "Session 16")
-constexpr int64_t ROWS = 4;
+// rows split between threads in blocks of at least VALUES values (4 rows of SmolLM2's 576): a
+// decode step's one row, or a step's q/k norms over 64-value heads, run inline; a verify block's
+// or a batch's 8 rows of 576 on both cores (on one, add + norm cost ~15 us a call at 8 rows:
+// ~0.5 ms of an 8-row SmolLM2 forward; docs/BENCHMARKS.md, "Session 16")
+constexpr int64_t VALUES = 4 * 576;
+inline int64_t row_grain(int64_t H) { return std::max<int64_t>(1, VALUES / H); }
 
 // w holds `heads` rows of H weights: row r of x is scaled by weight row (first + r) % heads (1:
 // one weight for every row; Qwen3's q/k norms: one per head). 8 lanes at a time (bf16x8_to_f32 /
@@ -78,7 +81,7 @@ torch::Tensor rms_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t H = w.size(-1), R = xc.numel() / H, heads = w.dim() == 2 ? w.size(0) : 1;
   const bf16 *xp = xc.data_ptr<at::BFloat16>(), *wp = wc.data_ptr<at::BFloat16>();
   bf16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, R, ROWS, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, row_grain(H), [&](int64_t r0, int64_t r1) {
     norm_rows(xp + r0 * H, wp, yp + r0 * H, r1 - r0, H, static_cast<float>(eps), heads, r0);
   });
   return y;
@@ -110,7 +113,7 @@ std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch:
   }
   const bf16* wp = wc.data_ptr<at::BFloat16>();
   bf16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, R, ROWS, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, row_grain(H), [&](int64_t r0, int64_t r1) {
     add_bf16(xp + r0 * H, rp + r0 * H, sp + r0 * H, (r1 - r0) * H);
     if (tp != nullptr)
       for (int64_t i = r0; i < r1; ++i) std::copy(sp + i * H, sp + (i + 1) * H, tp + i * F);

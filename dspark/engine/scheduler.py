@@ -224,8 +224,7 @@ class AdaptiveScheduler(VerifyPolicy):
         self._probe_every: int | None = None  # set when skipping starts (_probe_wait)
         self._probing = False  # the last drafting step was a probe between skipped steps
         self._skip_R: int | None = None  # requests at the last comparison that chose skipping
-        self._times: dict[int, list[float]] = {}  # expected_rates' curve lookups, per request count
-        self._predicted: dict[int, float] = {}  # observe's curve lookups, per batch token count
+        self._step_times: dict[int, float] = {}  # the curve's step time per batch token count (_step_time)
         self._best_depth: int | None = None  # the depth expected_rates found best (draft_depth)
         self.prior = prior
         if prior is not None:
@@ -247,7 +246,16 @@ class AdaptiveScheduler(VerifyPolicy):
         self.plain_overhead = 0.0
 
     def sps(self, tokens: int) -> float:
-        return 1.0 / (self.overhead + self.scale * self.curve.step_time(tokens))
+        return 1.0 / (self.overhead + self.scale * self._step_time(tokens))
+
+    def _step_time(self, tokens: int) -> float:
+        """curve.step_time(tokens), looked up once per token count: the policy reads it before and
+        after every step, skipped ones included, right after the forward evicted the interpreter's
+        working set (docs/BENCHMARKS.md, "Session 16")."""
+        t = self._step_times.get(tokens)
+        if t is None:
+            t = self._step_times[tokens] = self.curve.step_time(tokens)
+        return t
 
     def verify_lengths(self, prop, batch) -> torch.Tensor:
         surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
@@ -276,16 +284,13 @@ class AdaptiveScheduler(VerifyPolicy):
 
     def expected_rates(self, R: int) -> tuple[float, float]:
         """(committed tokens/s drafting at the best depth, tokens/s without drafting) for R requests,
-        from earlier steps' survivals and timings. Runs before every step: plain floats over a
-        per-R table of the curve, no arrays."""
-        times = self._times.get(R)
-        if times is None:  # step time of R * (1 + j) tokens, j = 0..gamma: depth j verifies j drafts
-            times = self._times[R] = [self.curve.step_time(R * (1 + j)) for j in range(len(self.survival) + 1)]
-        plain = R / ((self.plain_overhead or 0.0) + self.scale * times[0])
+        from earlier steps' survivals and timings. Runs before every step: plain floats, no arrays
+        (depth j verifies R * (1 + j) tokens)."""
+        plain = R / ((self.plain_overhead or 0.0) + self.scale * self._step_time(R))
         tau, best = float(R), 0.0
         for j, s in enumerate(self.expected_survival().tolist()):
             tau += R * s
-            rate = tau / (self.overhead + self.scale * times[j + 1])
+            rate = tau / (self.overhead + self.scale * self._step_time(R * (j + 2)))
             if rate > best:
                 best, self._best_depth = rate, j + 1
         return best, plain
@@ -305,9 +310,9 @@ class AdaptiveScheduler(VerifyPolicy):
         """Skipped steps before a probe: at least SKIP_PROBE, and enough that probes cost at most
         `probe_share` of the plain decoding time in between (a probe pays the drafting overhead and
         at least one more verified token per request)."""
-        plain_step = (self.plain_overhead or 0.0) + self.scale * self.curve.step_time(R)
+        plain_step = (self.plain_overhead or 0.0) + self.scale * self._step_time(R)
         extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
-            0.0, self.curve.step_time(2 * R) - self.curve.step_time(R))
+            0.0, self._step_time(2 * R) - self._step_time(R))
         return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
 
     def summary(self, R: int = 1) -> str:
@@ -371,11 +376,7 @@ class AdaptiveScheduler(VerifyPolicy):
         verified = res.verified
         drafted = res.drafted[0] > 0  # every row of a step drafts, or none does
         tokens = len(verified) * (1 + max(verified)) if drafted else len(verified)  # batch_tokens
-        # a plain float per token count: this runs after every step, skipped ones included, right
-        # after the forward evicted the interpreter's working set (docs/BENCHMARKS.md, "Session 16")
-        predicted = self._predicted.get(tokens)
-        if predicted is None:
-            predicted = self._predicted[tokens] = self.curve.step_time(tokens)
+        predicted = self._step_time(tokens)
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         w = 1.0 if self._seen == 0 else EMA
