@@ -18,7 +18,8 @@ int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (
 compiled on first use (~1 min, once per machine and source version, cached under
 `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
 an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call (docs/
-BENCHMARKS.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"). Group
+BENCHMARKS.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"; there int4
+and Q8_0 weights take 8-bit activations, `q4_activations`, "Session 17"). Group
 scales and minimums that are all fp16 numbers (GGUF's, "Session 15") are held in fp16. The same
 extension fuses the native runtime's RMSNorms (and the residual add before each) for bf16
 activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
@@ -276,6 +277,24 @@ def tile_name() -> str | None:
     """The matmul tile that runs here ('dspark AVX512-BF16' | 'dspark AVX2'), None without one."""
     extension()
     return TILES.get(_build["isa"])
+
+
+# The activations dspark's int4 and Q8_0 matmuls read, by build (docs/BENCHMARKS.md "Session 17").
+# AVX2: each row's groups of 32 inputs quantised to 8 bits (s = max|x| / 127, xq = round(x / s),
+# the rule llama.cpp uses against Q4_1 and Q8_0 weights) and summed exactly in integers: the
+# SmolLM2 layer stack 1.6x faster at 1 row and 1.7x at 8 than on bf16 activations (FMAs, one
+# broadcast each). AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at 1 row (1.2-1.4x
+# at 8), and 1 row is what plain decoding runs. Either is the target model of its build:
+# verification is lossless against it, and its products are checked against the quantised model
+# (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations.
+Q4_ACTIVATIONS = {"avx512": "bf16", "avx2": "int8"}
+
+
+def q4_activations() -> str | None:
+    """What dspark's int4 and Q8_0 matmuls do with their bf16 activations here: 'bf16' (take them
+    as they are) or 'int8' (quantise them per group of 32); None without the tile."""
+    extension()
+    return Q4_ACTIVATIONS.get(_build["isa"])
 
 
 def q4_status() -> str:

@@ -41,6 +41,29 @@ def _q4(N, K, seed=0):
     return q, d, lo, w
 
 
+def _act8(x):
+    """x [M, K] bf16 as the AVX2 build's int4 matmul reads it (kernels.Q4_ACTIVATIONS): per row and
+    group of 32, s = max|x| / 127 and xq = round(x * (127 / max|x|)) (fp32, ties to even) -> s * xq,
+    exact in float64."""
+    M, K = x.shape
+    xf = x.float().reshape(M, K // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # a division, as C's
+    return (torch.round(xf * inv).double() * (amax / 127).double()).reshape(M, K)
+
+
+def _q4_reference(x, q, d, lo):
+    """The Q4_1 model's product in float64 on the activations this build's kernel reads: bf16 ones
+    as they are (AVX-512), or quantised to 8 bits per group (AVX2), whose minimum term takes the
+    group's exact sum of x."""
+    M, K = x.shape
+    N, G = q.shape[0], K // 32
+    qx = x.double() if kernels.q4_activations() == "bf16" else _act8(x)
+    dq = q.double().reshape(N, G, 32) * d.double()[..., None]
+    sums = x.double().reshape(M, G, 32).sum(-1)
+    return qx @ dq.reshape(N, K).T + sums @ lo.double().T
+
+
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (96, 576)])
 def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
     q, d, lo, w = _q4(N, K)
@@ -49,10 +72,20 @@ def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
         y = kernels.q4_linear(x, packed)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-        ref = x.double() @ w.double().T
+        ref = _q4_reference(x, q, d, lo)
         scale = x.double().abs() @ w.double().abs().T
         # the result's own bf16 rounding (unit roundoff 2^-8: 8 significant bits) plus fp32 sums
         assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all(), M
+        if kernels.q4_activations() == "int8":  # within the 8-bit rounding of x of the bf16 product
+            exact = x.double() @ w.double().T
+            assert ((y.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -7 * scale).all(), M
+    if kernels.q4_activations() == "int8":
+        # a group's NaN or infinity makes its row NaN (never a clamped finite number); zeros give 0
+        x = torch.randn(3, K).to(torch.bfloat16)
+        x[1, K - 1], x[2, 0] = float("inf"), float("nan")
+        x[0] = 0
+        y = kernels.q4_linear(x, packed)
+        assert y[1:].isnan().all() and torch.equal(y[0], torch.zeros(N, dtype=torch.bfloat16))
 
 
 def test_rows_get_the_same_bits_in_any_batch(q4):
@@ -341,15 +374,21 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
 
 
 def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
+    """Q8_0 weights (-128..127 a byte, the extremes included) against bf16 activations, or this
+    build's 8-bit ones (kernels.Q4_ACTIVATIONS): the quantised model up to the result's bf16
+    rounding, the same bits for a row alone."""
     g = torch.Generator().manual_seed(7)
     N, K = 48, 96
-    q = torch.randint(-127, 128, (N, K), generator=g)
+    q = torch.randint(-128, 128, (N, K), generator=g)
+    q[0, :32], q[1, :32] = -128, 127
     d = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-4
     w = (q.reshape(N, K // 32, 32).float() * d[..., None]).reshape(N, K)
     packed = kernels.pack_q8(q, d)
     x = torch.randn(11, K, generator=g).to(torch.bfloat16)
+    x[3, :32] = x[3, :32].abs()  # every product of rows 0 and 1's first group at its extreme
     y = kernels.q8_linear(x, packed)
-    ref, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+    qx = x.double() if kernels.q4_activations() == "bf16" else _act8(x)
+    ref, scale = qx @ w.double().T, x.double().abs() @ w.double().abs().T
     assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all()
     for i in range(11):
         assert torch.equal(kernels.q8_linear(x[i:i + 1], packed), y[i:i + 1])
