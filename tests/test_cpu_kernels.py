@@ -54,14 +54,13 @@ def _act8(x):
 
 def _q4_reference(x, q, d, lo):
     """The Q4_1 model's product in float64 on the activations this build's kernel reads: bf16 ones
-    as they are (AVX-512), or quantised to 8 bits per group (AVX2), whose minimum term takes the
-    group's exact sum of x."""
+    as they are (AVX-512), or quantised to 8 bits per group (AVX2), whole: the minimum's term too
+    takes the quantised values."""
     M, K = x.shape
     N, G = q.shape[0], K // 32
     qx = x.double() if kernels.q4_activations() == "bf16" else _act8(x)
-    dq = q.double().reshape(N, G, 32) * d.double()[..., None]
-    sums = x.double().reshape(M, G, 32).sum(-1)
-    return qx @ dq.reshape(N, K).T + sums @ lo.double().T
+    w = q.double().reshape(N, G, 32) * d.double()[..., None] + lo.double()[..., None]
+    return qx @ w.reshape(N, K).T
 
 
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (96, 576)])

@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <initializer_list>
@@ -106,23 +107,14 @@ struct Scales {
 constexpr int64_t AHEAD = 16384;
 inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
 
-// per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32, in input order: the Q4_1
-// minimum's term (lo x that sum), the same in both builds
-std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
-  const int64_t G = K / 32;
-  std::vector<float> s(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float a = 0.f;
-      for (int64_t i = 0; i < 32; ++i) {
-        const uint32_t u = static_cast<uint32_t>(x[m * K + g * 32 + i]) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        a += f;
-      }
-      s[m * G + g] = a;
-    }
-  return s;
+// the sum of a group's 32 values (4 vectors of 8, fp32) by one fixed tree: the vectors added in
+// pairs, then across the 8 lanes. The Q4_1 minimum's term (lo x the group's sum of x), the same in
+// both builds; one input after the other, the sums of 8 rows cost ~5 us a matmul ("Session 17").
+inline float sum32(const __m256 (&v)[4]) {
+  const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  u = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
 }
 
 // x's shape with the last dimension N: the matmul's result
@@ -168,6 +160,19 @@ void row_tiles(int64_t M, int64_t N, const Tile& tile) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 namespace {
+
+// per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32 (`sum32`)
+std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  std::vector<float> s(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* p = x + m * K + g * 32;
+      const __m256 v[4] = {bf16x8_to_f32(p), bf16x8_to_f32(p + 8), bf16x8_to_f32(p + 16), bf16x8_to_f32(p + 24)};
+      s[m * G + g] = sum32(v);
+    }
+  return s;
+}
 
 // u16 lane holding a nibble (in its low 5 bits: vpermw ignores the rest) -> that value as bf16
 inline __m512i nibble_to_bf16() {
@@ -372,20 +377,24 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
 // and 1.7x at 8 than with bf16 activations. A row's bytes, scales and sums depend on that row
 // alone (batch invariance). Stored per row: xq [K] with each 4 inputs in the order (0, 2, 1, 3),
 // that of a weight dword after unpacking (`tile_a8`); s [G]; NaN or infinity in a group makes its
-// s NaN, so the result is NaN, never a finite number made of a clamped value.
+// s NaN, so the result is NaN, never a finite number made of a clamped value; sum [G] s x the sum
+// of the group's xq (the Q4_1 minimum's term).
 struct Act8 {
   std::vector<int8_t> q;
-  std::vector<float> s;
+  std::vector<float> s, sum;
 };
 
 Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
-  Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G)};
+  Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  // rows split in two halves between threads from 8 K values (8 rows of 1 536: 6.6 -> 5.4 us a
+  // call; 8 rows of 576 were slower split)
+  at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {
   const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
   const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane order -> input order
   const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
                                          0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const uint16_t* p = x + m * K + g * 32;
       __m256 v[4];
@@ -404,11 +413,20 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
       const __m256 iv = _mm256_set1_ps(inv);
       __m256i n[4];
       for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));  // round to nearest even
+      // the minimum's term takes the quantised values' sum, s x (sum of xq, exact), so that the
+      // row meets w = q d + lo as a whole: w . (s xq). With x's own sum, d q (0..15 d, not
+      // centred) met the rounding alone and the model's logits strayed ~6x further (KL)
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+      a.sum[m * G + g] = s * static_cast<float>(_mm_cvtsi128_si32(u));
       const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + m * K + g * 32),
                           _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order));
       a.s[m * G + g] = s;
     }
+  });
   return a;
 }
 
@@ -421,7 +439,7 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
 // - Q8_0: pairs 2 step and 2 step + 1 (16 bytes each, byte 2c + i = q[c, k + i]) interleaved by
 //   byte; signed x signed takes |q| against x with q's sign (pairs <= 2 x 128 x 127, in 16 bits),
 //   widened to 32 bits every step.
-// A group's integer sum t then adds t x (d x s) (+ lo x the group's exact sum of x, int4).
+// A group's integer sum t then adds t x (d x s) (+ lo x s x the sum of its xq, int4: `act8`).
 template <int M, int NB, bool Q4>
 inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_t K, const uint8_t* p, const Scales& D,
                     const Scales& L, uint16_t* y, int64_t N, int64_t hb) {
@@ -462,6 +480,9 @@ inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_
             const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_sign_epi8(_mm256_set1_epi32(xv), sign));
             t[j][m] = _mm256_add_epi32(t[j][m], _mm256_madd_epi16(pairs, ones));
           }
+          // each sum added as it comes, in its register: integer adds may be reassociated, and
+          // GCC then spilled every product to the stack to add them later (4-8 rows 7-8 % slower)
+          asm("" : "+x"(t[j][m]));
         }
       }
     }
@@ -499,13 +520,13 @@ torch::Tensor matmul_a8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N,
   const int64_t G = K / 32;
   const auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const std::vector<float> xsum = Q4 ? group_sums(xp, M, K) : std::vector<float>();
   const Act8 a = act8(xp, M, K);
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  row_tiles<8, 4, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
+  // 1-2 rows take 2 half blocks a tile (1 row: 4 were ~10 % slower, "Session 17")
+  row_tiles<8, 2, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
     tile_a8<decltype(rows)::value, decltype(nb)::value, Q4>(a.q.data() + m0 * K, a.s.data() + m0 * G,
-                                                            Q4 ? xsum.data() + m0 * G : nullptr, K, p, D, L, yp + m0 * N, N, hb);
+                                                            a.sum.data() + m0 * G, K, p, D, L, yp + m0 * N, N, hb);
   });
   return y;
 }
