@@ -24,6 +24,7 @@ import statistics
 
 import torch
 
+from dspark import kernels
 from dspark.bench import llamacpp
 from dspark.bench.runner import ForwardTimer
 from dspark.engine.engine import Engine
@@ -131,7 +132,9 @@ class _TorchArm:
         self.format = getattr(target, "weights", str(target.dtype).removeprefix("torch."))
         if self.format == "int4":  # which int4 kernel: the arms compare them
             ly = target.layers[0].w13
-            self.format = f"int4, {'dspark' if ly.q4 is not None else 'torch'} kernel"
+            ours = ly.q4 is not None
+            act8 = ", 8-bit activations" if ours and kernels.q4_activations() == "int8" else ""
+            self.format = f"int4, {'dspark' if ours else 'torch'} kernel{act8}"
         self.head = getattr(target, "head_format", "")
 
     def decode(self, ids: list[int], n: int) -> tuple[float, float | None]:
