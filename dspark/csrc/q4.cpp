@@ -108,8 +108,8 @@ constexpr int64_t AHEAD = 16384;
 inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
 
 // the sum of a group's 32 values (4 vectors of 8, fp32) by one fixed tree: the vectors added in
-// pairs, then across the 8 lanes. The Q4_1 minimum's term (lo x the group's sum of x), the same in
-// both builds; one input after the other, the sums of 8 rows cost ~5 us a matmul ("Session 17").
+// pairs, then across the 8 lanes. The AVX-512 build's Q4_1 minimum's term (lo x the group's sum
+// of x); summed one input after the other, the sums of 8 rows cost ~5 us a matmul ("Session 17").
 inline float sum32(const __m256 (&v)[4]) {
   const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
   __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -390,42 +390,42 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   // rows split in two halves between threads from 8 K values (8 rows of 1 536: 6.6 -> 5.4 us a
   // call; 8 rows of 576 were slower split)
   at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {
-  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
-  const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane order -> input order
-  const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
-                                         0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* p = x + m * K + g * 32;
-      __m256 v[4];
-      __m256 amax = _mm256_setzero_ps();
-      int bad = 0;
-      for (int i = 0; i < 4; ++i) {
-        v[i] = bf16x8_to_f32(p + 8 * i);
-        bad |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], _mm256_castsi256_ps(absmask)));
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane order -> input order
+    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* p = x + m * K + g * 32;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        int bad = 0;
+        for (int i = 0; i < 4; ++i) {
+          v[i] = bf16x8_to_f32(p + 8 * i);
+          bad |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+          amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], _mm256_castsi256_ps(absmask)));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+        float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+        if (bad || !(mx <= std::numeric_limits<float>::max())) s = std::numeric_limits<float>::quiet_NaN(), inv = 0.f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        __m256i n[4];
+        for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));  // round to nearest even
+        // the minimum's term takes the quantised values' sum, s x (sum of xq, exact), so that the
+        // row meets w = q d + lo as a whole: w . (s xq). With x's own sum, d q (0..15 d, not
+        // centred) met the rounding alone and the model's logits strayed ~6x further (KL)
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+        a.sum[m * G + g] = s * static_cast<float>(_mm_cvtsi128_si32(u));
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + m * K + g * 32),
+                            _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order));
+        a.s[m * G + g] = s;
       }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
-      float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-      if (bad || !(mx <= std::numeric_limits<float>::max())) s = std::numeric_limits<float>::quiet_NaN(), inv = 0.f;
-      const __m256 iv = _mm256_set1_ps(inv);
-      __m256i n[4];
-      for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));  // round to nearest even
-      // the minimum's term takes the quantised values' sum, s x (sum of xq, exact), so that the
-      // row meets w = q d + lo as a whole: w . (s xq). With x's own sum, d q (0..15 d, not
-      // centred) met the rounding alone and the model's logits strayed ~6x further (KL)
-      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-      a.sum[m * G + g] = s * static_cast<float>(_mm_cvtsi128_si32(u));
-      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + m * K + g * 32),
-                          _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order));
-      a.s[m * G + g] = s;
-    }
   });
   return a;
 }
