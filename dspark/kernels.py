@@ -231,8 +231,10 @@ def extension():
     if not ENABLED:
         _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
     elif isa is not None:
-        cflags = ISAS[isa][1]
+        int8 = os.environ.get("DSPARK_INT8_ACTIVATIONS", "1") != "0"  # Q4_ACTIVATIONS
+        cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if isa == "avx2" and not int8 else ())
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
+        _build["cflags"] = cflags
         tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
         name = f"dspark_{isa}_{tag}"
         # its own variable, not DSPARK_CACHE: tests point that at temporary folders, and the
@@ -287,6 +289,8 @@ def tile_name() -> str | None:
 # at 8), and 1 row is what plain decoding runs. Either is the target model of its build:
 # verification is lossless against it, and its products are checked against the quantised model
 # (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations.
+# DSPARK_INT8_ACTIVATIONS=0 keeps the AVX2 build on bf16 activations (its own build, cached apart):
+# closer to the Q4_1 model (KL 0.0011 against 0.003), at session 16's speed.
 Q4_ACTIVATIONS = {"avx512": "bf16", "avx2": "int8"}
 
 
@@ -294,7 +298,8 @@ def q4_activations() -> str | None:
     """What dspark's int4 and Q8_0 matmuls do with their bf16 activations here: 'bf16' (take them
     as they are) or 'int8' (quantise them per group of 32); None without the tile."""
     extension()
-    return Q4_ACTIVATIONS.get(_build["isa"])
+    act = Q4_ACTIVATIONS.get(_build["isa"])
+    return "bf16" if act == "int8" and "-DDSPARK_ACT8=0" in _build.get("cflags", ()) else act
 
 
 def q4_status() -> str:

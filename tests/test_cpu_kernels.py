@@ -921,7 +921,7 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("build", ["native", "avx2", "avx2-bf16"])
 def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build):
     """The int4 runtime is the shipped Q4_1 model as this build computes it (bf16 activations on
     AVX-512, 8-bit ones on AVX2): teacher-forced over held-out answers, its next-token
@@ -929,18 +929,29 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     mostly agrees (measured over 12 answers: AVX-512 KL 0.0007 nats a token, 98.5 % of top tokens;
     AVX2 0.003, 97.5 %; here, 4 answers, AVX2 0.004, 95.9 %; the AVX2 kernel that gave the
     minimum's term x's own sum, not the quantised one, read KL 0.014: docs/BENCHMARKS.md
-    "Session 17")."""
+    "Session 17"). DSPARK_INT8_ACTIVATIONS=0 gives the AVX2 build bf16 activations (its own build):
+    its matmuls are then the bf16 products (checked as the AVX-512 build's), and it stays closer
+    (measured: KL 0.0011, 98.7 %)."""
     from pathlib import Path
 
     from dspark.target.load import load_target
     from dspark.train.dataset import load_sequences
 
-    if build == "avx2":
+    bound = (0.008, 0.94)
+    if build.startswith("avx2"):
         if "avx2" not in kernels._cpu_flags():
             pytest.skip("no AVX2 here")
         monkeypatch.setattr(kernels, "_build", {})
         monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
-        assert kernels.extension() is not None and kernels.q4_activations() == "int8"
+        monkeypatch.setenv("DSPARK_INT8_ACTIVATIONS", "0" if build == "avx2-bf16" else "1")
+        mod = kernels.extension()
+        assert mod is not None and kernels.q4_activations() == ("bf16" if build == "avx2-bf16" else "int8")
+        if build == "avx2-bf16":
+            bound = (0.003, 0.96)
+            for N, K in ((16, 32), (96, 576)):
+                test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
+            test_rows_get_the_same_bits_in_any_batch(mod)
+            test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
     elif kernels.tile_name() is None:
         pytest.skip(f"dspark's int4 kernel does not run here: {kernels.q4_status()}")
     model, _ = load_target("smollm2", "fp32", "cpu")
@@ -957,4 +968,4 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
         kl += (ref.exp() * (ref - got)).sum().item()
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         n += ids.shape[1]
-    assert kl / n <= 0.008 and agree / n >= 0.94, (kernels.extension_isa(), kl / n, agree / n)
+    assert kl / n <= bound[0] and agree / n >= bound[1], (build, kl / n, agree / n)

@@ -117,6 +117,19 @@ inline float sum32(const __m256 (&v)[4]) {
   return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
 }
 
+// per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32 (`sum32`)
+std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  std::vector<float> s(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* p = x + m * K + g * 32;
+      const __m256 v[4] = {bf16x8_to_f32(p), bf16x8_to_f32(p + 8), bf16x8_to_f32(p + 16), bf16x8_to_f32(p + 24)};
+      s[m * G + g] = sum32(v);
+    }
+  return s;
+}
+
 // x's shape with the last dimension N: the matmul's result
 std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();
@@ -160,19 +173,6 @@ void row_tiles(int64_t M, int64_t N, const Tile& tile) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 namespace {
-
-// per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32 (`sum32`)
-std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
-  const int64_t G = K / 32;
-  std::vector<float> s(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* p = x + m * K + g * 32;
-      const __m256 v[4] = {bf16x8_to_f32(p), bf16x8_to_f32(p + 8), bf16x8_to_f32(p + 16), bf16x8_to_f32(p + 24)};
-      s[m * G + g] = sum32(v);
-    }
-  return s;
-}
 
 // u16 lane holding a nibble (in its low 5 bits: vpermw ignores the rest) -> that value as bf16
 inline __m512i nibble_to_bf16() {
@@ -319,32 +319,58 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
 // at a time. int4 and Q8_0 weights take 8-bit activations and integer sums (`tile_a8`,
-// docs/BENCHMARKS.md "Session 17"); bf16 weights (a draft's) are summed in fp32, one FMA a weight
-// and row, in input order. A row's operations do not depend on M or on which rows share the call
-// (batch invariance).
+// docs/BENCHMARKS.md "Session 17"), unless built with DSPARK_ACT8=0 (kernels.py, from
+// DSPARK_INT8_ACTIVATIONS=0): then, as bf16 weights (a draft's) always, every row adds w * x in
+// fp32 in input order, one FMA a weight and row (`tile8`). A row's operations do not depend on M
+// or on which rows share the call (batch invariance).
+#ifndef DSPARK_ACT8
+#define DSPARK_ACT8 1
+#endif
 namespace {
 
-// rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each) of a bf16 weight: per
-// group of 32 inputs, 16 pairs; unpack(block, half, pair, w) gives the fp32 weights of inputs
-// 2 pair and 2 pair + 1 of the 8 columns, block = column block * G + group
-template <int M, int NB, typename Unpack>
-inline void tile8(const float* x, int64_t K, const Unpack& unpack, uint16_t* y, int64_t N, int64_t hb) {
+// rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each). Per group of 32 inputs,
+// STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights (SCALED: the
+// integer q) of inputs IN * step + 0..IN-1 of the 8 columns, block = column block * G + group.
+// SCALED: D, L [N/16, G, 16] the group scales and minimums (L.p null: none), xsum [M, G].
+template <int M, int NB, int IN, int STEPS, bool SCALED, typename Unpack>
+inline void tile8(const float* x, int64_t K, const Unpack& unpack, const Scales& D, const Scales& L, const float* xsum,
+                  uint16_t* y, int64_t N, int64_t hb) {
   const int64_t G = K / 32;
   __m256 acc[NB][M];
   fill(acc, _mm256_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
+    __m256 t[NB][M];  // SCALED: the group's sums of q * x (else acc itself takes w * x)
+    if constexpr (SCALED) fill(t, _mm256_setzero_ps());
+    auto& s = [&]() -> auto& { if constexpr (SCALED) return t; else return acc; }();
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
+    for (int r = 0; r < STEPS; ++r) {
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
-        __m256 w[2];
+        __m256 w[IN];
         unpack(((hb + j) >> 1) * G + g, static_cast<int>((hb + j) & 1), r, w);
-#pragma GCC unroll 2
-        for (int i = 0; i < 2; ++i)
+#pragma GCC unroll 4
+        for (int i = 0; i < IN; ++i)
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m)
-            acc[j][m] = _mm256_fmadd_ps(w[i], _mm256_broadcast_ss(x + m * K + g * 32 + 2 * r + i), acc[j][m]);
+            s[j][m] = _mm256_fmadd_ps(w[i], _mm256_broadcast_ss(x + m * K + g * 32 + IN * r + i), s[j][m]);
       }
+    }
+    if constexpr (SCALED) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const int64_t at = (((hb + j) >> 1) * G + g) * 16 + 8 * ((hb + j) & 1);
+        const __m256 d = D.load8(at);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(t[j][m], d, acc[j][m]);
+        if (L.p != nullptr) {
+          const __m256 lo = L.load8(at);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xsum[m * G + g]), acc[j][m]);
+        }
+      }
+      // past 4 sums both they and the group's sums do not fit in 16 registers: the sums stay in
+      // L1, read and written once a group (left to the compiler, it spilled inside the group)
+      if constexpr (M * NB > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");
     }
   }
 #pragma GCC unroll 4
@@ -354,17 +380,22 @@ inline void tile8(const float* x, int64_t K, const Unpack& unpack, uint16_t* y, 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (hb + j) * 8), to_bf16x8(acc[j][m]));
 }
 
-// y [..., N] bf16 = x (bf16 [..., K], M rows, widened once to fp32) against a packed bf16 weight
-template <typename Unpack>
-torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const Unpack& unpack) {
+// y [..., N] bf16 = x (bf16 [..., K], M rows, widened once to fp32) against the packed weight
+template <int IN, int STEPS, bool SCALED, typename Unpack>
+torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const Unpack& unpack,
+                      const Scales& D = Scales(), const Scales& L = Scales()) {
   const auto xc = x.contiguous();
   const auto xf = xc.to(torch::kFloat);
   const float* xp = xf.data_ptr<float>();
+  const int64_t G = K / 32;
+  const std::vector<float> xsum = L.p != nullptr ? group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K)
+                                               : std::vector<float>();
   auto y = torch::empty(out_shape(x, N), x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // registers: rows x blocks sums + 2 weights + a broadcast <= 16
+  // registers: rows x blocks sums (and group sums) + IN weights + a broadcast <= 16
   row_tiles<8, 4, 4>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
-    tile8<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, yp + m0 * N, N, hb);
+    tile8<decltype(rows)::value, decltype(nb)::value, IN, STEPS, SCALED>(
+        xp + m0 * K, K, unpack, D, L, L.p != nullptr ? xsum.data() + m0 * G : nullptr, yp + m0 * N, N, hb);
   });
   return y;
 }
@@ -533,6 +564,7 @@ torch::Tensor matmul_a8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N,
 
 }  // namespace
 
+#if DSPARK_ACT8
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   return matmul_a8<true>(x, shape[0], shape[1], shape[2], P.data_ptr<uint8_t>(), Scales(D), Scales(L));
@@ -542,6 +574,40 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
   return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()), Scales(D));
 }
+#else  // bf16 activations (DSPARK_INT8_ACTIVATIONS=0: closer to the model, ~1.5x slower here)
+torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
+  const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
+  const uint8_t* p = P.data_ptr<uint8_t>();
+  // step r of a block, 8 columns: 16 bytes; 16-bit word c = low nibbles q[c, 4r] | q[c, 4r + 1] << 8,
+  // high nibbles inputs 4r + 2, 4r + 3
+  auto unpack = [p](int64_t block, int half, int r, __m256* w) {
+    if (half == 0 && !(r & 1)) prefetch_ahead(p + (block * 8 + r) * 32);  // a 64-byte line: both halves, 2 steps
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 8 + r) * 32 + 16 * half));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i a = _mm256_cvtepu16_epi32(_mm_and_si128(v, m4));
+    const __m256i b = _mm256_cvtepu16_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    const __m256i ff = _mm256_set1_epi32(0xFF);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, ff));
+    w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 8));
+    w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, ff));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 8));
+  };
+  return matmul8<4, 8, true>(x, shape[0], shape[1], shape[2], unpack, Scales(D), Scales(L));
+}
+
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
+  const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
+  const int8_t* p = P.data_ptr<int8_t>();
+  // pair r of a block, 8 columns: 16 bytes; 16-bit word c = q[c, 2r] | q[c, 2r + 1] << 8 (signed bytes)
+  auto unpack = [p](int64_t block, int half, int r, __m256* w) {
+    if (half == 0 && !(r & 1)) prefetch_ahead(p + (block * 16 + r) * 32);  // a 64-byte line: both halves, 2 pairs
+    const __m256i a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 16 + r) * 32 + 16 * half)));
+    w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24));
+    w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8));
+  };
+  return matmul8<2, 16, true>(x, shape[0], shape[1], shape[2], unpack, Scales(D));
+}
+#endif
 
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("bf16_mm", x, P, torch::kBFloat16, 16, {D});
@@ -553,7 +619,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
     w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   };
-  return matmul8(x, shape[0], shape[1], shape[2], unpack);
+  return matmul8<2, 16, false>(x, shape[0], shape[1], shape[2], unpack);
 }
 #else
 // a build without AVX2 (dspark/kernels.py never makes one) has no matmul kernels
