@@ -328,6 +328,23 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 #endif
 namespace {
 
+// acc[m] += lo x xsum[m, g] for each row: a Q4_1 group's minimum term (xsum [M, G])
+template <int M>
+inline void add_minimum(__m256 (&acc)[M], __m256 lo, const float* xsum, int64_t G, int64_t g) {
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xsum[m * G + g]), acc[m]);
+}
+
+// the sums of a tile -> y (bf16 [M, N]), half blocks hb..hb+NB
+template <int M, int NB>
+inline void store8(const __m256 (&acc)[NB][M], uint16_t* y, int64_t N, int64_t hb) {
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (hb + j) * 8), to_bf16x8(acc[j][m]));
+}
+
 // rows x[0..M) (fp32) against NB half blocks hb..hb+NB (8 columns each). Per group of 32 inputs,
 // STEPS steps of IN inputs: unpack(block, half, step, w) gives the fp32 weights (SCALED: the
 // integer q) of inputs IN * step + 0..IN-1 of the 8 columns, block = column block * G + group.
@@ -362,22 +379,14 @@ inline void tile8(const float* x, int64_t K, const Unpack& unpack, const Scales&
         const __m256 d = D.load8(at);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(t[j][m], d, acc[j][m]);
-        if (L.p != nullptr) {
-          const __m256 lo = L.load8(at);
-#pragma GCC unroll 8
-          for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xsum[m * G + g]), acc[j][m]);
-        }
+        if (L.p != nullptr) add_minimum(acc[j], L.load8(at), xsum, G, g);
       }
       // past 4 sums both they and the group's sums do not fit in 16 registers: the sums stay in
       // L1, read and written once a group (left to the compiler, it spilled inside the group)
       if constexpr (M * NB > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");
     }
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (hb + j) * 8), to_bf16x8(acc[j][m]));
+  store8(acc, y, N, hb);
 }
 
 // y [..., N] bf16 = x (bf16 [..., K], M rows, widened once to fp32) against the packed weight
@@ -526,21 +535,11 @@ inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_
         const __m256i sum = Q4 ? _mm256_madd_epi16(t[j][m], ones) : t[j][m];
         acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(sx[m * G + g])), acc[j][m]);
       }
-      if constexpr (Q4) {
-        const __m256 lo = L.load8(at);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[j][m] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xsum[m * G + g]), acc[j][m]);
-      }
+      if constexpr (Q4) add_minimum(acc[j], L.load8(at), xsum, G, g);
     }
-    // past 4 sums both they and the group's sums do not fit in 16 registers: the sums stay in L1,
-    // read and written once a group (left to the compiler, it spilled inside the group)
-    if constexpr (M * NB > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");
+    if constexpr (M * NB > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");  // sums in L1, as tile8's
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (hb + j) * 8), to_bf16x8(acc[j][m]));
+  store8(acc, y, N, hb);
 }
 
 // y [..., N] bf16 = x (bf16 [..., K], M rows, quantised once to 8 bits) against an int4 (Q4: P, D,
