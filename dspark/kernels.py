@@ -231,10 +231,11 @@ def extension():
     if not ENABLED:
         _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
     elif isa is not None:
-        int8 = os.environ.get("DSPARK_INT8_ACTIVATIONS", "1") != "0"  # Q4_ACTIVATIONS
+        # the AVX2 build's int4 and Q8_0 matmuls: 8-bit activations unless asked not to (q4_activations)
+        int8 = isa == "avx2" and os.environ.get("DSPARK_INT8_ACTIVATIONS", "1") != "0"
         cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if isa == "avx2" and not int8 else ())
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
-        _build["cflags"] = cflags
+        _build["int8"] = int8
         tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
         name = f"dspark_{isa}_{tag}"
         # its own variable, not DSPARK_CACHE: tests point that at temporary folders, and the
@@ -281,25 +282,21 @@ def tile_name() -> str | None:
     return TILES.get(_build["isa"])
 
 
-# The activations dspark's int4 and Q8_0 matmuls read, by build (docs/BENCHMARKS.md "Session 17").
-# AVX2: each row's groups of 32 inputs quantised to 8 bits (s = max|x| / 127, xq = round(x / s),
-# the rule llama.cpp uses against Q4_1 and Q8_0 weights) and summed exactly in integers: the
-# SmolLM2 layer stack 1.6x faster at 1 row and 1.7x at 8 than on bf16 activations (FMAs, one
-# broadcast each). AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at 1 row (1.2-1.4x
-# at 8), and 1 row is what plain decoding runs. Either is the target model of its build:
-# verification is lossless against it, and its products are checked against the quantised model
-# (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations.
-# DSPARK_INT8_ACTIVATIONS=0 keeps the AVX2 build on bf16 activations (its own build, cached apart):
-# closer to the Q4_1 model (KL 0.0011 against 0.003), at session 16's speed.
-Q4_ACTIVATIONS = {"avx512": "bf16", "avx2": "int8"}
-
-
 def q4_activations() -> str | None:
     """What dspark's int4 and Q8_0 matmuls do with their bf16 activations here: 'bf16' (take them
-    as they are) or 'int8' (quantise them per group of 32); None without the tile."""
+    as they are) or 'int8' (quantise them per group of 32); None without the tile.
+
+    By build (docs/BENCHMARKS.md "Session 17"). AVX2: each row's groups of 32 inputs quantised to
+    8 bits (s = max|x| / 127, xq = round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0
+    weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
+    at 8 than on bf16 activations (FMAs, one broadcast each); DSPARK_INT8_ACTIVATIONS=0 builds it
+    with bf16 ones (its own cached build), closer to the Q4_1 model (KL 0.0011 against 0.003 a
+    token) at session 16's speed. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
+    1 row (1.2-1.4x at 8), and 1 row is what plain decoding runs. Either is the target model of
+    its build: verification is lossless against it, and its products are checked against the
+    quantised model (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations."""
     extension()
-    act = Q4_ACTIVATIONS.get(_build["isa"])
-    return "bf16" if act == "int8" and "-DDSPARK_ACT8=0" in _build.get("cflags", ()) else act
+    return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
 
 
 def q4_status() -> str:

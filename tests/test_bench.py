@@ -237,7 +237,7 @@ def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
     out = capsys.readouterr().out
     ours = "dspark" if kernels.extension() is not None else "torch"
     assert f"| native-int4 | int4, {ours} kernel" in out and "| native-int4@torch | int4, torch kernel" in out
-    # the AVX2 build's int4 kernel quantises its activations: the arm says so (kernels.Q4_ACTIVATIONS)
+    # the AVX2 build's int4 kernel quantises its activations: the arm says so (kernels.q4_activations)
     assert (", 8-bit activations" in out) == (kernels.q4_activations() == "int8")
     for bad in ("hf-bf16@torch", "native-int4@cuda", "native-int4@"):
         with pytest.raises(DSparkError, match="unknown runtime arm"):

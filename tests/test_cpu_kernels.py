@@ -42,7 +42,7 @@ def _q4(N, K, seed=0):
 
 
 def _act8(x):
-    """x [M, K] bf16 as the AVX2 build's int4 matmul reads it (kernels.Q4_ACTIVATIONS): per row and
+    """x [M, K] bf16 as the AVX2 build's int4 matmul reads it (kernels.q4_activations): per row and
     group of 32, s = max|x| / 127 and xq = round(x * (127 / max|x|)) (fp32, ties to even) -> s * xq,
     exact in float64."""
     M, K = x.shape
@@ -374,7 +374,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
 
 def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
     """Q8_0 weights (-128..127 a byte, the extremes included) against bf16 activations, or this
-    build's 8-bit ones (kernels.Q4_ACTIVATIONS): the quantised model up to the result's bf16
+    build's 8-bit ones (kernels.q4_activations): the quantised model up to the result's bf16
     rounding, the same bits for a row alone."""
     g = torch.Generator().manual_seed(7)
     N, K = 48, 96
