@@ -63,10 +63,10 @@ inline V load_bf16(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline V load_n(const float* p, int n) {
-  alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < n; ++i) buf[i] = p[i];
-  return _mm256_load_ps(buf);
+inline V load_n(const float* p, int n) {  // the first n of 8 (zeros after): a full vector is one load
+  if (n == 8) return _mm256_loadu_ps(p);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
 }
 inline V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V neg_abs(V x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
