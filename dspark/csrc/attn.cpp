@@ -32,6 +32,7 @@ inline V load_bf16(const at::BFloat16* p) {  // W bf16 -> fp32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline V load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+inline V keep_n(V x, int n) { return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), x); }  // lanes >= n: 0
 inline V round_int(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V neg_abs(V x) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
 inline V div(V a, V b) { return _mm512_div_ps(a, b); }
@@ -63,11 +64,11 @@ inline V load_bf16(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256i first_n(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
 inline V load_n(const float* p, int n) {  // the first n of 8 (zeros after): a full vector is one load
-  if (n == 8) return _mm256_loadu_ps(p);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+  return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_n(n));
 }
+inline V keep_n(V x, int n) { return _mm256_and_ps(x, _mm256_castsi256_ps(first_n(n))); }  // lanes >= n: 0
 inline V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V neg_abs(V x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
 inline V div(V a, V b) { return _mm256_div_ps(a, b); }
@@ -206,12 +207,10 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
     const V mv = set1(m);
     for (int64_t j = 0; j < n; j += W) {
       const int live = static_cast<int>(std::min<int64_t>(W, n - j));
-      V e = exp_neg(sub(load_n(score + j, live), mv));
-      alignas(64) float tmp[W];
-      std::memcpy(tmp, &e, sizeof(e));
-      for (int i = live; i < W; ++i) tmp[i] = 0.0f;
-      for (int i = 0; i < live; ++i) score[j + i] = tmp[i];
-      lsum = add(lsum, load_n(tmp, W));
+      // the scores' buffer holds whole vectors (np): the padding lanes are written as zeros
+      const V e = keep_n(exp_neg(sub(load_n(score + j, live), mv)), live);
+      std::memcpy(score + j, &e, sizeof(e));
+      lsum = add(lsum, e);
     }
     inv[g] = 1.0f / sum(lsum);
   }
