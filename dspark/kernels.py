@@ -232,8 +232,9 @@ def extension():
         _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
     elif isa is not None:
         # the AVX2 build's int4 and Q8_0 matmuls: 8-bit activations unless asked not to (q4_activations)
-        int8 = isa == "avx2" and os.environ.get("DSPARK_INT8_ACTIVATIONS", "1") != "0"
-        cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if isa == "avx2" and not int8 else ())
+        bf16_only = isa == "avx2" and os.environ.get("DSPARK_INT8_ACTIVATIONS", "1") == "0"
+        int8 = isa == "avx2" and not bf16_only
+        cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if bf16_only else ())
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
         _build["int8"] = int8
         tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
@@ -297,6 +298,12 @@ def q4_activations() -> str | None:
     quantised model (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations."""
     extension()
     return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
+
+
+def q4_note() -> str:
+    """', 8-bit activations' where dspark's int4 kernel quantises its inputs (q4_activations), else
+    '': what a description of the runtime adds."""
+    return ", 8-bit activations" if q4_activations() == "int8" else ""
 
 
 def q4_status() -> str:

@@ -133,8 +133,7 @@ class _TorchArm:
         if self.format == "int4":  # which int4 kernel: the arms compare them
             ly = target.layers[0].w13
             ours = ly.q4 is not None
-            act8 = ", 8-bit activations" if ours and kernels.q4_activations() == "int8" else ""
-            self.format = f"int4, {'dspark' if ours else 'torch'} kernel{act8}"
+            self.format = f"int4, {'dspark' if ours else 'torch'} kernel{kernels.q4_note() if ours else ''}"
         self.head = getattr(target, "head_format", "")
 
     def decode(self, ids: list[int], n: int) -> tuple[float, float | None]:

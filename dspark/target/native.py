@@ -434,7 +434,7 @@ class NativeTarget:
         if int4:
             ours = sum(lin.q4 is not None for lin in int4)
             kernel = (f", int4 kernel: {kernels.tile_name()} ({ours} of {len(int4)} matrices"
-                      f"{', activations to int8 per 32' if kernels.q4_activations() == 'int8' else ''})" if ours
+                      f"{kernels.q4_note()})" if ours
                       else f", int4 kernel: {int4[0].kernel}")
         ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
         return (f"native runtime, weights {self.weights} (head {self.head_format}), "
