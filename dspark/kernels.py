@@ -333,14 +333,21 @@ def _group_scales(d: torch.Tensor, lo: torch.Tensor | None, N: int, G: int) -> t
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
-    """q [N, K] in 0..15, d / lo [N, K/32] (w = q * d + lo) -> (P, D, L), csrc/q4.cpp's layout (D, L: `_group_scales`)."""
+    """q [N, K] in 0..15, d / lo [N, K/32] (w = q * d + lo) -> (P, D, L) in the layout of the
+    extension's build (csrc/q4.cpp's header: the AVX2 build reads 8-input octets; D, L:
+    `_group_scales`). Packed weights are made where they run and never stored."""
     N, K = q.shape
     G = K // 32
-    qb = q.to(torch.int32).reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, quad, column, 4]
-    b0 = qb[..., 0] | (qb[..., 2] << 4)
-    b1 = qb[..., 1] | (qb[..., 3] << 4)
-    P = torch.stack([b0, b1], -1).reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous()
-    return (P, *_group_scales(d, lo, N, G))
+    qi = q.to(torch.int32)
+    if extension_isa() == "avx2":
+        qb = qi.reshape(N // 16, 16, G, 4, 4, 2)  # [N/16, column, G, octet, nibble j, word i]: input 8o + 2j + i
+        b0 = qb[..., 0, :] | (qb[..., 1, :] << 4)
+        b1 = qb[..., 2, :] | (qb[..., 3, :] << 4)  # [N/16, column, G, octet, i]: a word's two bytes
+        P = torch.stack([b0, b1], -1).permute(0, 2, 3, 1, 4, 5)  # [N/16, G, octet, column, i, byte]
+    else:
+        qb = qi.reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, step, column, 4]
+        P = torch.stack([qb[..., 0] | (qb[..., 2] << 4), qb[..., 1] | (qb[..., 3] << 4)], -1)
+    return (P.reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous(), *_group_scales(d, lo, N, G))
 
 
 def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:

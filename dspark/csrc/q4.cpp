@@ -16,9 +16,14 @@
 // 8 at a time, then the rest together, with the same per-row sequence; threads split columns,
 // never a sum).
 //
-// Layout (made by kernels.pack_q4):
-//   P  [N/16, K/32, 8, 32] uint8: column block, group, quad r (inputs k = 32g + 4r + 0..3);
-//      byte 2c = q[c, k0] | q[c, k2] << 4, byte 2c+1 = q[c, k1] | q[c, k3] << 4
+// Layout (made by kernels.pack_q4, which asks the build for its own):
+//   P  [N/16, K/32, 8, 32] uint8: column block, group, then
+//      AVX512-BF16: step r (inputs k = 32g + 4r + 0..3); byte 2c = q[c, k0] | q[c, k2] << 4,
+//      byte 2c+1 = q[c, k1] | q[c, k3] << 4 (a step's 32 bytes widen to the 16-bit lanes of two
+//      bf16 pair vectors);
+//      AVX2 ("octets"): octet o of 64 bytes (inputs k = 32g + 8o + 0..7); 16-bit word 2c + i
+//      holds q[c, k + 2j + i] in its nibble j (0..3): two byte masks give a step's 4 bytes per
+//      column, with no widening (`tile_a8`, docs/BENCHMARKS.md "Session 18")
 //   D, L [N/16, K/32, 16] fp32 or fp16 (`Scales`): d and lo of each column of the block
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -193,8 +198,12 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
   __m512 acc[NB][M];
   fill(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
-    __m512 t[NB][M];  // sum over the group of q * x, per column
+    // the group's sum of q * x per column, in two halves added at its end: inputs (4 step, 4 step
+    // + 1) in t, (4 step + 2, 4 step + 3) in u. One chain of 16 dependent dot products a group
+    // left 1-2 rows waiting on their latency (docs/BENCHMARKS.md "Session 18": 2 rows -8 %, 8 -4 %)
+    __m512 t[NB][M], u[NB][M];
     fill(t, _mm512_setzero_ps());
+    fill(u, _mm512_setzero_ps());
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
 #pragma GCC unroll 8
@@ -208,13 +217,13 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
             // several rows: each x pair broadcast inside the instruction ({1to16}, one fused load),
             // the same arithmetic as below with fewer instructions to issue (+25 % at 8 rows)
             asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(t[j][m]) : "v"(wa), "m"(*reinterpret_cast<const uint32_t*>(xp)));
-            asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(t[j][m]) : "v"(wb), "m"(*reinterpret_cast<const uint32_t*>(xp + 2)));
+            asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(u[j][m]) : "v"(wb), "m"(*reinterpret_cast<const uint32_t*>(xp + 2)));
           } else {
             uint32_t xa, xb;
             std::memcpy(&xa, xp, 4);
             std::memcpy(&xb, xp + 2, 4);
             t[j][m] = _mm512_dpbf16_ps(t[j][m], wa, (__m512bh)_mm512_set1_epi32(static_cast<int>(xa)));
-            t[j][m] = _mm512_dpbf16_ps(t[j][m], wb, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb)));
+            u[j][m] = _mm512_dpbf16_ps(u[j][m], wb, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb)));
           }
         }
       }
@@ -223,7 +232,7 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
     for (int j = 0; j < NB; ++j) {
       const __m512 d = D.load16(((cb + j) * G + g) * 16);
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(t[j][m], d, acc[j][m]);
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(_mm512_add_ps(t[j][m], u[j][m]), d, acc[j][m]);
       if (L.p != nullptr) {
         const __m512 lo = L.load16(((cb + j) * G + g) * 16);
 #pragma GCC unroll 8
@@ -247,7 +256,7 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t G = K / 32;
-  // registers: 2 x rows x blocks accumulators <= 28 of 32. With the weights asked for ahead
+  // registers: 3 x rows x blocks accumulators <= 24 of 32. With the weights asked for ahead
   // (AHEAD), wide tiles stopped paying at 1-2 rows: one row takes 1 block a tile (was 2; a 1-token
   // int4 forward -0.30 ms), two rows 2 (was 4; the Q8_0 head 1.57 -> 1.31 ms, the int4 layers
   // 3.35 -> 3.10 ms at 2 rows, cold) (docs/BENCHMARKS.md, "Session 16")
@@ -415,8 +424,8 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
 // group's sum of q * x is an exact integer sum, four products a byte instruction (vpmaddubsw)
 // instead of one FMA each with its own broadcast: the SmolLM2 layer stack ran 1.6x faster at 1 row
 // and 1.7x at 8 than with bf16 activations. A row's bytes, scales and sums depend on that row
-// alone (batch invariance). Stored per row: xq [K] with each 4 inputs in the order (0, 2, 1, 3),
-// that of a weight dword after unpacking (`tile_a8`); s [G]; NaN or infinity in a group makes its
+// alone (batch invariance). Stored per row: xq [K] with each 8 inputs in the order (0, 4, 1, 5, 2,
+// 6, 3, 7), that of a column's dword in a step's weight bytes (`tile_a8`); s [G]; NaN or infinity in a group makes its
 // s NaN, so the result is NaN, never a finite number made of a clamped value; sum [G] s x the sum
 // of the group's xq (the Q4_1 minimum's term).
 struct Act8 {
@@ -432,8 +441,8 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {
     const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane order -> input order
-    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
-                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < G; ++g) {
         const uint16_t* p = x + m * K + g * 32;
@@ -471,12 +480,13 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
 }
 
 // rows (8-bit, `Act8`) against NB half blocks hb..hb+NB (8 columns each) of an int4 (Q4) or Q8_0
-// weight; a step takes 4 inputs, whose bytes each column's dword holds in the order (0, 2, 1, 3),
-// as the rows' (`act8`):
-// - int4: 16 bytes, byte 2c = q0 | q2 << 4, 2c + 1 = q1 | q3 << 4 -> the nibbles spread to bytes;
-//   vpmaddubsw (unsigned q x signed x) gives two 16-bit sums of pairs a column (|sum| <= 2 x 15 x
-//   127), added in 16 bits over the group's 8 steps (<= 30 480: no overflow), widened once a group;
-// - Q8_0: pairs 2 step and 2 step + 1 (16 bytes each, byte 2c + i = q[c, k + i]) interleaved by
+// weight; step 2o + e takes inputs (0, 4, 1, 5) + 2e of octet o, in that order in each column's
+// dword, as in the rows' bytes (`act8`):
+// - int4: half of octet o, 32 bytes: the low nibble of each byte (e = 0) or the high one (e = 1)
+//   is that order already (the octet layout), one mask; vpmaddubsw (unsigned q x signed x) gives
+//   two 16-bit sums of pairs a column (|sum| <= 2 x 15 x 127), added in 16 bits over the group's
+//   8 steps (<= 30 480: no overflow), widened once a group;
+// - Q8_0: pairs 4o + e and 4o + 2 + e (16 bytes each, byte 2c + i = q[c, k + i]) interleaved by
 //   byte; signed x signed takes |q| against x with q's sign (pairs <= 2 x 128 x 127, in 16 bits),
 //   widened to 32 bits every step.
 // A group's integer sum t then adds t x (d x s) (+ lo x s x the sum of its xq, int4: `act8`).
@@ -498,15 +508,15 @@ inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_
         const int half = static_cast<int>((hb + j) & 1);
         __m256i w, sign;
         if constexpr (Q4) {
-          const uint8_t* b = p + (block * 8 + r) * 32;
+          const uint8_t* b = p + (block * 4 + (r >> 1)) * 64;
           if (half == 0 && !(r & 1)) prefetch_ahead(b);  // a 64-byte line: both halves, 2 steps
-          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * half)));
-          w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi16(v, 4)), low);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * half));
+          w = _mm256_and_si256((r & 1) ? _mm256_srli_epi16(v, 4) : v, low);
         } else {
-          const uint8_t* b = p + (block * 16 + 2 * r) * 32;
-          if (half == 0) prefetch_ahead(b);  // a 64-byte line: both halves of 2 pairs
+          const uint8_t* b = p + (block * 16 + 4 * (r >> 1) + (r & 1)) * 32;
+          if (half == 0 && !(r & 1)) prefetch_ahead(b), prefetch_ahead(b + 64);  // an octet's two 64-byte lines
           const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * half));
-          const __m128i o = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + 16 * half));
+          const __m128i o = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + 16 * half));
           sign = _mm256_set_m128i(_mm_unpackhi_epi8(e, o), _mm_unpacklo_epi8(e, o));
           w = _mm256_abs_epi8(sign);
         }
@@ -577,19 +587,16 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   const uint8_t* p = P.data_ptr<uint8_t>();
-  // step r of a block, 8 columns: 16 bytes; 16-bit word c = low nibbles q[c, 4r] | q[c, 4r + 1] << 8,
-  // high nibbles inputs 4r + 2, 4r + 3
+  // step r of a block, 8 columns: half of octet r / 2, 32 bytes; column c's dword holds input
+  // 8o + 2j + i in bits 16i + 4j (the octet layout), so input 4r + n sits at bit `at[n]`
   auto unpack = [p](int64_t block, int half, int r, __m256* w) {
-    if (half == 0 && !(r & 1)) prefetch_ahead(p + (block * 8 + r) * 32);  // a 64-byte line: both halves, 2 steps
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 8 + r) * 32 + 16 * half));
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i a = _mm256_cvtepu16_epi32(_mm_and_si128(v, m4));
-    const __m256i b = _mm256_cvtepu16_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    const __m256i ff = _mm256_set1_epi32(0xFF);
-    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, ff));
-    w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 8));
-    w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, ff));
-    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 8));
+    const uint8_t* b = p + (block * 4 + (r >> 1)) * 64;
+    if (half == 0 && !(r & 1)) prefetch_ahead(b);  // a 64-byte line: both halves, 2 steps
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * half));
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    constexpr int at[2][4] = {{0, 16, 4, 20}, {8, 24, 12, 28}};
+    for (int n = 0; n < 4; ++n)
+      w[n] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, at[r & 1][n]), m4));
   };
   return matmul8<4, 8, true>(x, shape[0], shape[1], shape[2], unpack, Scales(D), Scales(L));
 }
