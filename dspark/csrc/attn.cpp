@@ -33,6 +33,8 @@ inline V load_bf16(const at::BFloat16* p) {  // W bf16 -> fp32 (exact)
 }
 inline V load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
 inline V keep_n(V x, int n) { return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), x); }  // lanes >= n: 0
+inline V where_first(V x, int n) { return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << n) - 1), x); }  // lanes >= n: -inf
+inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
 inline V round_int(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V neg_abs(V x) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
 inline V div(V a, V b) { return _mm512_div_ps(a, b); }
@@ -69,6 +71,12 @@ inline V load_n(const float* p, int n) {  // the first n of 8 (zeros after): a f
   return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_n(n));
 }
 inline V keep_n(V x, int n) { return _mm256_and_ps(x, _mm256_castsi256_ps(first_n(n))); }  // lanes >= n: 0
+inline V where_first(V x, int n) { return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(first_n(n))); }  // lanes >= n: -inf
+inline float hmax(V a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
 inline V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V neg_abs(V x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
 inline V div(V a, V b) { return _mm256_div_ps(a, b); }
@@ -200,8 +208,15 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
   }
   for (int64_t g = 0; g < G; ++g) {
     float* score = buf.data() + g * np;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, score[j]);
+    // the largest score by vectors of W keys (the last one's padding lanes -inf): one scalar max
+    // after the other was a chain of n dependent operations (8 positions over 600 keys 75 -> 54
+    // us, docs/BENCHMARKS.md "Session 18"); a maximum is exact in any order (same bits)
+    V mx = set1(-INFINITY);
+    for (int64_t j = 0; j < n; j += W) {
+      const int live = static_cast<int>(std::min<int64_t>(W, n - j));
+      mx = vmax(mx, live == W ? load_n(score + j, W) : where_first(load_n(score + j, live), live));
+    }
+    const float m = hmax(mx);
     // softmax weights, W keys a vector (the last one padded with zeros): the same chunks for the same n
     V lsum = zero();
     const V mv = set1(m);
