@@ -264,6 +264,28 @@ def test_a_policy_that_drafts_one_slot_stays_lossless():
     assert engine.metrics.steps > 0 and engine.metrics.drafted == engine.metrics.steps
 
 
+def test_greedy_verification_reads_the_argmax_and_sampled_verification_the_logits(target, monkeypatch):
+    """A greedy verify step asks the target for its argmax alone (no fp32 logits [B, 1+m, V]) and
+    stays the target's own greedy decoding; a sampled one still reads the full logits."""
+    draft = tiny_draft(target, gamma=4)
+    engine = engine_for(target, draft)
+    asked = []
+    forward = engine.target.forward
+
+    def spy(state, tokens, counts=None, logits="all"):
+        if tokens.shape[1] > 1 and logits != "last":  # a verify (a prefill reads its last position's logits)
+            asked.append(logits)
+        return forward(state, tokens, counts, logits=logits)
+
+    monkeypatch.setattr(engine.target, "forward", spy)
+    req = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert req.output_ids == hf_greedy(target, PROMPTS[0], 24)
+    assert asked and set(asked) == {"argmax"}
+    asked.clear()
+    engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, seed=3))
+    assert asked and set(asked) == {"all"}
+
+
 def test_the_draft_context_cache_keeps_exactly_the_committed_entries():
     """ContextCache (any device, no kernels): ragged appends keep each row's first counts[b] new
     entries after its own length, capacity grows past CONTEXT_CHUNK without losing any, and

@@ -79,7 +79,7 @@ def _engine_decode(target, ids: torch.Tensor, n: int, timer: ForwardTimer, devic
 
 def _verify_costs(target, context: int, device, sizes=(1, 2, 4, 8), reps: int = 5) -> dict[int, float]:
     """Median seconds of a forward of s tokens on a cache of `context` committed tokens (then dropped):
-    s = 1 a greedy plain step, s > 1 a verify of s tokens (their logits)."""
+    s = 1 a greedy plain step, s > 1 a greedy verify of s tokens: both read the target's argmax alone."""
     gen = torch.Generator().manual_seed(0)
     state = target.new_state(1)
     target.forward(state, torch.randint(4, target.vocab_size, (1, context), generator=gen).to(device))
@@ -90,8 +90,8 @@ def _verify_costs(target, context: int, device, sizes=(1, 2, 4, 8), reps: int = 
         times = []
         for _ in range(reps + 1):
             t = now(device)
-            # 1 token: a greedy plain step, which reads the target's argmax alone (as the cost curve times it)
-            target.forward(state, x, logits="argmax" if s == 1 else "all")
+            # greedy steps, plain or verifying, read the target's argmax alone (as the cost curve times them)
+            target.forward(state, x, logits="argmax")
             times.append(now(device) - t)
             target.commit(state, torch.zeros(1, dtype=torch.long, device=device))
         out[s] = statistics.median(times[1:])

@@ -62,10 +62,14 @@ def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor, n: torch.Te
 
     Returns (accepted [B], next_token [B]): the target's argmax after the last accepted draft.
     """
-    g = drafts.shape[1]
-    if g == 0:  # a step without drafts (plain decoding): the target's token, nothing to compare
+    if drafts.shape[1] == 0:  # a step without drafts (plain decoding): the target's token, nothing to compare
         return torch.zeros_like(n), argmax(target_logits[:, 0])
-    best = argmax(target_logits)  # [B, S]
+    return greedy_accept_ids(argmax(target_logits), drafts, n)
+
+
+def greedy_accept_ids(best: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor):
+    """`greedy_accept` from the target's argmax alone: best [B, S] its token at each position."""
+    g = drafts.shape[1]
     verified = torch.arange(g, device=drafts.device)[None, :] < n[:, None]
     match = (best[:, :g] == drafts) & verified
     accepted = match.long().cumprod(-1).sum(-1)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.engine.sampling import SamplingParams, greedy_accept, probs, rejection_accept, sample
+from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.engine.timing import now
 from dspark.kernels import argmax, markov_walk
@@ -251,11 +251,19 @@ def decode_step(
         best, taps = target.forward(batch.target, tokens, None, logits="argmax")
         t3 = now(dev)
         nxt = best[:, 0]
+    elif g and all(p.greedy for p in batch.params):
+        # greedy verification reads the target's argmax alone, as a plain greedy step does: no fp32
+        # logits [B, 1+m, V] to make and scan (an 8-token verify 4-7 % cheaper, docs/BENCHMARKS.md
+        # "Session 18"); the padding positions' tokens are never read
+        best, taps = target.forward(batch.target, tokens, 1 + n, logits="argmax")
+        t3 = now(dev)
+        accepted, nxt = greedy_accept_ids(best, prop.tokens[:, : tokens.shape[1] - 1], n)
+        keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     else:
         logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
         t3 = now(dev)
         accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
-        keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
+        keep = 1 + accepted
     target.commit(batch.target, keep)
     t4 = now(dev)
     if drafting:
