@@ -22,8 +22,9 @@
 //      byte 2c+1 = q[c, k1] | q[c, k3] << 4 (a step's 32 bytes widen to the 16-bit lanes of two
 //      bf16 pair vectors);
 //      AVX2 ("octets"): octet o of 64 bytes (inputs k = 32g + 8o + 0..7); 16-bit word 2c + i
-//      holds q[c, k + 2j + i] in its nibble j (0..3): two byte masks give a step's 4 bytes per
-//      column, with no widening (`tile_a8`, docs/BENCHMARKS.md "Session 18")
+//      holds q[c, k + 2j + i] in its nibble j (0..3): one byte mask (after a 4-bit shift for odd
+//      steps) gives a step's 4 bytes per column, with no widening (`tile_a8`, docs/BENCHMARKS.md
+//      "Session 18")
 //   D, L [N/16, K/32, 16] fp32 or fp16 (`Scales`): d and lo of each column of the block
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -424,10 +425,10 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
 // group's sum of q * x is an exact integer sum, four products a byte instruction (vpmaddubsw)
 // instead of one FMA each with its own broadcast: the SmolLM2 layer stack ran 1.6x faster at 1 row
 // and 1.7x at 8 than with bf16 activations. A row's bytes, scales and sums depend on that row
-// alone (batch invariance). Stored per row: xq [K] with each 8 inputs in the order (0, 4, 1, 5, 2,
-// 6, 3, 7), that of a column's dword in a step's weight bytes (`tile_a8`); s [G]; NaN or infinity in a group makes its
-// s NaN, so the result is NaN, never a finite number made of a clamped value; sum [G] s x the sum
-// of the group's xq (the Q4_1 minimum's term).
+// alone (batch invariance). Stored per row: xq [K] with each 8 inputs in the order (0, 4, 1, 5,
+// 2, 6, 3, 7), that of a column's dword in a step's weight bytes (`tile_a8`); s [G]; NaN or
+// infinity in a group makes its s NaN, so the result is NaN, never a finite number made of a
+// clamped value; sum [G] s x the sum of the group's xq (the Q4_1 minimum's term).
 struct Act8 {
   std::vector<int8_t> q;
   std::vector<float> s, sum;
