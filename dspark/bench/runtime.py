@@ -28,6 +28,7 @@ import torch
 from dspark import kernels
 from dspark.bench import llamacpp
 from dspark.bench.runner import ForwardTimer
+from dspark.engine.costs import forward_times
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.timing import now
@@ -78,26 +79,12 @@ def _engine_decode(target, ids: torch.Tensor, n: int, timer: ForwardTimer, devic
     return n / dt, max(0.0, 1.0 - (timer.seconds - before) / dt)
 
 
-def _verify_costs(target, context: int, device, sizes=(1, 2, 4, 8), reps: int = 5) -> dict[int, float]:
+def _verify_costs(target, context: int, sizes=(1, 2, 4, 8), reps: int = 5) -> dict[int, float]:
     """Fastest seconds of a forward of s tokens on a cache of `context` committed tokens (then dropped):
-    s = 1 a greedy plain step, s > 1 a greedy verify of s tokens: both read the target's argmax alone.
-    The sizes take turns within each rep (a drifting machine moves them together, not one size) and
-    each keeps its minimum: load from other processes only ever adds time (as the cost curve)."""
-    gen = torch.Generator().manual_seed(0)
-    state = target.new_state(1)
-    target.forward(state, torch.randint(4, target.vocab_size, (1, context), generator=gen).to(device))
-    target.commit(state, torch.tensor([context], device=device))
-    xs = {s: torch.randint(4, target.vocab_size, (1, s), generator=gen).to(device) for s in sizes}
-    times: dict[int, list[float]] = {s: [] for s in sizes}
-    for rep in range(reps + 1):
-        for s in sizes:
-            t = now(device)
-            # greedy steps, plain or verifying, read the target's argmax alone (as the cost curve times them)
-            target.forward(state, xs[s], logits="argmax")
-            if rep:  # the first pass warms every size up
-                times[s].append(now(device) - t)
-            target.commit(state, torch.zeros(1, dtype=torch.long, device=device))
-    return {s: min(ts) for s, ts in times.items()}
+    s = 1 a greedy plain step, s > 1 a greedy verify of s tokens, both reading the target's argmax
+    alone, the sizes taking turns within each rep, as the engine's cost curve times them
+    (`costs.forward_times`; load from other processes only ever adds time)."""
+    return {s: min(ts) for s, ts in forward_times(target, list(sizes), repeats=reps, context=context).items()}
 
 
 def arm_kind(arm: str) -> tuple[str, str]:
@@ -144,7 +131,7 @@ class _TorchArm:
         return _engine_decode(self.target, torch.tensor([ids]), n, self.timer, self.device)
 
     def forward_costs(self, context: int, reps: int = 5) -> dict[int, float]:
-        return _verify_costs(self.target, context, self.device, reps=reps)
+        return _verify_costs(self.target, context, reps=reps)
 
     def close(self) -> None:
         pass

@@ -116,26 +116,23 @@ def default_grid(max_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0) -> CostCurve:
-    """Time target.forward of [1, T] random tokens on a scratch state (then discarded) for T in grid.
+def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float = math.inf, seed: int = 0,
+                  context: int = PROFILE_CONTEXT) -> dict[int, list[float]]:
+    """Seconds of target.forward of [1, T] random tokens for T in grid, greedy (the target's argmax
+    alone), on a scratch state of `context` committed tokens (the timed entries dropped after each).
 
-    One warm-up pass (first calls per shape pay one-time kernel set-up), one timed pass, then up
-    to `repeats - 1` more timings of each point that still fits in the budget (the cheap small
+    One warm-up pass (first calls per shape pay one-time kernel set-up), then up to `repeats`
+    passes, the points taking turns within each (a drifting machine moves them together). After
+    the first timed pass a point is timed again only if that fits in the budget (the cheap small
     points, which decide whether drafting pays at all, get their repeats even where one pass of
-    the large ones fills the budget: one sample of a 1-token step can be a descheduled one);
-    the minimum per point, because load from other processes only ever adds time,
-    and the adaptive scheduler rescales the whole curve to observed steps anyway. When the
-    warm-up alone overruns the budget (a loaded machine) its own timings are used, with a
-    warning, rather than making start-up slower still. A [1, T] forward costs what a padded
-    [R, T/R] verify costs (the projections see R*T/R rows either way; the attention share is
-    small at these lengths).
-    """
+    the large ones fills it: one sample of a 1-token step can be a descheduled one). When the
+    warm-up alone overruns the budget (a loaded machine) its own timings are returned, with a
+    warning, rather than making start-up slower still."""
     gen = torch.Generator().manual_seed(seed)
     dev = target.device
     state = target.new_state(1)
-    ctx = torch.randint(4, target.vocab_size, (1, PROFILE_CONTEXT), generator=gen).to(dev)
-    target.forward(state, ctx)
-    target.commit(state, torch.tensor([PROFILE_CONTEXT], device=dev))
+    target.forward(state, torch.randint(4, target.vocab_size, (1, context), generator=gen).to(dev))
+    target.commit(state, torch.tensor([context], device=dev))
     batches = {t: torch.randint(4, target.vocab_size, (1, t), generator=gen).to(dev) for t in grid}
     times: dict[int, list[float]] = {t: [] for t in grid}
     keep_none = torch.zeros(1, dtype=torch.long, device=dev)
@@ -143,7 +140,6 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
     for rep in range(repeats + 1):
         timed = 0
         for t in grid:
-            # after the first timed pass a point is timed again only if that fits in the budget
             if rep >= 2 and time.perf_counter() + times[t][-1] - start > budget_s:
                 continue
             timed += 1
@@ -163,7 +159,19 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
             times = {t: [] for t in grid}  # warm-up timings include one-time set-up: drop them
         elif not timed:
             break
-    meta = {"repeats": len(times[grid[0]]), "repeats_largest": len(times[grid[-1]]), "context": PROFILE_CONTEXT, "profile_s": round(time.perf_counter() - start, 3)}
+    return times
+
+
+def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0) -> CostCurve:
+    """The cost curve of `target` over grid (`forward_times` within budget_s, on a scratch state
+    of PROFILE_CONTEXT tokens): the minimum per point, because load from other processes only
+    ever adds time, and the adaptive scheduler rescales the whole curve to observed steps anyway.
+    A [1, T] forward costs what a padded [R, T/R] verify costs (the projections see R*T/R rows
+    either way; the attention share is small at these lengths)."""
+    start = time.perf_counter()
+    times = forward_times(target, grid, repeats=repeats, budget_s=budget_s, seed=seed)
+    meta = {"repeats": len(times[grid[0]]), "repeats_largest": len(times[grid[-1]]), "context": PROFILE_CONTEXT,
+            "profile_s": round(time.perf_counter() - start, 3)}
     return CostCurve.from_points(grid, [min(times[t]) for t in grid], meta)
 
 
