@@ -371,6 +371,11 @@ def test_a_prior_from_the_load_time_check_decides_the_first_step():
     assert spec == pytest.approx((1 + 0.25 + 0.125) / 0.016) and plain == pytest.approx(1 / 0.010)  # best depth 2
     assert not sched.should_draft(batch)  # no draft pass was ever paid to learn this
     assert "decodes plainly" in sched.summary() and "32 anchors" in sched.summary()
+    # what the draft would need: (1 + a) / (6 + 10 ms) = 1 / 10 ms at a = 0.6; with a draft phase
+    # longer than a step even a slot always accepted would not pay
+    assert sched.break_even() == pytest.approx(0.6) and "slot 1 breaks even at 0.60" in sched.summary()
+    slow = AdaptiveScheduler(curve, prior=DraftPrior(np.full(32, 3), gamma=3, draft_seconds=0.011))
+    assert slow.break_even() == pytest.approx(1.1) and "slot 1 cannot break even" in slow.summary()
     # the prior's acceptance counts as evidence: one drafting step that accepted everything only nudges
     # it; its draft phase is replaced by the first drafting step's cost (a probe also pays the context
     # update of the skipped steps)

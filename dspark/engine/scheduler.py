@@ -295,6 +295,13 @@ class AdaptiveScheduler(VerifyPolicy):
                 best, self._best_depth = rate, j + 1
         return best, plain
 
+    def break_even(self, R: int = 1) -> float:
+        """The first-slot acceptance at which drafting and verifying one slot would commit tokens as
+        fast as plain decoding, from the same measured times as `expected_rates`: what a draft must
+        reach before it can speed this machine up (above 1: one slot cannot pay here at all)."""
+        plain = R / ((self.plain_overhead or 0.0) + self.scale * self._step_time(R))
+        return plain * (self.overhead + self.scale * self._step_time(2 * R)) / R - 1.0
+
     def expected_survival(self) -> np.ndarray:
         """[g] prefix survival per depth for the skip rule: what verification actually accepted where
         that is known (REALISED_MIN verified requests), the confidence head's prediction elsewhere.
@@ -325,7 +332,10 @@ class AdaptiveScheduler(VerifyPolicy):
         if self.prior is not None:
             at = f" at {self.prior.depth} slot{'s' if self.prior.depth > 1 else ''}" if self.prior.depth else ""
             src = f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms{at}"
-        head = f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against {plain:.0f} plain"
+        need = self.break_even(R)
+        even = f"slot 1 breaks even at {need:.2f}" if need <= 1 else "slot 1 cannot break even"
+        head = (f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against "
+                f"{plain:.0f} plain ({even})")
         if not (self.skip and self.learn) or spec >= plain:
             return head + ", so it drafts"
         return head + f", so it decodes plainly, drafting once after {self._probe_wait(R)} plain steps to look again"
