@@ -286,7 +286,7 @@ class AdaptiveScheduler(VerifyPolicy):
         """(committed tokens/s drafting at the best depth, tokens/s without drafting) for R requests,
         from earlier steps' survivals and timings. Runs before every step: plain floats, no arrays
         (depth j verifies R * (1 + j) tokens)."""
-        plain = R / ((self.plain_overhead or 0.0) + self.scale * self._step_time(R))
+        plain = R / self._plain_step(R)
         tau, best = float(R), 0.0
         for j, s in enumerate(self.expected_survival().tolist()):
             tau += R * s
@@ -299,8 +299,11 @@ class AdaptiveScheduler(VerifyPolicy):
         """The first-slot acceptance at which drafting and verifying one slot would commit tokens as
         fast as plain decoding, from the same measured times as `expected_rates`: what a draft must
         reach before it can speed this machine up (above 1: one slot cannot pay here at all)."""
-        plain = R / ((self.plain_overhead or 0.0) + self.scale * self._step_time(R))
-        return plain * (self.overhead + self.scale * self._step_time(2 * R)) / R - 1.0
+        return (self.overhead + self.scale * self._step_time(2 * R)) / self._plain_step(R) - 1.0
+
+    def _plain_step(self, R: int) -> float:
+        """Expected seconds of a step that skips drafting, at R requests."""
+        return (self.plain_overhead or 0.0) + self.scale * self._step_time(R)
 
     def expected_survival(self) -> np.ndarray:
         """[g] prefix survival per depth for the skip rule: what verification actually accepted where
@@ -317,7 +320,7 @@ class AdaptiveScheduler(VerifyPolicy):
         """Skipped steps before a probe: at least SKIP_PROBE, and enough that probes cost at most
         `probe_share` of the plain decoding time in between (a probe pays the drafting overhead and
         at least one more verified token per request)."""
-        plain_step = (self.plain_overhead or 0.0) + self.scale * self._step_time(R)
+        plain_step = self._plain_step(R)
         extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
             0.0, self._step_time(2 * R) - self._step_time(R))
         return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
