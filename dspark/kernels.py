@@ -294,9 +294,10 @@ def q4_activations() -> str | None:
     with bf16 ones (its own cached build), closer to the Q4_1 model (KL 0.0011 against 0.003 a
     token) at session 16's speed. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
     1 row and 1.2-1.4x at 8 on Zen 4, 1.0x at 1 row, 0.9x at 2 and 1.18x at 8 on Zen 5 ("Session
-    19": at 1 row the stack is bound by streaming its weights), and 1 row is what plain decoding runs. Either is the target model of
-    its build: verification is lossless against it, and its products are checked against the
-    quantised model (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations."""
+    19": at 1 row the stack is bound by streaming its weights), and 1 row is what plain decoding
+    runs. Either is the target model of its build: verification is lossless against it, and its
+    products are checked against the quantised model (tests/test_cpu_kernels.py). bf16 weights
+    always take bf16 activations."""
     extension()
     return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
 

@@ -258,12 +258,12 @@ def decode_step(
         best, taps = target.forward(batch.target, tokens, 1 + n, logits="argmax")
         t3 = now(dev)
         accepted, nxt = greedy_accept_ids(best, prop.tokens[:, : tokens.shape[1] - 1], n)
-        keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     else:
         logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
         t3 = now(dev)
         accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
-        keep = 1 + accepted
+    if not plain_greedy:
+        keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     target.commit(batch.target, keep)
     t4 = now(dev)
     if drafting:
