@@ -205,6 +205,25 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
     with pytest.raises(TrainError, match="does not fit"):
         train(_cfg(tmp_path, target, data, out=str(tmp_path / "bad"), init=str(run / "draft"),
                    draft=DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3)), progress=False)
+    # --init-adapt: another block size and other taps of the same count start from the same weights,
+    # and the run says what changed; the tap count and the architecture still must match
+    other = DraftOptions(gamma=2, num_layers=1, markov_rank=8, taps=(3,), mask_token_id=3)  # the init taps (2,)
+    with pytest.raises(TrainError, match="does not fit"):
+        train(_cfg(tmp_path, target, data, out=str(tmp_path / "noadapt"), init=str(run / "draft"), draft=other),
+              progress=False)
+    said = []
+    adapted = train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt"), steps=1, init=str(run / "draft"),
+                         draft=other, init_adapt=True), progress=False, echo=said.append)
+    assert adapted.step == 1 and any("gamma 3 -> 2" in s and "(2,) -> (3,)" in s for s in said)
+    init = load_file(str(run / "draft" / "model.safetensors"))
+    assert torch.equal(load_file(str(tmp_path / "adapt" / "best" / "model.safetensors"))["layers.0.mlp.down_proj.weight"],
+                       init["layers.0.mlp.down_proj.weight"])  # step 0 (the init's weights) is the best so far
+    with pytest.raises(TrainError, match="hidden_state_indices"):
+        train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt3"), init=str(run / "draft"), init_adapt=True,
+                   draft=DraftOptions(gamma=3, num_layers=1, markov_rank=8, taps=(1, 2), mask_token_id=3)),
+              progress=False)
+    with pytest.raises(TrainError, match="--init-adapt needs --init"):
+        train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt4"), init_adapt=True), progress=False)
 
 
 def test_a_resumed_warm_start_with_a_reduced_vocabulary_trains_against_its_own_head_rows(tmp_path):

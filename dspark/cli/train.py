@@ -109,6 +109,9 @@ def _fit_args(p) -> None:
                    help="train on a seeded subset of about N answer tokens (data-scaling curves)")
     g.add_argument("--init", default=None,
                    help="warm start from this draft (same architecture; its draft vocabulary is kept)")
+    g.add_argument("--init-adapt", action="store_true",
+                   help="let --init's draft differ from this run's in gamma and in which layers it taps (same tap "
+                        "count: its fc columns for tap i start this run's tap i)")
     g.add_argument("--init-layers", default="random", choices=INIT_LAYERS,
                    help="start the draft's decoder layers random (default) or as copies of the target's last layers")
     g.add_argument("--time-budget", type=float, default=None,
@@ -312,7 +315,7 @@ def _config(args, data: str, heldout: str | None, features: str, out: str):
                        feature_batch_tokens=args.feature_batch_tokens, chunk_anchors=args.chunk_anchors, feature_runtime=args.feature_runtime,
                        export_format=args.format, verifier=args.verifier,
                        data_tokens=args.data_tokens, time_budget=args.time_budget, init=args.init,
-                       init_layers=args.init_layers)
+                       init_layers=args.init_layers, init_adapt=args.init_adapt)
 
 
 def _report_fit(res) -> None:

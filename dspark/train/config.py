@@ -99,6 +99,9 @@ class TrainConfig:
     data_tokens: int | None = None  # train on a seeded subset of about this many answer tokens (scaling curves)
     init: str | None = None  # warm start: a draft (directory) of this architecture; its vocabulary is kept
     init_layers: str = "random"  # "target": the draft's decoder layers start as copies of the target's last ones
+    # warm start across a block size or a tap choice: the weights do not depend on gamma, and fc's
+    # columns keep their order (tap i of the init file feeds the columns of this run's tap i)
+    init_adapt: bool = False
     time_budget: float | None = None  # seconds: stop (and save) once a session has trained this long
 
     def check(self) -> None:
@@ -115,6 +118,8 @@ class TrainConfig:
             raise TrainError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
         if self.init_layers not in INIT_LAYERS:
             raise TrainError(f"--init-layers must be one of {', '.join(INIT_LAYERS)}, got {self.init_layers!r}")
+        if self.init_adapt and self.init is None:
+            raise TrainError("--init-adapt needs --init (the draft to start from)")
         if self.init_layers != "random" and self.init is not None:
             raise TrainError("--init-layers target and --init both set the draft's layers: choose one")
         if self.steps is not None and self.steps < 1:

@@ -208,6 +208,12 @@ class Run:
                 "draft_vocab_size", "vocab_size", "mask_token_id", "confidence_head", "confidence_head_with_markov")
         diff = {k: (getattr(spec, k, None), getattr(self.spec, k, None)) for k in keys
                 if getattr(spec, k, None) != getattr(self.spec, k, None)}
+        adapted = {}
+        if self.cfg.init_adapt:
+            # what the weights do not fix: the block size, and which layer each of the same number of taps reads
+            adapted = {k: diff.pop(k) for k in ("gamma", "hidden_state_indices") if k in diff}
+            if "hidden_state_indices" in adapted and len(spec.hidden_state_indices) != len(self.spec.hidden_state_indices):
+                diff["hidden_state_indices"] = adapted.pop("hidden_state_indices")
         if diff:
             raise TrainError(f"--init {self.cfg.init} does not fit this run's draft {diff} (file, run): "
                              "choose matching --layers/--markov-rank/--taps/--draft-vocab/...")
@@ -223,7 +229,8 @@ class Run:
                                      f"this draft {tuple(v.shape)}")
                 v.copy_(tensors[k].to(v.dtype))
         if self.ctx.main:
-            self.echo(f"warm start from {self.cfg.init}")
+            changed = "".join(f", {k} {a} -> {b}" for k, (a, b) in adapted.items())
+            self.echo(f"warm start from {self.cfg.init}{changed}")
         return tensors
 
     def _reduce_vocab(self) -> None:
