@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from dspark import kernels
 from dspark.bench.doctor import quick_check
 from dspark.engine.engine import Engine
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
-from dspark.engine.step import draft_phase_seconds
+from dspark.engine.step import draft_phase_seconds, target_step
 from dspark.errors import DSparkError
 from dspark.model import fast as fast_draft
 from dspark.model.load import load_draft
@@ -46,6 +47,8 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     runtime: str = "auto"  # target runtime: native where supported (auto), "native", or "hf" (transformers)
     weights: str = "auto"  # native weight format: auto (the model's own numbers; exact int4 where it is) | fp32 | bf16 | int8 | int4
+    # the draft's matrices on dspark's CPU kernels: auto | q4 | q8 | bf16 (model/fast.py; auto: q4)
+    draft_weights: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)
     layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)
     # verification policy: full | threshold | adaptive. None (default): adaptive with a draft (it verifies
@@ -86,6 +89,8 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
         dtype, why = auto_dtype(device)
         notes.append(why)
     parse_dtype(dtype, device)  # a bad name or fp16 on CPU fails here, before anything loads
+    if config.draft_weights not in fast_draft.DRAFT_WEIGHTS:
+        raise DSparkError(f"draft weights must be one of {', '.join(fast_draft.DRAFT_WEIGHTS)}, got {config.draft_weights!r}")
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
@@ -103,11 +108,20 @@ def build_engine(config: EngineConfig) -> Engine:
         torch.set_num_threads(config.threads)
     target, tokenizer, more = open_target(config.target, config.dtype, config.device, config.runtime, config.weights,
                                           dtype_given=given_dtype)
+    actual = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype).removeprefix("torch."))
+    if not given_dtype and actual != config.dtype and notes and notes[0].startswith("dtype auto"):
+        # the model's own int4 weights took bf16 activations where "auto" alone would say fp32: one
+        # line that says what runs, not two that contradict each other
+        notes[0] = (f"dtype auto -> {actual}: the model's int4 weights run with bf16 activations"
+                    f"{kernels.q4_note().replace(', ', ' (') + ' in their matmuls)' if kernels.q4_note() else ''}; "
+                    f"other models would get {config.dtype} here ({notes[0].partition('(')[2].rstrip(')')})")
+        config = replace(config, dtype=actual)
     notes += more
     model = target.model
     draft = None
     if config.draft is not None:
         draft = load_draft(config.draft, model, layout=config.layout, dtype=target.dtype)
+        fast_draft.set_weights(draft, config.draft_weights)
         notes.append(fast_draft.describe(draft))
         # taps on before the policy exists: an adaptive policy times verification as the engine runs it
         target.set_taps(draft.spec.hidden_state_indices)
@@ -127,7 +141,7 @@ def build_engine(config: EngineConfig) -> Engine:
         if check.accepted is not None:
             # what the check measured, plus one timed draft phase: an adaptive policy then knows from
             # the first step whether drafting pays, instead of drafting to find out
-            accepted, step = check.accepted.numpy(), _target_step(target)
+            accepted, step = check.accepted.numpy(), target_step(target)
 
             def phase(depth=None):  # timed after a target step, as decoding meets it (cold caches)
                 return DraftPrior(accepted, draft.spec.gamma, draft_phase_seconds(draft, evict=step, depth=depth), depth)
@@ -141,22 +155,6 @@ def build_engine(config: EngineConfig) -> Engine:
                     policy.seed(engine.prior)
                 notes.append(policy.summary())
     return engine
-
-
-def _target_step(target):
-    """-> a call that runs one target step (one token, on a scratch state of its own, committed
-    nowhere): what runs between two drafting phases. Allocation-free after the first call, as a
-    decoding step is."""
-    state = target.new_state(1)
-    token = torch.zeros(1, 1, dtype=torch.long, device=target.device)
-    keep = torch.zeros(1, dtype=torch.long, device=target.device)
-
-    @torch.inference_mode()
-    def step() -> None:
-        target.forward(state, token)
-        target.commit(state, keep)
-
-    return step
 
 
 def load_engine(target: str = SMOLLM2, draft: str | None = None, **settings) -> Engine:

@@ -185,9 +185,10 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # AVX2 variant on an AVX-512 machine (to test it)
 ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
-SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp")  # layers.cpp calls the others
+SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp", "draft.cpp")  # the last two call the others
 FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk",
-             "argmax_last", "silu_mul_bf16", "layers_register", "layers_release", "layers_forward")
+             "argmax_last", "silu_mul_bf16", "layers_register", "layers_release", "layers_forward", "draft_register", "draft_release",
+             "draft_forward")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from dspark.model import fast as fast_draft
 from dspark.api import EngineConfig, build_engine, load_engine, resolve
 from dspark.engine.detok import Detokenizer
 from dspark.engine.sampling import SamplingParams
@@ -74,13 +75,29 @@ def test_runtime_switch(tmp_path):
     assert t.weights == "fp32" and t.dtype == torch.float32
 
 
+def test_the_start_up_lines_agree_on_what_runs(tmp_path, monkeypatch):
+    """A CPU without native bf16 and a model of exact 4-bit layers: "auto" alone would say fp32,
+    but the int4 weights run with bf16 activations; the dtype line says that, once, and the
+    engine's resolved config holds the dtype that runs."""
+    monkeypatch.setattr(target_load, "cpu_bf16_feature", lambda: None)
+    q4_exact(tiny_target()).save_pretrained(tmp_path / "q4")
+    eng = build_engine(EngineConfig(target=str(tmp_path / "q4"), device="cpu", no_spec=True))
+    assert eng.config.dtype == "bf16" and eng.target.dtype == torch.bfloat16
+    assert eng.notes[0].startswith("dtype auto -> bf16: the model's int4 weights run with bf16 activations")
+    assert eng.notes[0].endswith("other models would get fp32 here (this CPU has no native bf16: AVX512-BF16 or AMX)")
+    assert not any(n.startswith("dtype auto -> fp32") for n in eng.notes)
+    plain = build_engine(EngineConfig(target=str(tmp_path / "q4"), device="cpu", no_spec=True, weights="fp32"))
+    assert plain.config.dtype == "fp32" and plain.notes[0].startswith("dtype auto -> fp32 (")
+
+
 def test_build_engine_assembles_everything_from_the_config(saved):
     target, draft, model = saved
     eng = build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu", verify="threshold",
                                     threshold=0.3, max_batch=3))
     assert eng.config.draft == draft and eng.config.device == "cpu"
     assert eng.notes == [f"runtime auto -> {eng.target.describe()}",
-                         "draft decodes through its modules (float32 weights; the kernels are bf16)"]
+                         fast_draft.describe(eng.draft)]
+    assert eng.notes[1].startswith("draft decodes through its modules (a matrix of (75, 64) shape")  # a vocabulary of 75
     assert isinstance(eng.target, NativeTarget)
     assert eng.draft.fc.weight.dtype == eng.target.dtype
     assert isinstance(eng.policy, ThresholdScheduler) and eng.policy.threshold == 0.3 and eng.max_batch == 3

@@ -224,6 +224,17 @@ def test_bench_runtime_command_on_any_supported_target(setup, capsys):
                  "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "| native-fp32 | fp32 |" in out and "8-token verify / 1-token step" in out and "weights='auto' picks" in out
+    assert "Draft phase" not in out  # a target other than smollm2 has no draft by default
+    # with a draft: its drafting phase on each native arm, against that arm's own 1-token step
+    from dspark.bench import runtime
+
+    rows = runtime.run(["hf-fp32", "native-fp32"], 1, 6, 1, 16, str(setup / "target"), "cpu", str(setup / "draft"))
+    native = rows[1]
+    assert "draft_ms" not in rows[0] and set(native["draft_ms"]) == {1, 2, 3}
+    assert all(v > 0 for v in native["draft_ms"].values()) and native["draft_over_step"] > 0
+    table = runtime.table(rows, 1, 6, 16, str(setup / "target"))
+    assert "Draft phase after a target step (draft " in table and "| native-fp32 | " in table.split("Draft phase")[1]
+    assert main(["bench-runtime", "--target", str(setup / "target"), "--draft", str(setup / "draft"), "--no-draft"]) == 2
 
 
 def test_runtime_arms_compare_the_int4_kernels(setup, capsys):

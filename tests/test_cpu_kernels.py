@@ -527,10 +527,13 @@ def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced, dtype):
 
 
 def test_greedy_proposals_are_the_same_with_and_without_the_walk_kernel(ext, monkeypatch):
-    """propose() on a bf16 or fp32 draft: the compiled walk gives the tokens and confidences of
-    torch's slot-by-slot walk (a reduced vocabulary and a batch of three included)."""
+    """propose() on the modules (the reference path: a draft the one-call phase does not take), a
+    bf16 or fp32 draft: the compiled walk gives the tokens and confidences of torch's slot-by-slot
+    walk (a reduced vocabulary and a batch of three included)."""
     from dspark.engine import step as S
+    from dspark.model import fast as fast_draft
 
+    monkeypatch.setattr(fast_draft, "applies", lambda *a: False)
     model = tiny_target()
     for reduced, dtype in ((None, torch.bfloat16), (48, torch.bfloat16), (48, torch.float32)):
         draft = tiny_draft(model, gamma=5, **({"draft_vocab_size": reduced} if reduced else {})).to(dtype)
@@ -539,9 +542,9 @@ def test_greedy_proposals_are_the_same_with_and_without_the_walk_kernel(ext, mon
         draft.extend_context(ctx, taps, torch.tensor([9, 6, 3]))
         batch = S.Batch(None, ctx, torch.tensor([5, 17, 40]), [SamplingParams()] * 3, [None] * 3)
         fast = S.propose(draft, batch)
-        monkeypatch.setattr(S, "markov_walk", lambda *a: None)
-        slow = S.propose(draft, batch)
-        monkeypatch.undo()
+        with monkeypatch.context() as m:
+            m.setattr(S, "markov_walk", lambda *a: None)
+            slow = S.propose(draft, batch)
         assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.conf_logits, slow.conf_logits)
 
 
@@ -593,10 +596,8 @@ def _contexts(draft, taps, steps, force_torch, monkeypatch):
         draft.extend_context(ctx, taps[:, :9], torch.tensor([9, 6, 3]))
         for n, counts in steps:
             draft.extend_context(ctx, taps[:, 9:9 + n], torch.tensor(counts))
-        block = torch.full((taps.shape[0], draft.spec.query_slots), draft.spec.mask_token_id)
-        block[:, 0] = torch.tensor([5, 17, 40])
         with torch.inference_mode():
-            h = draft.block_states(block, ctx)
+            h = draft.block_states(torch.tensor([5, 17, 40]), ctx)
     return ctx, h
 
 
@@ -615,6 +616,7 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
     model = tiny_target()
     draft = tiny_draft(model, gamma=5).to(torch.bfloat16)
     pack_linears(draft)  # the modules on dspark's matmul too, as the engine runs them: same sums, same bits
+    fast.set_weights(draft, "bf16")  # the draft's own numbers in the kernels' copy too
     if causal:
         draft = draft.read_as(dataclasses.replace(draft.spec, layer_attention=(LayerAttention(None, True),)))
     gen = torch.Generator().manual_seed(6)
@@ -632,13 +634,11 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
     assert (fh.float() - th.float()).abs().max() <= 2 ** -5 * th.float().abs().max()
     # rows are independent: row 1 alone gets the bits it got in the batch
     one = fctx.select(torch.tensor([1]))
-    block = torch.full((1, draft.spec.query_slots), draft.spec.mask_token_id)
-    block[:, 0] = 17
     with torch.inference_mode():
-        assert torch.equal(draft.block_states(block, one), fh[1:2])
+        assert torch.equal(draft.block_states(torch.tensor([17]), one), fh[1:2])
         # the leading rows alone (a policy drafting 1-2 slots): the same bits, the rest not computed
         for rows in (1, 2):
-            assert torch.equal(draft.block_states(block, one, rows), fh[1:2, :rows])
+            assert torch.equal(draft.block_states(torch.tensor([17]), one, rows), fh[1:2, :rows])
 
 
 def test_the_fast_path_is_left_where_it_does_not_apply(ext):
@@ -697,35 +697,16 @@ def test_the_draft_head_runs_in_q8_0_where_the_tile_runs(q4):
     assert not fast.head_applies(draft.float())
 
 
-def test_batched_speculation_on_the_fast_draft_is_lossless(q4):
-    """A bf16 draft decodes on dspark's kernels (its packed copy is built) in a ragged batch, all
-    slots or one: every output is the target's own plain greedy decoding, and drafts are accepted."""
-    from dspark.engine.scheduler import FullScheduler
-
-    class OneSlot(FullScheduler):
-        def draft_depth(self, batch):
-            return 1
-
-    model = q4_exact(tiny_target())
-    plain = Engine(NativeTarget(model, act_dtype=torch.bfloat16), None)
-    draft = bigram_draft(plain).to(torch.bfloat16)
-    prompts = [[5, 17, 33, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 23 + [3, 88]]
-    params = SamplingParams(max_new_tokens=40)
-    want = [plain.generate(p, params).output_ids for p in prompts]
-    for policy in (None, OneSlot()):
-        spec = Engine(NativeTarget(model, act_dtype=torch.bfloat16), draft, policy=policy, max_batch=3)
-        assert [r.output_ids for r in spec.generate_many(prompts, params)] == want
-        assert 0 < spec.metrics.accepted < spec.metrics.verified
-    assert "fast" in draft._fast  # the kernels' path ran
-
-
 def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
     from dspark.model import fast
 
     draft = tiny_draft(tiny_target())
-    assert fast.describe(draft) == "draft decodes through its modules (float32 weights; the kernels are bf16)"
-    draft = draft.to(torch.bfloat16)
-    assert fast.describe(draft).startswith("draft decodes on dspark's CPU kernels (bf16 layers, head ")
+    assert fast.describe(draft.double()) == "draft decodes through its modules (float64 weights; the kernels take bf16 or fp32 ones)"
+    acts = "8-bit activations in its matmuls" if kernels.q4_activations() == "int8" else "bf16 activations"
+    for dtype in (torch.float32, torch.bfloat16):  # an fp32 draft (a CPU without native bf16) runs on them too
+        assert fast.describe(draft.to(dtype)) == f"draft phase: one call into dspark's CPU kernels (Q4_1 matrices, head Q4_1, {acts})"
+    fast.set_weights(draft, "bf16")
+    assert fast.describe(draft) == "draft phase: one call into dspark's CPU kernels (bf16 matrices, head Q8_0, bf16 activations)"
     monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
     assert fast.describe(draft) == "draft decodes through its modules (DSPARK_Q4_KERNEL=0)"
 

@@ -24,11 +24,17 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["speculative"] and out["dtype"] == "fp32" and out["generated_tokens"] >= 1
     assert out["plain"]["same_output"] is True and "first_difference" not in out["plain"]  # fp32: token for token
-    assert out["speedup"] == round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
+    ratio = round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
+    assert out["arms_ratio"] == ratio
+    # a speedup only where a step drafted: otherwise both arms ran plain decoding and it is said so
+    assert out["speedup"] == (ratio if out["drafted_steps"] else None)
     assert out["compare_rounds"] == 3  # warmed up, then three rounds of the arms stepping in turn
     rounds = out["speedup_rounds"]  # each round's own ratio, around the overall one
-    assert len(rounds) == 3 and min(rounds) <= out["speedup"] + 1e-3 and max(rounds) >= out["speedup"] - 1e-3
+    assert len(rounds) == 3 and min(rounds) <= ratio + 1e-3 and max(rounds) >= ratio - 1e-3
     assert main(args + ["--compare-rounds", "0"]) == 2 and "--compare-rounds" in capsys.readouterr().err
+    assert main(args + ["--verify", "full"]) == 0  # drafts every step: a speedup, measured
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert full["drafted_steps"] >= 3 and full["speedup"] == full["arms_ratio"]
     m = out["metrics"]
     assert m["verify_steps"] + m["plain_steps"] >= 1  # adaptive (the default) may skip drafting throughout
     if m["verify_steps"]:
@@ -44,6 +50,24 @@ def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F
         assert row in text
     assert "(rounds " in text  # the spread of the three rounds
     assert "steps without drafting" not in text  # full verification drafts every step
+    assert "no step drafted" not in text
+
+
+def test_no_speedup_is_claimed_when_no_step_drafted(saved, capsys, monkeypatch):  # noqa: F811
+    """A policy that never drafts (adaptive, when the draft cannot pay): both arms ran the same
+    plain steps, so the summary says so instead of printing their ratio as a speedup."""
+    from dspark.engine.scheduler import FullScheduler
+
+    monkeypatch.setattr(FullScheduler, "should_draft", lambda self, batch: False)
+    target, draft = saved
+    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
+            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "none: no step drafted" in text and "both decoded plainly" in text and "their ratio (noise)" in text
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["drafted_steps"] == 0 and out["speedup"] is None and out["arms_ratio"] > 0
     assert main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "0"]) == 2
 
 

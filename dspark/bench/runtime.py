@@ -12,7 +12,11 @@ round (the machine is shared and noisy: only a side-by-side figure means anythin
   of the target's GGUF file: the native-code bar (dspark.bench.llamacpp);
 - the cost of one forward of 1, 2, 4 and 8 tokens on a cache of --context tokens, and the ratio
   8 tokens / 1 token (what speculation has to pay to verify gamma+1 = 8 tokens);
-- the weight format `auto` picks for this model on this machine.
+- the weight format `auto` picks for this model on this machine;
+- with a draft (the bundled one for SmolLM2; `draft=None` for none), on the native arms: one
+  drafting phase of 1, 2 and 3 slots timed right after a target step, as decoding meets it (the
+  context update of two committed positions included, `step.draft_phase_seconds`), and its ratio
+  to the arm's 1-token step: what a drafted slot must win back.
 Medians over the rounds (forward costs: each round's fastest, sizes interleaved); the CPU class and
 thread count head the table.
 """
@@ -31,6 +35,9 @@ from dspark.bench.runner import ForwardTimer
 from dspark.engine.costs import forward_times
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
+from dspark.engine.step import draft_phase_seconds, target_step
+from dspark.model import fast
+from dspark.model.load import load_draft
 from dspark.engine.timing import now
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
@@ -39,6 +46,7 @@ from dspark.target.native import WEIGHTS, NativeTarget
 
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto,native-auto@torch"
 LLAMACPP = llamacpp.ARM  # optional: llama.cpp decoding the target's GGUF file (dspark.bench.llamacpp)
+DRAFT_DEPTHS = (1, 2, 3)
 PROMPT = ("Explain in a few paragraphs how a hash table works, what a collision is and how open addressing "
           "and chaining resolve it.")
 
@@ -137,8 +145,14 @@ class _TorchArm:
         pass
 
 
+def _draft_phases(draft, target, reps: int = 5) -> dict[int, float]:
+    """Seconds of one drafting phase of each depth, after a step of `target` (median of reps)."""
+    step = target_step(target)
+    return {d: draft_phase_seconds(draft, evict=step, depth=d, reps=reps) for d in DRAFT_DEPTHS}
+
+
 def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, target: str = SMOLLM2,
-        device: str = "cpu") -> list[dict]:
+        device: str = "cpu", draft: str | None = None, draft_weights: str = "auto") -> list[dict]:
     torch.set_num_threads(threads)
     m32, tok = load_target(target, "fp32", device)
     if tok is None:
@@ -148,7 +162,7 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
     if context + 8 + 1 > m32.config.max_position_embeddings:
         raise DSparkError(f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions")
     timer = ForwardTimer(m32, device)  # native targets: their forward; hf-fp32 engine arms: the module
-    runners = {}
+    runners, drafts = {}, {}
     try:
         for a in arms:
             kind, fmt = arm_kind(a)
@@ -158,15 +172,25 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
             elif kind == "native":
                 kernel = "torch" if a.endswith("@torch") else "auto"
                 runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt, ops=kernel), timer, device)
+                if draft is not None:  # one draft per activation dtype, shared by the arms of that dtype
+                    dt = runners[a].target.dtype
+                    if dt not in drafts:
+                        drafts[dt] = load_draft(draft, m32, dtype=dt)
+                        fast.set_weights(drafts[dt], draft_weights)
             else:
                 runners[a] = llamacpp.LlamaCppArm(target, threads, n_ctx=max(len(ids) + tokens, context + 8) + 16)
         tps = {a: [] for a in arms}
         over = {a: [] for a in arms}
         cost = {a: [] for a in arms}
+        phase = {a: [] for a in arms}
+        drafted = {a: drafts.get(getattr(runners[a].target, "dtype", None)) if arm_kind(a)[0] == "native" else None
+                   for a in arms}
         with torch.inference_mode():
             for a in arms:  # warm-up: first calls pay allocator and kernel selection
                 runners[a].decode(ids, 8)
                 runners[a].forward_costs(32, reps=1)
+                if drafted[a] is not None:
+                    _draft_phases(drafted[a], runners[a].target, reps=1)
             for r in range(rounds):
                 order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
                 for a in order:
@@ -175,6 +199,8 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
                     if o is not None:
                         over[a].append(o)
                     cost[a].append(runners[a].forward_costs(context))
+                    if drafted[a] is not None:
+                        phase[a].append(_draft_phases(drafted[a], runners[a].target))
     finally:
         timer.close()
         for arm in runners.values():
@@ -192,6 +218,12 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
             "ms": {s: 1e3 * v for s, v in t.items()},
             "verify8_over_1": t[8] / t[1],
         })
+        if phase[a]:
+            p = {d: statistics.median(x[d] for x in phase[a]) for d in DRAFT_DEPTHS}
+            rows[-1]["draft"] = fast.describe(drafted[a])
+            rows[-1]["draft_ms"] = {d: 1e3 * v for d, v in p.items()}
+            # each round's phase against that round's step (the host drifts between rounds)
+            rows[-1]["draft_over_step"] = statistics.median(x[1] / c[1] for x, c in zip(phase[a], cost[a]))
     return rows
 
 
@@ -209,4 +241,11 @@ def table(rows: list[dict], threads: int, tokens: int, context: int, target: str
         ms = " | ".join(f"{r['ms'][s]:.1f}" for s in (1, 2, 4, 8))
         ov = "-" if r["engine_overhead"] is None else f"{100 * r['engine_overhead']:.1f}%"
         out.append(f"| {r['arm']} | {fmt} | {r['tokens_per_s']:.1f} | {x} | {ov} | {ms} | {r['verify8_over_1']:.2f}x |")
+    drafted = [r for r in rows if "draft_ms" in r]
+    if drafted:
+        out += ["", f"Draft phase after a target step ({drafted[0]['draft']}):", "",
+                "| arm | 1 slot ms | 2 slots ms | 3 slots ms | 1-slot phase / 1-token step |", "|---|---|---|---|---|"]
+        for r in drafted:
+            ms = " | ".join(f"{r['draft_ms'][d]:.2f}" for d in DRAFT_DEPTHS)
+            out.append(f"| {r['arm']} | {ms} | {r['draft_over_step']:.2f}x |")
     return "\n".join(out)

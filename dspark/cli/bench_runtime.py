@@ -7,6 +7,9 @@ import argparse
 import torch
 
 from dspark.bench.runtime import DEFAULT_ARMS, LLAMACPP, parse_arms, run as run_arms, table
+from dspark.api import default_draft
+from dspark.errors import DSparkError
+from dspark.model.fast import DRAFT_WEIGHTS
 from dspark.target.load import SMOLLM2, load_target
 from dspark.target.native import resolve_weights
 
@@ -20,11 +23,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=200, help="cached tokens under the verify-cost forwards")
+    p.add_argument("--draft", default=None,
+                   help="draft whose drafting phase the native arms time (default: the bundled draft for smollm2)")
+    p.add_argument("--no-draft", action="store_true", help="time no drafting phase")
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="the draft's matrices on dspark's CPU kernels (as the engine flag)")
 
 
 def run(args) -> int:
     arms = parse_arms(args.arms)
-    rows = run_arms(arms, args.threads, args.tokens, args.rounds, args.context, args.target, args.device)
+    if args.no_draft and args.draft:
+        raise DSparkError("--draft and --no-draft: choose one")
+    draft = None if args.no_draft else (args.draft or default_draft(args.target))
+    rows = run_arms(arms, args.threads, args.tokens, args.rounds, args.context, args.target, args.device,
+                    None if draft is None else str(draft), args.draft_weights)
     print(table(rows, args.threads, args.tokens, args.context, args.target))
     auto = resolve_weights(load_target(args.target, "fp32", args.device)[0], "auto", args.device)
     print(f"\nweights='auto' picks {auto!r} for this target here")

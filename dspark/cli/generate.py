@@ -92,9 +92,10 @@ def run(args) -> int:
     if compare:
         # the streamed run above is not timed against plain (streaming costs what plain does not pay)
         spec_tok = spec_s = plain_tok = base_s = 0
-        base, rounds = None, []
+        base, rounds, drafted = None, [], 0
         for r in range(args.compare_rounds):
             (s_req, p_req), (s_secs, p_secs), _ = side_by_side([engine, plain], ids, params, first=r)
+            drafted += s_req.metrics.to_dict()["verify_steps"]
             spec_tok, spec_s = spec_tok + len(s_req.output_ids), spec_s + s_secs
             plain_tok, base_s = plain_tok + len(p_req.output_ids), base_s + p_secs
             base = p_req if base is None else base  # the plain output compared with the streamed one
@@ -109,7 +110,11 @@ def run(args) -> int:
         if not out["plain"]["same_output"] and params.greedy:
             out["plain"]["first_difference"] = first_difference(engine.target.model, ids, req.output_ids,
                                                                 base.output_ids)
-        out["speedup"] = round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
+        ratio = round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
+        out["drafted_steps"] = drafted
+        # no step drafted: both arms ran the same plain steps, so their ratio is the host's noise, not a speedup
+        out["speedup"] = ratio if drafted else None
+        out["arms_ratio"] = ratio
     if args.json:
         print(json.dumps(out))
     else:
@@ -141,7 +146,12 @@ def _print_summary(out: dict) -> None:
         t.add_row("plain decoding tokens/s", f"{out['plain']['tokens_per_second']:.1f}")
         spread = out.get("speedup_rounds") or []
         rounds = f"  (rounds {min(spread):.2f}-{max(spread):.2f}x)" if len(spread) > 1 else ""
-        t.add_row("speedup over plain decoding", f"{out['speedup']:.2f}x{rounds}")
+        if out["speedup"] is None:
+            t.add_row("speedup over plain decoding", "none: no step drafted")
+            t.add_row("the two arms", "both decoded plainly, the same steps")
+            t.add_row("their ratio (noise)", f"{out['arms_ratio']:.2f}x{rounds}")
+        else:
+            t.add_row("speedup over plain decoding", f"{out['speedup']:.2f}x{rounds}")
         same, diff = out["plain"]["same_output"], out["plain"].get("first_difference")
         if not same and diff and diff["logit_gap"] is not None:
             same = (f"no: from token {diff['token']}, where the target's two candidates are "

@@ -171,7 +171,7 @@ class Engine:
         self.target.commit(state, torch.tensor([prompt.shape[1]], device=dev))
         ctx, pending = None, []
         if self.draft is not None:
-            ctx = self.draft.new_context_cache(1, dev, self.draft.fc.weight.dtype)
+            ctx = self.draft.new_context_cache(1, dev)
             # the prompt's taps wait like a skipped step's (flush_context): a request that never
             # drafts never pays the draft's context update
             pending = [taps]

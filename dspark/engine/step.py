@@ -22,6 +22,7 @@ from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.engine.timing import now
 from dspark.kernels import argmax, markov_walk
+from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.hf import HFTarget, TargetState
 
@@ -71,13 +72,15 @@ def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, de
     (all g by default), the Markov head's state before the first sampled row, or None)."""
     spec = draft.spec
     B = anchors.shape[0]
-    block = anchors.new_full((B, spec.query_slots), spec.mask_token_id)
-    block[:, 0] = anchors
     rows = spec.sampled_rows
     stop = rows.stop if depth is None else rows.start + depth
     # the whole block runs, as trained, whatever the depth; states are kept up to the last row read
-    h = draft.block_states(block, ctx, stop)  # [B, stop, H]
-    base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
+    if fast.applies(draft, ctx, B):
+        h, base = fast.for_draft(draft).call(spec, ctx, None, None, anchors, rows.start, stop - rows.start)
+        h = h.to(draft.fc.weight.dtype)  # what the Python heads read
+    else:
+        h = draft.block_states(anchors, ctx, stop)  # [B, stop, H]
+        base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
     mh = draft.markov_head
     state = mh.init_state(B, h) if mh is not None else None
     if mh is not None and mh.head_type == "rnn" and rows.start == 1:
@@ -89,7 +92,8 @@ def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, de
 @torch.inference_mode()
 def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Proposal:
     """Draft the first `depth` slots of the block (all g by default: a policy that will verify
-    no deeper saves the draft head and the walk of the rest)."""
+    no deeper saves the draft head and the walk of the rest). The draft context first takes the
+    taps waiting in batch.pending."""
     rows, mh = draft.spec.sampled_rows, draft.markov_head
     if depth is not None:
         if not 1 <= depth <= len(rows):
@@ -97,8 +101,17 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
         rows = rows[:depth]
     anchors = batch.anchors
     B = anchors.shape[0]
-    h, base, state = draft_block(draft, anchors, batch.ctx, len(rows))
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
+    if not sampled and fast.applies(draft, batch.ctx, B):
+        kernel = fast.for_draft(draft)
+        if kernel.walks:
+            # every request greedy: the context update, the block, the head, the walk and the
+            # confidences in one compiled call (model/fast.py)
+            taps, counts = take_pending(batch)
+            tokens, conf = kernel.call(draft.spec, batch.ctx, taps, counts, anchors, rows.start, len(rows), walk=True)
+            return Proposal(tokens=tokens, q=[None] * B, conf_logits=conf if conf.numel() else None)
+    flush_context(draft, batch)
+    h, base, state = draft_block(draft, anchors, batch.ctx, len(rows))
     if not sampled and mh is not None and mh.head_type == "vanilla":
         # every request greedy: the whole walk in one compiled call where it runs (a CPU with dspark's extension)
         walked = markov_walk(base, mh.markov_w1.weight, mh.w2_transposed(), draft.d2t, anchors)
@@ -130,6 +143,22 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
     return Proposal(tokens=torch.stack(tokens, 1), q=[torch.stack(q) if q else None for q in qs], conf_logits=conf)
 
 
+def target_step(target):
+    """-> a call that runs one target step (one token, on a scratch state of its own, committed
+    nowhere): what runs between two drafting phases. Allocation-free after the first call, as a
+    decoding step is."""
+    state = target.new_state(1)
+    token = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    keep = torch.zeros(1, dtype=torch.long, device=target.device)
+
+    @torch.inference_mode()
+    def step() -> None:
+        target.forward(state, token)
+        target.commit(state, keep)
+
+    return step
+
+
 @torch.inference_mode()
 def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None,
                         depth: int | None = None) -> float:
@@ -141,7 +170,7 @@ def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, ev
     phase costs ~2/3 of a cold one). depth: the slots drafted (`propose`), all by default."""
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     width = draft.fc.weight.shape[1]
-    ctx = draft.new_context_cache(1, dev, dtype)
+    ctx = draft.new_context_cache(1, dev)
     draft.extend_context(ctx, torch.zeros(1, context, width, device=dev, dtype=dtype),
                          torch.tensor([context], device=dev))
     batch = Batch(target=None, ctx=ctx, anchors=torch.zeros(1, dtype=torch.long, device=dev),
@@ -201,16 +230,24 @@ def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, bat
     return accepted, nxt
 
 
+def take_pending(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The taps waiting in batch.pending as one [B, k, D] tensor and their counts [B] (all k), or
+    (None, None); batch.pending is emptied."""
+    if not batch.pending:
+        return None, None
+    taps = torch.cat(batch.pending, dim=1) if len(batch.pending) > 1 else batch.pending[0]
+    batch.pending = []
+    return taps, torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long, device=taps.device)
+
+
 def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
     """Bring the draft context up to the committed length: the prompt's taps and those of skipped
     steps, in one call (each row waits on the same number of positions: a batch holds pending taps
     only while it is one request, or after steps that committed one token per row)."""
     if draft is None or not batch.pending:
         return
-    taps = torch.cat(batch.pending, dim=1)  # [B, k, D]
-    batch.pending = []
-    draft.extend_context(batch.ctx, taps, torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long,
-                                                     device=taps.device))
+    taps, counts = take_pending(batch)
+    draft.extend_context(batch.ctx, taps, counts)
 
 
 @torch.inference_mode()
@@ -229,7 +266,6 @@ def decode_step(
     drafting = draft is not None and policy.should_draft(batch)
     prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
     if drafting:
-        flush_context(draft, batch)
         prop = propose(draft, batch, policy.draft_depth(batch))
     g = prop.tokens.shape[1] if prop is not None else 0
     t1 = now(dev)

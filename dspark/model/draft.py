@@ -212,14 +212,18 @@ class DSparkDraft(nn.Module):
             x = layer(x, kv, mask, cos, sin)
         return self.norm(x)
 
-    def block_states(self, block_ids: torch.Tensor, ctx: ContextCache, rows: int | None = None) -> torch.Tensor:
-        """Decoding's forward: block_ids [N, S] over a context cache -> h [N, rows, H], the states
-        of the first `rows` block rows (all S by default; every row still shapes them: the block
-        attends to itself). On dspark's CPU kernels where they apply (model/fast.py), which then
-        skip the last layer's work on the other rows, else `forward`."""
-        if fast.applies(self, ctx, block_ids.shape[0]):
-            return fast.for_draft(self).block(self, block_ids, ctx, rows)
-        return self(block_ids, ctx.valid(), ctx.lengths)[:, :rows]
+    def block_states(self, anchors: torch.Tensor, ctx: ContextCache, rows: int | None = None) -> torch.Tensor:
+        """Decoding's forward of the block [anchor, MASK, ...] (anchors [N]) over a context cache ->
+        h [N, rows, H], the states of the first `rows` block rows (all by default; every row still
+        shapes them: the block attends to itself). On dspark's CPU kernels where they apply
+        (model/fast.py), which then skip the last layer's work on the other rows, else `forward`."""
+        if fast.applies(self, ctx, anchors.shape[0]):
+            return fast.for_draft(self).block(self, anchors, ctx, rows)
+        block = anchors.new_full((anchors.shape[0], self.spec.query_slots), self.spec.mask_token_id)
+        block[:, 0] = anchors
+        dtype = self.fc.weight.dtype
+        valid = [LayerKV(kv.k.to(dtype), kv.v.to(dtype)) for kv in ctx.valid()]  # a cache made for the kernels
+        return self(block, valid, ctx.lengths)[:, :rows]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Decoding's draft head: h [..., H] -> logits [..., Vd]; Q8_0 on dspark's kernel where it
@@ -246,8 +250,11 @@ class DSparkDraft(nn.Module):
             h = torch.cat([h, prev_emb.to(h.dtype)], dim=-1)
         return self.confidence_head(h)
 
-    def new_context_cache(self, batch: int, device, dtype) -> ContextCache:
+    def new_context_cache(self, batch: int, device, dtype=None) -> ContextCache:
+        """An empty context cache for `batch` requests, in `dtype` (default: what the draft decodes
+        with here, fast.context_dtype: bf16 where dspark's kernels run it)."""
         b = self.spec.backbone
+        dtype = fast.context_dtype(self) if dtype is None else dtype
         empty = torch.zeros(batch, b.num_key_value_heads, 0, b.head_dim, device=device, dtype=dtype)
         return ContextCache([LayerKV(empty, empty) for _ in self.layers], torch.zeros(batch, dtype=torch.long, device=device))
 

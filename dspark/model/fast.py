@@ -1,92 +1,156 @@
-"""The draft's decoding forward on dspark's CPU kernels (bf16, with the compiled extension).
+"""The draft's decoding work on dspark's CPU kernels: one compiled call a phase (csrc/draft.cpp).
 
-`DSparkDraft.forward` is the reference: the modules training uses, about 120 small torch ops
-for one block of a one-layer draft and ~35 more for each context update. A drafting step pays
-that before the target runs, so on a CPU the ops, not the arithmetic, decided its cost (docs/
-BENCHMARKS.md, "Session 12"). Here the same layer runs as the target's native runtime runs its
-own (dspark/target/native.py): fused q/k/v and gate/up weights in dspark's bf16 layout, the
-norm kernel, RoPE and the cache write in one call, and the attention kernel reading the
-preallocated context cache directly. Same arithmetic up to bf16 rounding order; the target
-verifies every token, so a draft that rounds differently changes acceptance, never output.
+`DSparkDraft.forward` is the reference: the modules training uses, about 120 small torch ops for
+one block of a one-layer draft and ~35 more for each context update. A drafting step pays that
+before the target runs, and on a CPU each small op costs tens of microseconds right after a target
+step, so the ops, not the arithmetic, decided its cost. Here the whole phase (the context update
+of the committed positions, the block's layers, the head over the draft vocabulary, the greedy
+Markov walk and the confidences) is one call into the extension, over weights handed to it once:
+fused q/k/v and gate/up matrices, the norm, RoPE and attention kernels, the preallocated context
+cache read in place. The target verifies every token, so a draft that rounds differently from its
+modules changes acceptance, never output.
 
-A block's own keys and values are written into the context cache right after each row's
-committed entries (positions lengths[b] ..), where the next context update overwrites them:
-the block attends to [context ; block] without a concatenation. The block is not causal in
-DSpark (spec.layer_attention); a causal layer reads up to its own position instead.
+The matrices are held in one of three formats (`DRAFT_WEIGHTS`, the engine's `--draft-weights`):
+"q4" (Q4_1: 4-bit values with an fp16 scale and minimum per 32 inputs, as the shipped SmolLM2's
+layers are), "q8" (Q8_0: 8-bit values, an fp16 scale per 32 inputs, as fine a grid as bf16's 8-bit
+mantissa) or "bf16" (the draft's own numbers). The head is Q4_1 in "q4", Q8_0 otherwise. The AVX2
+build multiplies q4 and q8 matrices with 8-bit activations, the AVX512-BF16 one in bf16. "auto" is
+q4: a drafting step reads the draft's weights right after the target's step evicted them from the
+CPU's caches, so their bytes are its cost (docs/BENCHMARKS.md: the bundled draft's first slot is
+accepted as often in q8 as in bf16, and ~0.01 less often in q4, for a phase ~a quarter cheaper).
+
+A block's own keys and values are written into the context cache right after each row's committed
+entries (positions lengths[b] ..), where the next context update overwrites them: the block
+attends to [context ; block] without a concatenation. The block is not causal in DSpark
+(spec.layer_attention); a causal layer reads up to its own position instead.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dspark import kernels
-from dspark.model.layers import LayerKV
+
+DRAFT_WEIGHTS = ("auto", "q4", "q8", "bf16")
 
 
-class _Linear:
-    """x @ W.T (+ b) with W packed once for dspark's bf16 kernel (oneDNN's layout where it does not hold W)."""
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.bfloat16).contiguous()
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
-        self.n, self.b = w.shape[0], b
-        self.packed = kernels.pack_bf16(w)
-        self.w = w if self.packed is None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.w, self.b)
-        return kernels.packed_linear(x, self.packed, self.b, self.n)
+def _q8(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q8_0 of w [N, K] with fp16 scales (the kernels then read a group's scale in 2 bytes, not 4) -> (P, D)."""
+    g = w.detach().float().reshape(w.shape[0], -1, 32)
+    d = (g.abs().amax(-1) / 127).half().float()
+    q = (g / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127)
+    return kernels.pack_q8(q.reshape(w.shape).to(torch.int8), d)
+
+
+def _q4(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_1 of w [N, K] (GGUF's rule: w = q d + lo, q in 0..15 per group of 32; fp16 d and lo) -> (P, D, L)."""
+    g = w.detach().float().reshape(w.shape[0], -1, 32)
+    lo = g.amin(-1).half().float()
+    d = ((g.amax(-1) - lo) / 15).half().float()
+    q = ((g - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
+    return kernels.pack_q4(q.reshape(w.shape), d, lo)
+
+
+def _pack(w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> list[torch.Tensor]:
+    """A weight [N, K] (and bias) -> the extension's (P, D, L, bias) in `fmt` (L empty but for q4)."""
+    none = kernels.NO_TENSOR
+    packed = {"q4": _q4, "q8": _q8}.get(fmt, lambda m: kernels.pack_bf16(_bf16(m)))(w)
+    return [*packed, *[none] * (3 - len(packed)), none if b is None else _bf16(b)]
+
+
+def _matrices(draft) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every matrix of the draft as the kernels take it, with its bias: fc, then per layer the
+    fused q/k/v, the fused k/v (the context update), o, the fused gate/up and down."""
+    out = [(draft.fc.weight, None)]
+    for layer in draft.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj)),
+                (torch.cat([a.k_proj.weight, a.v_proj.weight]), kernels.fused_bias(a.k_proj, a.v_proj)),
+                (a.o_proj.weight, a.o_proj.bias),
+                (torch.cat([m.gate_proj.weight, m.up_proj.weight]), kernels.fused_bias(m.gate_proj, m.up_proj)),
+                (m.down_proj.weight, m.down_proj.bias)]
+    return out
+
+
+def _shapes(draft) -> list[tuple[int, int]]:
+    """The shapes of `_matrices` (without building them), then the head's."""
+    out = [tuple(draft.fc.weight.shape)]
+    for layer in draft.layers:
+        a, m = layer.self_attn, layer.mlp
+        H = a.q_proj.weight.shape[1]
+        kv = a.k_proj.weight.shape[0] + a.v_proj.weight.shape[0]
+        out += [(a.q_proj.weight.shape[0] + kv, H), (kv, H), tuple(a.o_proj.weight.shape),
+                (2 * m.gate_proj.weight.shape[0], H), tuple(m.down_proj.weight.shape)]
+    return out + [tuple(draft.lm_head.weight.shape)]
 
 
 class FastDraft:
-    """The packed weights of one draft's layers; built by `for_draft`, read-only afterwards."""
+    """One draft's weights registered with the extension; built by `for_draft`, read-only afterwards."""
 
-    def __init__(self, draft):
+    def __init__(self, draft, weights: str = "auto"):
+        if weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
+        self.weights = fmt = "q4" if weights == "auto" else weights
         b = draft.spec.backbone
         self.Hq, self.Hkv, self.D, self.eps = b.num_attention_heads, b.num_key_value_heads, b.head_dim, b.rms_norm_eps
-        self.fc = _Linear(draft.fc.weight.detach(), None)
-        self.hidden_norm = draft.hidden_norm.weight.detach()
-        self.norm = draft.norm.weight.detach()
-        self.layers = []
-        for layer in draft.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append(dict(
-                ln1=layer.input_layernorm.weight.detach(),
-                wqkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-                             kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj)),
-                wkv=_Linear(torch.cat([a.k_proj.weight, a.v_proj.weight]).detach(), kernels.fused_bias(a.k_proj, a.v_proj)),
-                # Qwen3's q_norm on every query head, k_norm on every key head: one call, one weight row a head
-                qk_norm=None if a.q_norm is None else torch.cat([a.q_norm.weight.expand(self.Hq, -1),
-                                                                 a.k_norm.weight.expand(self.Hkv, -1)]).detach().contiguous(),
-                k_norm=None if a.k_norm is None else a.k_norm.weight.detach(),
-                wo=_Linear(a.o_proj.weight.detach(), kernels.fused_bias(a.o_proj)),
-                ln2=layer.post_attention_layernorm.weight.detach(),
-                w13=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), kernels.fused_bias(m.gate_proj, m.up_proj)),
-                w2=_Linear(m.down_proj.weight.detach(), kernels.fused_bias(m.down_proj)),
-            ))
+        none, mh, ch = kernels.NO_TENSOR, draft.markov_head, draft.confidence_head
+        # the walk and the confidences run in the call for a vanilla Markov head (or none); the
+        # gated and rnn heads walk in Python over the head logits the call returns
+        self.walks = mh is None or mh.head_type == "vanilla"
+        vanilla = mh is not None and mh.head_type == "vanilla"
+        conf = ch is not None and self.walks
+        # the head and (vanilla) W2 side by side: the first slot's logits U h + W2 W1[anchor] are one
+        # matmul over [h ; W1[anchor]] (csrc/draft.cpp `greedy_walk`); [h ; 0] gives U h alone
+        head = draft.lm_head.weight.detach()
+        if vanilla:
+            head = torch.cat([head.float(), mh.markov_w2.weight.detach().float()], 1)
+        head = torch.nn.functional.pad(head, (0, -head.shape[1] % 32))  # inputs in groups of 32
+        mats = [_pack(w, bias, fmt) for w, bias in _matrices(draft)] + [_pack(head, None, "q4" if fmt == "q4" else "q8")]
+        # a drafting step reads these right after the target's step evicted them: in 2 MB pages
+        streamed = iter(_in_huge_pages([t for m in mats for t in m[:3] if t.numel()]))
+        mats = [[next(streamed) if t.numel() else t for t in m[:3]] + m[3:] for m in mats]
+        self.head = tuple(t for t in mats.pop()[:3] if t.numel())
+        flat = [
+            _bf16(draft.embed_tokens.weight), _bf16(draft.hidden_norm.weight), _bf16(draft.norm.weight),
+            _bf16(mh.markov_w1.weight) if vanilla else none,
+            _bf16(mh.w2_transposed()) if vanilla else none,
+            draft.d2t if draft.d2t is not None else torch.zeros(0, dtype=torch.long),
+            _bf16(ch.proj.weight) if conf else none,
+            _bf16(ch.proj.bias) if conf else none,
+            *mats[0], *self.head, *[none] * (4 - len(self.head)),
+        ]
+        for i, layer in enumerate(draft.layers):
+            a = layer.self_attn
+            flat += [
+                _bf16(layer.input_layernorm.weight),
+                # Qwen3's q_norm on every query head, k_norm on every key head: a weight row a head
+                none if a.q_norm is None else _bf16(torch.cat([a.q_norm.weight.expand(self.Hq, -1),
+                                                               a.k_norm.weight.expand(self.Hkv, -1)])),
+                none if a.k_norm is None else _bf16(a.k_norm.weight.expand(self.Hkv, -1)),
+                _bf16(layer.post_attention_layernorm.weight),
+                *[t for m in mats[1 + 5 * i : 6 + 5 * i] for t in m],
+            ]
+        self.ext = kernels.extension()
+        self.id = self.ext.draft_register(flat, len(draft.layers), self.Hq, self.Hkv, self.D,
+                                          conf and draft.spec.confidence_head_with_markov, self.eps)
+        self._flat = flat  # the extension holds references too; kept for the lifetime of the handle
         rot = draft.rope.rotary
         self.inv_freq = rot.inv_freq.float()
         self.scale = float(getattr(rot, "attention_scaling", 1.0))
         self.cos = self.sin = torch.zeros(0, self.D, dtype=torch.bfloat16)
-        # the draft head in Q8_0 (groups of 32, d = max|w| / 127: as fine a grid as bf16's 8-bit
-        # mantissa): read from memory every step, after the target's weights have evicted it, it is
-        # the largest tensor a drafting step reads; at half the bytes it costs ~half (BENCHMARKS.md)
-        w = draft.lm_head.weight.detach()
-        self.head = kernels.pack_q8(*kernels.q8_groups(w)) if kernels.tile_applies(*w.shape) else None
-        self.ext = kernels.extension()
-        # a drafting step reads these right after the target's step evicted them: in 2 MB pages
-        kernels.into_huge_pages([(self.fc, "packed"), (self, "head")]
-                                + [(ly[k], "packed") for ly in self.layers for k in ("wqkv", "wkv", "wo", "w13", "w2")])
         # what a weight update shows: an in-place change bumps a tensor's version; `.to()` replaces fc.weight
         self.fc_weight = draft.fc.weight
         self.versions = [(t, t._version) for t in draft.parameters()]
 
-    def _room(self, ctx, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Room in ctx for n entries after each row's committed ones -> (their positions [B, n],
-        the cos / sin tables covering them)."""
-        end = int(ctx.lengths.max()) + n
-        ctx.reserve(end)
-        return (ctx.lengths[:, None] + torch.arange(n)[None, :], *self._table(end))
+    def __del__(self):
+        try:
+            self.ext.draft_release(self.id)
+        except Exception:  # at interpreter exit the extension may be gone first; nothing to free then
+            pass
 
     def _table(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [P, D] bf16 for positions < need, computed as the draft's rotary module does
@@ -100,55 +164,56 @@ class FastDraft:
         return self.cos, self.sin
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., H] -> draft-head logits [..., Vd] bf16."""
-        return kernels.q8_linear(h, self.head)
+        """h [..., H] -> draft-head logits [..., Vd] bf16 (the head's W2 columns read zeros)."""
+        h = h.to(torch.bfloat16)
+        pad = self.head[0].shape[1] * 32 - h.shape[-1]
+        h = torch.nn.functional.pad(h, (0, pad)) if pad else h
+        return kernels.q4_linear(h, self.head) if len(self.head) == 3 else kernels.q8_linear(h, self.head)
 
     def stale(self, draft) -> bool:
         return draft.fc.weight is not self.fc_weight or any(t._version != v for t, v in self.versions)
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.ext.rms_bf16(x, w, self.eps)
+    def call(self, spec, ctx, taps: torch.Tensor | None, counts: torch.Tensor | None, anchors: torch.Tensor | None = None,
+             row0: int = 0, depth: int = 1, walk: bool = False) -> list[torch.Tensor]:
+        """One phase in one call: commit the first counts[b] of taps [B, n, F] to each row's context,
+        then (anchors given) the block [anchor, MASK, ...] of spec.query_slots rows over it, the head
+        on rows row0 .. row0 + depth - 1 and, with walk, the greedy Markov walk and the confidences.
+        -> csrc/draft.cpp's outputs after the new lengths, which ctx takes."""
+        S = spec.query_slots if anchors is not None else 0
+        n = taps.shape[1] if taps is not None else 0
+        end = int(ctx.lengths.max()) + n + S
+        ctx.reserve(end)
+        cos, sin = self._table(end)
+        kv = [t for layer in ctx.layers for t in (layer.k, layer.v)]
+        none = _NO_IDS
+        out = self.ext.draft_forward(
+            self.id, kv, ctx.lengths, kernels.NO_TENSOR if taps is None else taps.to(torch.bfloat16),
+            none if counts is None else counts, none if anchors is None else anchors, cos, sin,
+            [att.causal for att in spec.layer_attention] if S else [], spec.mask_token_id if S else 0, S, row0, depth, walk)
+        ctx.lengths = out[0]
+        return out[1:]
 
-    def block(self, draft, block_ids: torch.Tensor, ctx, rows: int | None = None) -> torch.Tensor:
-        """block_ids [N, S] -> post-norm block states h [N, rows, H] of the first `rows` rows (all
-        S by default), as `DSparkDraft.forward` over ctx."""
-        N, S = block_ids.shape
-        pos, cos, sin = self._room(ctx, S)  # pos [N, S]: the block rows' positions
-        last = (ctx.lengths + S - 1)[:, None].expand(N, S).contiguous()  # a row sees its whole block
-        causal = [att.causal for att in draft.spec.layer_attention]  # the caller's reading (read_as views share this copy)
-        x = draft.embed_tokens(block_ids).to(torch.bfloat16)
-        h = self._rms(x, self.layers[0]["ln1"])
-        for i, (ly, kv) in enumerate(zip(self.layers, ctx.layers)):
-            qkv = ly["wqkv"](h).view(N, S, self.Hq + 2 * self.Hkv, self.D)
-            qk, v = qkv[:, :, : self.Hq + self.Hkv], qkv[:, :, self.Hq + self.Hkv :]
-            if ly["qk_norm"] is not None:
-                qk = self._rms(qk, ly["qk_norm"])
-            q = self.ext.rope_cache_bf16(qk, v, cos, sin, kv.k, kv.v, pos)  # block keys at pos, in the scratch
-            seen = pos if causal[i] else last
-            if rows is not None and i == len(self.layers) - 1 and rows < S:
-                # every row's keys and values are in the cache; past them the last layer works
-                # row by row (attention per query, then per-row matmuls, each row's own bits), so
-                # rows nobody reads are skipped: a depth-1 step needs one row of the MLP, not S
-                q, seen, x = q[:, :rows], seen[:, :rows].contiguous(), x[:, :rows].contiguous()
-            o = self.ext.attn_bf16(q, kv.k, kv.v, seen, self.D ** -0.5)
-            x, h = self.ext.add_rms_bf16(x, ly["wo"](o), ly["ln2"], self.eps, kernels.NO_TENSOR, 0)
-            nxt = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
-            x, h = self.ext.add_rms_bf16(x, ly["w2"](kernels.silu_mul(ly["w13"](h), self.ext)), nxt, self.eps,
-                                        kernels.NO_TENSOR, 0)
+    def block(self, draft, anchors: torch.Tensor, ctx, rows: int | None = None) -> torch.Tensor:
+        """anchors [N] -> post-norm block states h [N, rows, H] of the first `rows` rows of the
+        block [anchor, MASK, ...] (all by default), as `DSparkDraft.forward` over ctx."""
+        rows = draft.spec.query_slots if rows is None else rows
+        h, _ = self.call(draft.spec, ctx, None, None, anchors, 0, rows)
         return h
 
     def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] of taps [B, n, F] to each row's context, as `DSparkDraft.extend_context`."""
-        B, n, _ = taps.shape
-        pos, cos, sin = self._room(ctx, n)
-        c = self._rms(self.fc(taps.to(torch.bfloat16)), self.hidden_norm)
-        for ly, kv in zip(self.layers, ctx.layers):
-            kvp = ly["wkv"](c).view(B, n, 2 * self.Hkv, self.D)
-            k, v = kvp[:, :, : self.Hkv], kvp[:, :, self.Hkv :]
-            if ly["k_norm"] is not None:
-                k = self._rms(k, ly["k_norm"])
-            self.ext.rope_cache_bf16(k, v, cos, sin, kv.k, kv.v, pos)  # no query heads: keys and values only
-        ctx.lengths = ctx.lengths + counts
+        self.call(None, ctx, taps, counts)
+
+
+_NO_IDS = torch.zeros(0, dtype=torch.long)
+
+
+def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same tensors, moved into 2 MB pages where the OS gives them (kernels.into_huge_pages)."""
+    holder = type("Held", (), {})()
+    holder.t = tuple(tensors)
+    kernels.into_huge_pages([(holder, "t")])
+    return list(holder.t)
 
 
 def why_not(draft) -> str | None:
@@ -156,19 +221,25 @@ def why_not(draft) -> str | None:
     spec, b, w = draft.spec, draft.spec.backbone, draft.fc.weight
     if w.device.type != "cpu":
         return f"weights on {w.device.type}"
-    if w.dtype != torch.bfloat16:
-        return f"{str(w.dtype).removeprefix('torch.')} weights; the kernels are bf16"
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        return f"{str(w.dtype).removeprefix('torch.')} weights; the kernels take bf16 or fp32 ones"
     if kernels.extension() is None:
         return kernels.why_unavailable()
     if any(att.sliding_window is not None for att in spec.layer_attention):
         return "sliding-window layers"
     if b.head_dim % 16 or b.hidden_act != "silu":
         return f"head size {b.head_dim}, activation {b.hidden_act}; the kernels take multiples of 16 and SiLU"
+    shapes = _shapes(draft)
+    bad = [s for s in shapes[:-1] if not kernels.tile_applies(*s)] + [s for s in shapes[-1:] if s[0] % 16]
+    if bad or draft.layers[0].mlp.gate_proj.weight.shape[0] % 16:
+        return f"a matrix of {bad[0] if bad else 'gate/up'} shape; the kernels take outputs in 16s and inputs in 32s"
+    if weights(draft) == "bf16" and max(n * k for n, k in shapes[:-1]) > kernels.BF16_KERNEL_MAX:
+        return "bf16 matrices larger than dspark's bf16 kernel holds (--draft-weights q8 takes them)"
     return None
 
 
 def applies(draft, ctx, rows: int) -> bool:
-    """Can the fast path run this draft on this context now? (`why_not` says nothing against the
+    """Can the kernels run this draft on this context now? (`why_not` says nothing against the
     draft, no gradient is wanted, and ctx holds one bf16 context row of its own per block row.)"""
     k = ctx.layers[0].k if ctx.layers else None
     return (
@@ -177,27 +248,50 @@ def applies(draft, ctx, rows: int) -> bool:
     )
 
 
+def context_dtype(draft) -> torch.dtype:
+    """The dtype of the draft's context cache: bf16 where the kernels run it, else the weights'."""
+    return torch.bfloat16 if why_not(draft) is None else draft.fc.weight.dtype
+
+
+def weights(draft) -> str:
+    """The format the kernels hold this draft's matrices in ("q8" or "bf16"; `set_weights`)."""
+    chosen = draft._fast.get("weights", "auto")
+    return "q4" if chosen == "auto" else chosen
+
+
+def set_weights(draft, fmt: str) -> None:
+    """Choose the format of the kernels' copy of the draft's matrices (DRAFT_WEIGHTS; the views
+    of read_as share it); the copy is rebuilt on its next use."""
+    if fmt not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {fmt!r}")
+    if draft._fast.get("weights", "auto") != fmt:
+        draft._fast.pop("fast", None)
+    draft._fast["weights"] = fmt
+
+
 def describe(draft) -> str:
-    """One line for the start-up notes: how this draft decodes, and why."""
+    """One line for the start-up notes: how this draft decodes, and in which numbers."""
     reason = why_not(draft)
     if reason is not None:
         return f"draft decodes through its modules ({reason})"
-    head = "Q8_0" if head_applies(draft, grad=False) else "bf16"
-    return f"draft decodes on dspark's CPU kernels (bf16 layers, head {head})"
+    w = weights(draft)
+    fmt, head = {"q4": ("Q4_1", "Q4_1"), "q8": ("Q8_0", "Q8_0"), "bf16": ("bf16", "Q8_0")}[w]
+    acts = "8-bit activations in its matmuls" if w != "bf16" and kernels.q4_activations() == "int8" else "bf16 activations"
+    return f"draft phase: one call into dspark's CPU kernels ({fmt} matrices, head {head}, {acts})"
 
 
 def for_draft(draft) -> FastDraft:
-    """The draft's packed copy, built once and shared by its views (`read_as`); rebuilt when a
-    weight has changed in place since."""
+    """The draft's registered copy, built once and shared by its views (`read_as`); rebuilt when a
+    weight has changed in place since, or the format was changed."""
     held = draft._fast
     fast = held.get("fast")
     if fast is None or fast.stale(draft):
-        fast = held["fast"] = FastDraft(draft)
+        fast = held["fast"] = FastDraft(draft, weights(draft))
     return fast
 
 
 def head_applies(draft, grad: bool | None = None) -> bool:
-    """Does the draft head run in Q8_0 here? (bf16 on a CPU with dspark's matmul tile, no
+    """Does the modules' draft head run in Q8_0 here? (bf16 on a CPU with dspark's matmul tile, no
     gradient wanted: grad None reads torch's current mode.)"""
     w = draft.lm_head.weight
     grad = torch.is_grad_enabled() if grad is None else grad
