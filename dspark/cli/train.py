@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from dspark.api import EngineConfig, build_engine
@@ -196,6 +197,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("probe", help="what a draft's first slot could reach from given inputs (a small network, "
+                                     "minutes on a CPU; dspark/train/probe.py)")
+    _target_args(p)
+    p.add_argument("--data", required=True, help=DATA_HELP)
+    p.add_argument("--heldout", required=True, help="held-out answers (the target's greedy ones), never trained on")
+    p.add_argument("--inputs", default="final,embed",
+                   help="comma list of final (post-norm last state at a-1), tap:N (input of layer N at a-1), "
+                        "embed (the anchor's embedding); default final,embed")
+    p.add_argument("--pairs", type=int, default=100_000, help="training anchors (whole sequences drawn with --seed)")
+    p.add_argument("--heldout-anchors", type=int, default=None, help="held-out anchors (default: all)")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=None, help="default: five passes over the pairs")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds of fitting at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--features", default="online",
+                   help="'online' or a feature cache of `train fit`/`train features` holding the taps asked for "
+                        "(then --data-tokens, --data-seed and --max-seq-len must be the ones it was built with)")
+    p.add_argument("--data-tokens", type=int, default=None)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--draft", default=None,
+                   help="a draft whose own first slot is measured on the same anchors (default: the bundled one "
+                        "for smollm2); 'none' for no draft")
+    p.add_argument("--out", default=None, help="JSON file for the settings, figures and curve")
+
     p = sub.add_parser("all", help="data -> features -> fit -> export -> eval, each resumable")
     _target_args(p)
     p.add_argument("--out", required=True, help="directory for everything (data/, features/, run/, exports)")
@@ -213,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.stage != "fit":
         raise TrainError(f"`dspark train {args.stage}` runs in one process; only `fit` is data-parallel under torchrun")
-    return {"prompts": _prompts_stage, "pack": _pack, "data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "all": _all}[args.stage](args)
+    return {"prompts": _prompts_stage, "pack": _pack, "data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "probe": _probe, "all": _all}[args.stage](args)
 
 
 # ---------------------------------------------------------------- stages
@@ -297,6 +325,67 @@ def _features(args) -> int:
     out = build_cache(model, tuple(taps), seqs, args.out, target_name=args.target,
                       max_tokens=args.feature_batch_tokens, progress=not args.quiet, runtime=args.feature_runtime)
     print(f"feature cache {out}: {len(seqs)} sequences, taps {list(taps)}, {cache_bytes(out) / 2**20:.1f} MiB (bf16)")
+    return 0
+
+
+def _probe(args) -> int:
+    from dspark.api import default_draft
+    from dspark.train import probe as P
+    from dspark.train.dataset import token_subset
+    from dspark.train.features import CachedFeatures, OnlineFeatures
+
+    model, _ = _load(args)
+    cfg = P.ProbeSettings(inputs=tuple(x.strip() for x in args.inputs.split(",") if x.strip()), pairs=args.pairs,
+                          heldout_anchors=args.heldout_anchors, width=args.width, batch=args.batch, lr=args.lr,
+                          steps=args.steps, time_budget=args.time_budget, seed=args.seed)
+    cfg.check(model.config.num_hidden_layers)
+    V, H = model.get_output_embeddings().weight.shape
+    seqs = load_sequences(args.data, V, args.max_seq_len)
+    if args.data_tokens is not None:
+        seqs = token_subset(seqs, args.data_tokens, args.data_seed)
+    held = load_sequences(args.heldout, V, args.max_seq_len)
+    taps = cfg.taps()
+    if args.features == "online":
+        train_f = OnlineFeatures(model, taps or (1,), seqs, runtime="auto")
+    else:
+        cached = json.loads((Path(args.features) / "meta.json").read_text())["taps"] if (Path(args.features) / "meta.json").exists() else []
+        missing = [t for t in taps if t not in cached]
+        if missing:
+            raise TrainError(f"--features {args.features} caches taps {cached}, not {missing}")
+        train_f, taps = CachedFeatures(args.features, tuple(cached), seqs), tuple(cached)
+    held_f = OnlineFeatures(model, taps or (1,), held, runtime="auto")
+    taps = taps or (1,)
+    picked = P.draw_sequences(seqs, cfg.pairs, cfg.seed)
+    t0 = time.perf_counter()
+    train_pairs = P.collect(train_f, seqs, picked, cfg.inputs, taps, H, progress=not args.quiet)
+    held_pairs = P.collect(held_f, held, list(range(len(held))), cfg.inputs, taps, H, cfg.heldout_anchors, cfg.seed,
+                           progress=not args.quiet)
+    t_feat = time.perf_counter() - t0
+    embed = model.get_input_embeddings().weight if "embed" in cfg.inputs else None
+    probe = P.Probe(train_pairs.states.shape[1], embed, model.get_output_embeddings().weight, cfg.width)
+    torch.manual_seed(cfg.seed)
+    curve = P.fit(probe, train_pairs, held_pairs, cfg, progress=not args.quiet)
+    figures = {"probe": curve[-1]["heldout_top1"], "bigram": P.bigram(seqs, picked, held_pairs, V)}
+    draft_path = None if args.draft == "none" else (args.draft or default_draft(args.target))
+    if draft_path is not None:
+        eng = build_engine(EngineConfig(target=args.target, draft=str(draft_path), verify="full", check=False))
+        figures["draft"] = P.draft_first_slot(eng.draft, eng.target, held, held_pairs)
+    n = len(held_pairs.labels)
+    print(f"probe: inputs {','.join(cfg.inputs)}, {len(train_pairs.labels)} training anchors from {len(picked)} "
+          f"answers, {curve[-1]['step']} steps; {n} held-out anchors")
+    print("| first-slot agreement with the held-out next token | share | anchors |")
+    print("|---|---:|---:|")
+    names = {"probe": f"probe ({','.join(cfg.inputs)})", "bigram": "bigram of the training answers",
+             "draft": f"draft {draft_path} (its own first slot)"}
+    for k, v in figures.items():
+        print(f"| {names[k]} | {v:.3f} | {round(v * n)} / {n} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"settings": P.settings_json(cfg), "target": args.target, "data": args.data,
+                                              "heldout": args.heldout, "features": args.features,
+                                              "training_anchors": len(train_pairs.labels), "heldout_anchors": n,
+                                              "figures": figures, "curve": curve, "feature_seconds": t_feat,
+                                              "draft": None if draft_path is None else str(draft_path)}, indent=1) + "\n")
     return 0
 
 
