@@ -684,6 +684,7 @@ def test_the_draft_head_runs_in_q8_0_where_the_tile_runs(q4):
     from dspark.model import fast
 
     draft = tiny_draft(tiny_target()).to(torch.bfloat16)
+    fast.set_weights(draft, "q8")  # the kernels' head format (q4 holds it in Q4_1: tests/test_draft_phase.py)
     h = torch.randn(4, 7, draft.lm_head.in_features, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     with torch.inference_mode():
         assert fast.head_applies(draft)

@@ -291,8 +291,9 @@ def for_draft(draft) -> FastDraft:
 
 
 def head_applies(draft, grad: bool | None = None) -> bool:
-    """Does the modules' draft head run in Q8_0 here? (bf16 on a CPU with dspark's matmul tile, no
-    gradient wanted: grad None reads torch's current mode.)"""
+    """Does the modules' draft head run on the kernels' copy here (Q8_0, or Q4_1 with
+    `--draft-weights q4`)? (bf16 on a CPU with dspark's matmul tile, no gradient wanted: grad None
+    reads torch's current mode.)"""
     w = draft.lm_head.weight
     grad = torch.is_grad_enabled() if grad is None else grad
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and not grad and kernels.tile_applies(*w.shape)
