@@ -8,6 +8,8 @@ seeded sampling are exact, so any token mixed in from another request shows up.
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
 import threading
 import time
@@ -333,8 +335,10 @@ def small():
     s.close()
 
 
-def test_api_key_is_required_everywhere(small):
-    for path in ("/health", "/metrics", "/v1/models"):
+def test_api_key_is_required_everywhere_but_health(small):
+    # liveness answers without the key: it reveals nothing but "ok"
+    assert small.http.get("/health").json() == {"status": "ok"}
+    for path in ("/metrics", "/v1/models"):
         assert small.http.get(path).status_code == 401
         assert small.http.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert small.http.get(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
@@ -371,7 +375,7 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(small):
     assert c.completions.create(model=MODEL, prompt="again", max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_engine_failure_fails_its_requests_and_the_server_recovers(small):
+def test_engine_failure_fails_its_requests_and_the_server_recovers(small, caplog):
     auth = {"Authorization": f"Bearer {KEY}"}
     engine = small.app.state.engine
     real_step, calls = engine.step, []
@@ -385,18 +389,26 @@ def test_engine_failure_fails_its_requests_and_the_server_recovers(small):
     before = small.scrape(auth)
     engine.step = broken_step
     c = small.client(KEY)
+    # the exception is in the log, never in the body: the body names the request to look for
     try:
-        with pytest.raises(openai.InternalServerError, match="simulated device failure"):
-            c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=50, temperature=0)
-        assert len(calls) == 3
-        calls.clear()
-        # streaming: the headers are sent already, so the error arrives as the last event
-        stream = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=50, temperature=0, stream=True)
-        with pytest.raises(openai.APIError, match="simulated device failure"):
-            list(stream)
-        assert len(calls) == 3
+        with caplog.at_level(logging.ERROR, logger="dspark"):
+            with pytest.raises(openai.InternalServerError, match=r"generation failed.*request cmpl-") as e:
+                c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=50, temperature=0)
+            assert len(calls) == 3
+            calls.clear()
+            # streaming: the headers are sent already, so the error arrives as the last event
+            stream = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=50, temperature=0, stream=True)
+            with pytest.raises(openai.APIError, match=r"generation failed.*request cmpl-") as e_stream:
+                list(stream)
+            assert len(calls) == 3
     finally:
         del engine.step
+    for err in (e.value, e_stream.value):
+        assert "simulated device failure" not in str(err) and "RuntimeError" not in str(err)
+    logged = [r for r in caplog.records if r.exc_info]
+    assert len(logged) == 2 and all("simulated device failure" in str(r.exc_info[1]) for r in logged)
+    for err, record in zip((e.value, e_stream.value), logged):  # the id in the body finds the log line
+        assert re.search(r"request (cmpl-\w+)", str(err))[1] in record.getMessage()
     errors = metric(small.scrape(auth), "dspark_requests_total", status="error")
     assert errors == metric(before, "dspark_requests_total", status="error") + 2
     assert small.http.get("/health", headers=auth).status_code == 200

@@ -52,26 +52,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start(port: int, *flags: str) -> subprocess.Popen:
+    """`dspark serve` as a process, once its /health answers."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "dspark", "serve", "--dtype", "fp32", "--device", "cpu", "--threads", "1",
+           "--port", str(port), "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 80
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"dspark serve exited {proc.returncode}:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("dspark serve did not come up")
+        try:
+            # /health answers without the key (liveness probes rarely carry one)
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    proc.send_signal(sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def test_serve_command_end_to_end(saved):
     target, draft = saved
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "dspark", "serve", "--target", str(target), "--draft", str(draft), "--dtype", "fp32",
-           "--device", "cpu", "--threads", "1", "--port", str(port), "--api-key", KEY, "--max-batch", "2",
-           "--max-queue", "2", "--verify", "threshold", "--threshold", "0.5", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
+    proc = _start(port, "--target", str(target), "--draft", str(draft), "--api-key", KEY, "--max-batch", "2",
+                  "--max-queue", "2", "--verify", "threshold", "--threshold", "0.5")
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 80
-        while True:
-            assert proc.poll() is None, f"dspark serve exited {proc.returncode}:\n{proc.stdout.read()}"
-            assert time.monotonic() < deadline, "dspark serve did not come up"
-            try:
-                if httpx.get(url + "/health", headers=auth, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["tiny-target"]
         msgs = [{"role": "user", "content": "Say something."}]
@@ -85,16 +103,33 @@ def test_serve_command_end_to_end(saved):
         assert spec["gamma"] == 3 and spec["verify_steps"] >= 1
         assert spec["accepted_tokens"] <= spec["verified_tokens"] <= spec["drafted_tokens"] == 3 * spec["verify_steps"]
     finally:
-        proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc, signal.SIGINT)  # uvicorn's graceful shutdown
     assert proc.returncode == 0, proc.stdout.read()
 
 
-@pytest.mark.parametrize("flag,value", [("--max-batch", "0"), ("--max-queue", "-1"), ("--port", "70000")])
+def test_sigterm_drains_and_exits_0(saved):
+    """SIGTERM (what systemd, docker and kubernetes send): the request in flight runs to its end,
+    then the process exits 0, not 143."""
+    target, _ = saved
+    port = _free_port()
+    proc = _start(port, "--target", str(target), "--no-spec", "--max-batch", "1")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = iter(c.completions.create(model="tiny-target", prompt="Once", max_tokens=60, temperature=0,
+                                           stream=True))
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason in ("length", "stop")
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            _stop(proc, signal.SIGKILL)
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.mark.parametrize("flag,value", [("--max-batch", "0"), ("--max-queue", "-1"), ("--port", "70000"),
+                                        ("--max-body-bytes", "0")])
 def test_serve_refuses_bad_flags_before_loading(flag, value, capsys):
     assert main(["serve", "--target", "/nonexistent", "--no-spec", flag, value]) == 2
     assert flag in capsys.readouterr().err

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from dspark.api import build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config
@@ -27,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="model id clients send and /v1/models lists (default: the target)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a batch slot; beyond that: HTTP 429 (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body accepted; beyond that: HTTP 413 "
+                        "(default: 64 bytes per token of the model's context, at least 4 MiB)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -42,6 +49,26 @@ def _check_flags(args) -> None:
         raise DSparkError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise DSparkError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise DSparkError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, ending the process normally after a graceful shutdown. uvicorn itself re-raises
+    the signal that stopped it once it has drained, so that the default handler ends the
+    process: after SIGTERM that is exit 143, which supervisors read as a failure."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def _is_loopback(host: str) -> bool:
@@ -58,10 +85,14 @@ def run(args: argparse.Namespace) -> int:
     for note in engine.notes:
         log.info("dspark serve: %s", note)
     name = args.model_name or served_name(args.target)
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                     max_body_bytes=args.max_body_bytes)
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("WARNING: listening on %s without --api-key: anyone who can reach it can use it", args.host)
     log.info("dspark serve: model %r (%s) on http://%s:%d", name,
              "speculative" if engine.draft is not None else "no draft", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run()
+    if not server.started:  # uvicorn logged why (the port is taken, say)
+        raise DSparkError(f"the server did not start on {args.host}:{args.port}")
     return 0

@@ -1,10 +1,11 @@
 """FastAPI routes over an EngineWorker.
 
-    app = create_app(engine, model_name="smollm2", api_key=None, max_queue=64)
+    app = create_app(engine, model_name="smollm2", api_key=None, max_queue=64, max_body_bytes=None)
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 The engine must have a tokenizer (dspark.api.build_engine loads the target's). Handlers never
-touch the engine: they validate, submit a Job to the worker thread and await its events.
+touch the engine: they validate, tokenize (prompts.py), submit a Job to the worker thread and
+await its events.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -23,7 +25,8 @@ from starlette.requests import ClientDisconnect
 from dspark.errors import DSparkError
 from dspark.serve import protocol
 from dspark.serve.prometheus import ServerMetrics
-from dspark.serve.protocol import EXTENSION, APIError
+from dspark.serve.prompts import PromptEncoder
+from dspark.serve.protocol import EXTENSION, APIError, quote
 from dspark.serve.worker import Admitted, Delta, Done, EngineWorker, Failed, Job
 
 log = logging.getLogger("dspark")
@@ -35,22 +38,97 @@ class _Gone:
 
 GONE = _Gone()
 _STATUS_LABEL = {401: "unauthorized", 429: "queue_full"}
+MIN_BODY_BYTES = 4 << 20  # the default body limit: 64 bytes per context token, at least 4 MiB
+BODY_BYTES_PER_TOKEN = 64  # generous: a token is a few characters, an escaped one 6 bytes of JSON
 
 
-def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None, max_queue: int = 64) -> FastAPI:
+def default_max_body_bytes(context: int) -> int:
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context)
+
+
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception is logged once, with its traceback, and answered
+    with a 500 that says "internal error" and a request id to find it in the log. The exception's
+    text stays out of the body: it can hold server internals or the request's own input.
+    (Starlette's exception handler for Exception would re-raise it to uvicorn: logged twice.)"""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            if started:
+                raise  # too late for a 500: uvicorn logs it and closes the connection
+            rid = "req-" + uuid.uuid4().hex
+            log.exception("dspark serve: internal error, request %s", rid)
+            self.metrics.count("error")
+            body = APIError(500, f"internal error (request {rid}; the server log has the details)").body()
+            await JSONResponse(body, status_code=500, headers={"X-Request-Id": rid})(scope, receive, send)
+
+
+def _require_json(request: Request) -> None:
+    """POST bodies must be declared JSON. Without this, a web page could make a browser send a
+    cross-origin "simple" request (text/plain, no preflight) to a server on localhost."""
+    declared = request.headers.get("content-type")
+    if (declared or "").partition(";")[0].strip().lower() != "application/json":
+        got = "no Content-Type" if declared is None else f"Content-Type {quote(declared)}"
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json, got {got}",
+                       code="unsupported_media_type")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it passes `limit` bytes: at once from Content-Length,
+    else (chunked uploads) as soon as the bytes received pass it, without reading further."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, f"Content-Length is {declared}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, f"more than {limit} bytes were sent")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, why: str) -> APIError:
+    return APIError(413, f"the request body is over this server's limit of {limit} bytes ({why}); "
+                    "the limit is dspark serve's --max-body-bytes", code="request_too_large")
+
+
+def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None, max_queue: int = 64,
+               max_body_bytes: int | None = None) -> FastAPI:
+    """max_body_bytes: the largest request body accepted (413 beyond); None: default_max_body_bytes."""
     if engine.tokenizer is None:
         raise DSparkError("dspark serve needs an engine with a tokenizer (this target has none)")
+    max_context = engine.target.max_length
+    max_body = default_max_body_bytes(max_context) if max_body_bytes is None else max_body_bytes
+    if max_body < 1:
+        raise DSparkError(f"max_body_bytes must be >= 1, got {max_body}")
     metrics = ServerMetrics(engine.gamma)
     worker = EngineWorker(engine, metrics, max_queue)
+    encoder = PromptEncoder(engine)
     created = int(time.time())
-    max_context = engine.target.max_length
 
     @asynccontextmanager
     async def lifespan(_app):
         worker.start()
+        encoder.start()
         try:
             yield
         finally:
+            encoder.close()
             await asyncio.to_thread(worker.stop)
 
     async def check_key(request: Request) -> None:
@@ -59,9 +137,12 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    app = FastAPI(title="dspark", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(check_key)] if api_key else [])
+    # every route but /health: liveness reveals nothing but "ok", and probes rarely carry keys
+    keyed = [Depends(check_key)] if api_key else []
+    app = FastAPI(title="dspark", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_InternalErrors, metrics=metrics)
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
+    app.state.max_body_bytes, app.state.encoder = max_body, encoder
 
     # ---- errors: always OpenAI's {"error": {...}} shape ------------------------------------
     @app.exception_handler(APIError)
@@ -77,12 +158,6 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
     async def on_http_error(_request, exc: StarletteHTTPException):
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(_request, exc: Exception):
-        log.exception("dspark serve: unexpected error")
-        metrics.count("error")
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
-
     # ---- routes ----------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -90,34 +165,36 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
             return JSONResponse(APIError(503, "the engine thread is not running").body(), status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "dspark",
                 "max_model_len": max_context, "speculative": engine.draft is not None}
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed)
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
         return await _generate(request, protocol.parse_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: Request):
         return await _generate(request, protocol.parse_chat)
 
     # ---- one generation request --------------------------------------------------------------
     async def _generate(request: Request, parse):
         t_received = time.perf_counter()
+        _require_json(request)
         try:
-            raw = await request.body()
+            raw = await _read_body(request, max_body)
         except ClientDisconnect:  # gone before its body arrived: nothing to do, nothing to count
             return Response(status_code=499)
         body = protocol.parse_json(raw)
         req = parse(body, model_name=model_name, max_context=max_context)
-        job = Job(req, asyncio.get_running_loop(), t_received)
+        prompt_ids, max_tokens = await encoder.encode(req)  # off the event loop and the engine thread
+        job = Job(req, asyncio.get_running_loop(), t_received, prompt_ids, max_tokens)
         worker.submit(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:

@@ -18,6 +18,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+QUOTE_CHARS = 64  # the most of a user-supplied value an error message repeats
 
 # field -> values that mean "not used"; anything else is refused (see module docstring)
 _UNSUPPORTED_COMMON = {
@@ -53,6 +54,29 @@ class APIError(Exception):
 
 def bad(param: str | None, message: str) -> APIError:
     return APIError(400, message, param)
+
+
+def quote(v, limit: int = QUOTE_CHARS) -> str:
+    """A user-supplied value as JSON for an error message, cut after `limit` characters: an
+    error must not echo a megabyte back (nor a control character or a lone surrogate raw)."""
+    if isinstance(v, str):
+        return json.dumps(v[:limit]) + (f"... ({len(v)} characters)" if len(v) > limit else "")
+    try:
+        s = json.dumps(v)
+    except (ValueError, RecursionError):  # parsed within the recursion limit, dumped just past it
+        return "a value nested too deeply to show"
+    return s if len(s) <= limit else f"{s[:limit]}... ({len(s)} characters)"
+
+
+def _text(param: str, s: str) -> str:
+    """s, refused with 400 if it holds a lone surrogate: JSON's "\\ud800" escape decodes to one,
+    and neither UTF-8 nor a tokenizer can encode it."""
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(param, f"{param} is not valid Unicode text (lone surrogate)") from None
+    return s
 
 
 @dataclass(frozen=True)
@@ -96,7 +120,8 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    # an int is finite however long (math.isfinite would overflow converting 10**400 to a float)
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _int(body: dict, name: str, lo: int, hi: int | None = None, default=None):
@@ -104,10 +129,10 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None, default=None):
     if v is None:
         return default
     if not _is_int(v):
-        raise bad(name, f"{name} must be an integer, got {json.dumps(v)}")
+        raise bad(name, f"{name} must be an integer, got {quote(v)}")
     if v < lo or (hi is not None and v > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise bad(name, f"{name} must be {bound}, got {v}")
+        raise bad(name, f"{name} must be {bound}, got {quote(v)}")
     return v
 
 
@@ -116,9 +141,9 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
     if v is None:
         return default
     if not _is_number(v):
-        raise bad(name, f"{name} must be a finite number, got {json.dumps(v)}")
+        raise bad(name, f"{name} must be a finite number, got {quote(v)}")
     if v > hi or v < lo or (lo_open and v == lo):
-        raise bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+        raise bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {quote(v)}")
     return float(v)
 
 
@@ -127,7 +152,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(name, f"{name} must be true or false, got {json.dumps(v)}")
+        raise bad(name, f"{name} must be true or false, got {quote(v)}")
     return v
 
 
@@ -137,7 +162,7 @@ def _refuse_unsupported(body: dict, table: dict) -> None:
         # False == 0 in Python: a bool only matches a bool (so "logprobs": 0 is refused)
         if v is None or any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in allowed):
             continue
-        raise bad(name, f"{name} is not supported by this server (got {json.dumps(v)})")
+        raise bad(name, f"{name} is not supported by this server (got {quote(v)})")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -151,19 +176,19 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
     if any(s == "" for s in items):
         raise bad("stop", "stop strings must not be empty")
-    return tuple(items)
+    return tuple(_text("stop" if isinstance(v, str) else f"stop[{k}]", s) for k, s in enumerate(items))
 
 
 def _common(body: dict, kind: str, prompt, model_name: str, max_context: int, max_tokens_key: str = "max_tokens"):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "model must be a string")
-    if model is not None and model != model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
-                       code="model_not_found")
+    if model is not None and _text("model", model) != model_name:
+        raise APIError(404, f"the model {quote(model)} does not exist; this server serves {quote(model_name)}",
+                       "model", code="model_not_found")
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
-        raise bad("n", f"only n = 1 is supported, got {json.dumps(n)}")
+        raise bad("n", f"only n = 1 is supported, got {quote(n)}")
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -199,7 +224,7 @@ def _completion_prompt(body: dict):
     if isinstance(p, str):
         if not p:
             raise bad("prompt", "prompt must not be empty")
-        return p
+        return _text("prompt", p)
     if isinstance(p, list) and all(_is_int(x) for x in p):
         if not p:
             raise bad("prompt", "prompt must not be empty")
@@ -211,14 +236,14 @@ def _completion_prompt(body: dict):
 
 def _content(i: int, content) -> str:
     if isinstance(content, str):
-        return content
+        return _text(f"messages[{i}].content", content)
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad(f"messages[{i}].content[{j}]", "only text content parts ({\"type\": \"text\", \"text\": ...}) "
                           "are supported")
-            parts.append(part["text"])
+            parts.append(_text(f"messages[{i}].content[{j}].text", part["text"]))
         return "".join(parts)
     raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
 
@@ -234,7 +259,7 @@ def _messages(body: dict) -> tuple[dict, ...]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "each message must be an object with role and content")
         if m.get("role") not in CHAT_ROLES:
-            raise bad(f"messages[{i}].role", f"role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(m.get('role'))}")
+            raise bad(f"messages[{i}].role", f"role must be one of {', '.join(CHAT_ROLES)}, got {quote(m.get('role'))}")
         out.append({"role": m["role"], "content": _content(i, m.get("content"))})
     return tuple(out)
 

@@ -2,9 +2,11 @@
 
 The Engine (and the tokenizer it calls) is not thread-safe, so every touch of it happens
 here: HTTP handlers put commands ("add", "abort") on a thread-safe queue, and this thread
-drains the queue between steps, tokenizes, admits, steps and hands results back to each
-request's asyncio.Queue through loop.call_soon_threadsafe. Each request has its own queue
-and events are keyed by the engine request id, so tokens cannot cross between requests.
+drains the queue between steps, admits, steps and hands results back to each request's
+asyncio.Queue through loop.call_soon_threadsafe. Prompts arrive tokenized and checked against
+the context already (prompts.py): a long prompt never holds up the batch. Each request has
+its own queue and events are keyed by the engine request id, so tokens cannot cross between
+requests.
 
 Admission control: at most max_batch + max_queue requests are in flight (decoding or
 waiting); one more is refused with 429 at once rather than left to wait unboundedly.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.serve.prometheus import ServerMetrics
-from dspark.serve.protocol import APIError, GenRequest, bad, default_max_tokens, usage
+from dspark.serve.protocol import APIError, GenRequest, bad, usage
 
 log = logging.getLogger("dspark")
 
@@ -56,8 +58,10 @@ class Failed:
 class Job:
     """One HTTP generation request as the worker sees it."""
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, t_received: float):
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, t_received: float, prompt_ids: list[int],
+                 max_tokens: int):
         self.req, self.loop, self.t_received = req, loop, t_received
+        self.prompt_ids, self.max_tokens = prompt_ids, max_tokens  # tokenized and fitted to the context
         self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
@@ -89,6 +93,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._running = 0
+        self.submitted = 0  # jobs ever handed to this thread (tests: what was refused before reaching it)
         self._jobs: dict[str, Job] = {}  # worker thread only
         self._thread: threading.Thread | None = None
         metrics.queue_depth.set_function(lambda: max(0, self._in_flight - self._running))
@@ -121,6 +126,7 @@ class EngineWorker:
                     None, type_="rate_limit_error", code="queue_full",
                 )
             self._in_flight += 1
+            self.submitted += 1
             job.in_flight = True
         self._cmds.put(("add", job))
 
@@ -133,9 +139,10 @@ class EngineWorker:
             try:
                 if not self._iteration():
                     return
-            except Exception as exc:  # the thread must outlive any bug: a dead worker hangs every request
-                log.exception("dspark serve: worker iteration failed; failing the requests in flight")
-                self._engine_failed(exc)
+            except Exception:  # the thread must outlive any bug: a dead worker hangs every request
+                log.exception("dspark serve: worker iteration failed; failing the requests in flight: %s",
+                              ", ".join(self._jobs) or "none")
+                self._engine_failed()
 
     def _iteration(self) -> bool:
         """Drain commands (blocking only when idle), then one engine step. False: stop."""
@@ -151,44 +158,20 @@ class EngineWorker:
                 return False
             try:
                 self._add(job) if kind == "add" else self._abort(job)
-            except Exception as exc:  # a bug in admission must cost one request, not the batch
+            except Exception:  # a bug in admission must cost one request, not the batch
                 log.exception("dspark serve: %s of %s failed", kind, job.id)
-                self._fail([job], f"{type(exc).__name__}: {exc}")
+                self._fail([job], "admission failed")
         if self.engine.has_work():
             self._step()
         return True
 
-    def _tokenize(self, req: GenRequest) -> list[int]:
-        if req.kind == "chat":
-            return list(self.engine.encode(list(req.prompt), chat=True))
-        if isinstance(req.prompt, tuple):
-            return list(req.prompt)
-        return list(self.engine.encode(req.prompt))
-
     def _add(self, job: Job) -> None:
-        req, eng = job.req, self.engine
+        req, ids = job.req, job.prompt_ids
         try:
-            ids = self._tokenize(req)
-            if not ids:
-                raise bad(req.prompt_param, "the prompt is empty after tokenization")
-            if max(ids) >= eng.target.vocab_size:
-                raise bad("prompt", f"prompt token id {max(ids)} is outside the vocabulary [0, {eng.target.vocab_size})")
-            ctx, reserve = eng.target.max_length, eng.gamma + 1
-            room = eng.room(len(ids))  # the engine's own admission rule
-            if room < 1:
-                raise bad(req.prompt_param, f"the prompt is {len(ids)} tokens but the model's context is {ctx} "
-                          f"tokens, {reserve} of which are reserved for the draft block: no room for any output")
-            max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens(req, room)
-            if max_tokens > room:
-                raise bad(req.max_tokens_param, f"{req.max_tokens_param} is {max_tokens}, but with a {len(ids)}-token "
-                          f"prompt and {reserve} tokens reserved for the draft block only {room} fit in the "
-                          f"model's context of {ctx}")
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+            params = SamplingParams(max_new_tokens=job.max_tokens, temperature=req.temperature, top_k=req.top_k,
                                     top_p=req.top_p, seed=req.seed, stop=req.stop)
-            job.engine_req = eng.add_request(ids, params, on_tokens=self._on_tokens, request_id=job.id)
-        except APIError as err:
-            return self._reject(job, err)
-        except DSparkError as err:  # RequestError from the engine, or a target without a chat template
+            job.engine_req = self.engine.add_request(ids, params, on_tokens=self._on_tokens, request_id=job.id)
+        except DSparkError as err:  # RequestError: the engine's own checks, a backstop to prompts.py's
             return self._reject(job, bad(req.prompt_param, str(err)))
         self._jobs[job.id] = job
         self.metrics.prompt_tokens.inc(len(ids))
@@ -230,9 +213,11 @@ class EngineWorker:
         t0 = time.perf_counter()
         try:
             finished = eng.step()
-        except Exception as exc:
-            log.exception("dspark serve: engine step failed; failing the requests in flight")
-            self._engine_failed(exc)
+        except Exception:
+            # the ids let the 500s that name them be found here (their bodies carry no details)
+            log.exception("dspark serve: engine step failed; failing the requests in flight: %s",
+                          ", ".join(self._jobs) or "none")
+            self._engine_failed()
             return
         seconds = time.perf_counter() - t0
         self._running = len(eng.running)
@@ -262,12 +247,15 @@ class EngineWorker:
         self._finish(job)
 
     def _fail(self, jobs: list[Job], why: str, status: int = 500) -> None:
+        """why: a fixed phrase. The exception behind a failure is in the log only: its text can
+        hold server internals or another request's input."""
         for job in jobs:
             if job.closed:
                 continue
             self._close(job)
             self.metrics.count("error")
-            err = APIError(status, f"generation failed: {why}")
+            where = f" (request {job.id}; the server log has the details)" if status == 500 else ""
+            err = APIError(status, f"generation failed: {why}{where}")
             err.counted = True
             job.push(Failed(err))
 
@@ -277,9 +265,9 @@ class EngineWorker:
         self.engine.reset()
         self._running = 0
 
-    def _engine_failed(self, exc: Exception) -> None:
+    def _engine_failed(self) -> None:
         self._empty_engine()
-        self._fail(list(self._jobs.values()), f"the engine failed: {type(exc).__name__}: {exc}")
+        self._fail(list(self._jobs.values()), "internal error in the engine")
 
     def _shutdown(self) -> None:
         self._empty_engine()
