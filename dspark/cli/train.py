@@ -197,32 +197,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("probe", help="what a draft's first slot could reach from given inputs (a small network, "
-                                     "minutes on a CPU; dspark/train/probe.py)")
+    p = sub.add_parser("probe", help="what a draft's first slot could reach from given inputs: a small network "
+                                     "trained on exactly them, beside a bigram and a draft on the same held-out anchors")
     _target_args(p)
     p.add_argument("--data", required=True, help=DATA_HELP)
-    p.add_argument("--heldout", required=True, help="held-out answers (the target's greedy ones), never trained on")
+    p.add_argument("--heldout", required=True,
+                   help="held-out answers (the target's greedy ones); training answers to their prompts are dropped")
     p.add_argument("--inputs", default="final,embed",
-                   help="comma list of final (post-norm last state at a-1), tap:N (input of layer N at a-1), "
-                        "embed (the anchor's embedding); default final,embed")
-    p.add_argument("--pairs", type=int, default=100_000, help="training anchors (whole sequences drawn with --seed)")
-    p.add_argument("--heldout-anchors", type=int, default=None, help="held-out anchors (default: all)")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=512)
+                   help="comma list: final (post-norm last hidden state at a-1), tap:N (input of layer N at a-1; "
+                        "N = the layer count: the last layer's output), embed (the anchor's embedding)")
+    p.add_argument("--pairs", type=int, default=100_000,
+                   help="training anchors (every anchor of whole answers drawn with --seed)")
+    p.add_argument("--heldout-anchors", type=int, default=None, help="held-out anchors, seeded (default: all)")
+    p.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
+    p.add_argument("--batch-size", "--batch", dest="batch", type=int, default=512, help="anchors per step")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=None, help="default: five passes over the pairs")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds of fitting at most")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: the time budget, or five passes over the pairs without one)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of optimization at most (the cosine decay follows the clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--features", default="online",
-                   help="'online' or a feature cache of `train fit`/`train features` holding the taps asked for "
-                        "(then --data-tokens, --data-seed and --max-seq-len must be the ones it was built with)")
-    p.add_argument("--data-tokens", type=int, default=None)
+                   help="'online' (the target runs on the drawn answers only) or a feature cache of `train "
+                        "features`/`train fit` holding the taps asked for (then --data-tokens, --data-seed and "
+                        "--max-seq-len must be the ones it was built with)")
+    p.add_argument("--data-tokens", type=int, default=None, help="draw from a seeded subset of about N answer tokens")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--draft", default=None,
                    help="a draft whose own first slot is measured on the same anchors (default: the bundled one "
                         "for smollm2); 'none' for no draft")
-    p.add_argument("--out", default=None, help="JSON file for the settings, figures and curve")
+    p.add_argument("--out", default=None, help="JSON file: settings, figures, curve, timings")
 
     p = sub.add_parser("all", help="data -> features -> fit -> export -> eval, each resumable")
     _target_args(p)
@@ -330,62 +335,101 @@ def _features(args) -> int:
 
 def _probe(args) -> int:
     from dspark.api import default_draft
+    from dspark.model.load import load_draft
     from dspark.train import probe as P
     from dspark.train.dataset import token_subset
     from dspark.train.features import CachedFeatures, OnlineFeatures
 
+    t_start = time.perf_counter()
+    cfg = P.ProbeSettings(inputs=P.parse_inputs(args.inputs), pairs=args.pairs, heldout_anchors=args.heldout_anchors,
+                          width=args.width, batch=args.batch, lr=args.lr, steps=args.steps,
+                          time_budget=args.time_budget, seed=args.seed)
+    cfg.check()  # before the target loads
     model, _ = _load(args)
-    cfg = P.ProbeSettings(inputs=tuple(x.strip() for x in args.inputs.split(",") if x.strip()), pairs=args.pairs,
-                          heldout_anchors=args.heldout_anchors, width=args.width, batch=args.batch, lr=args.lr,
-                          steps=args.steps, time_budget=args.time_budget, seed=args.seed)
     cfg.check(model.config.num_hidden_layers)
     V, H = model.get_output_embeddings().weight.shape
     seqs = load_sequences(args.data, V, args.max_seq_len)
     if args.data_tokens is not None:
         seqs = token_subset(seqs, args.data_tokens, args.data_seed)
     held = load_sequences(args.heldout, V, args.max_seq_len)
+    seqs_all = seqs
+    seqs, dropped = P.without_heldout(seqs, held)
+    if not seqs:
+        raise TrainError(f"--data {args.data}: every training answer answers a held-out prompt")
+    draft_path = None if args.draft == "none" else (args.draft or default_draft(args.target))
+    draft = None if draft_path is None else load_draft(str(draft_path), model)
     taps = cfg.taps()
+    progress = not args.quiet
     if args.features == "online":
-        train_f = OnlineFeatures(model, taps or (1,), seqs, runtime="auto")
+        train_f, train_taps = OnlineFeatures(model, taps or (1,), seqs, runtime="auto"), taps or (1,)
     else:
-        cached = json.loads((Path(args.features) / "meta.json").read_text())["taps"] if (Path(args.features) / "meta.json").exists() else []
+        if len(seqs) != len(seqs_all):
+            raise TrainError(f"--features {args.features}: {dropped} training answers answer held-out prompts; "
+                             "a cache is read by sequence index, so use --features online")
+        meta = Path(args.features) / "meta.json"
+        cached = tuple(json.loads(meta.read_text())["taps"]) if meta.exists() else ()
         missing = [t for t in taps if t not in cached]
         if missing:
-            raise TrainError(f"--features {args.features} caches taps {cached}, not {missing}")
-        train_f, taps = CachedFeatures(args.features, tuple(cached), seqs), tuple(cached)
-    held_f = OnlineFeatures(model, taps or (1,), held, runtime="auto")
-    taps = taps or (1,)
+            raise TrainError(f"--features {args.features} caches taps {list(cached)}, not {missing}")
+        train_f, train_taps = CachedFeatures(args.features, cached, seqs), cached
+    held_taps = tuple(dict.fromkeys(taps + (() if draft is None else tuple(draft.spec.hidden_state_indices)))) or (1,)
+    held_f = P.Remembered(OnlineFeatures(model, held_taps, held, runtime="auto"))
+
     picked = P.draw_sequences(seqs, cfg.pairs, cfg.seed)
     t0 = time.perf_counter()
-    train_pairs = P.collect(train_f, seqs, picked, cfg.inputs, taps, H, progress=not args.quiet)
-    held_pairs = P.collect(held_f, held, list(range(len(held))), cfg.inputs, taps, H, cfg.heldout_anchors, cfg.seed,
-                           progress=not args.quiet)
-    t_feat = time.perf_counter() - t0
+    train_pairs = P.collect(train_f, seqs, picked, cfg.inputs, train_taps, H, progress, "probe features (training)")
+    t_train_feat = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    held_pairs = P.collect(held_f, held, list(range(len(held))), cfg.inputs, held_taps, H, progress,
+                           "probe features (held-out)").sample(cfg.heldout_anchors, cfg.seed)
+    t_held_feat = time.perf_counter() - t0
+    n = len(held_pairs)
+    if not n:
+        raise TrainError(f"--heldout {args.heldout}: no answer anchor (answers of 2+ tokens are needed)")
+
     embed = model.get_input_embeddings().weight if "embed" in cfg.inputs else None
-    probe = P.Probe(train_pairs.states.shape[1], embed, model.get_output_embeddings().weight, cfg.width)
     torch.manual_seed(cfg.seed)
-    curve = P.fit(probe, train_pairs, held_pairs, cfg, progress=not args.quiet)
-    figures = {"probe": curve[-1]["heldout_top1"], "bigram": P.bigram(seqs, picked, held_pairs, V)}
-    draft_path = None if args.draft == "none" else (args.draft or default_draft(args.target))
-    if draft_path is not None:
-        eng = build_engine(EngineConfig(target=args.target, draft=str(draft_path), verify="full", check=False))
-        figures["draft"] = P.draft_first_slot(eng.draft, eng.target, held, held_pairs)
-    n = len(held_pairs.labels)
-    print(f"probe: inputs {','.join(cfg.inputs)}, {len(train_pairs.labels)} training anchors from {len(picked)} "
-          f"answers, {curve[-1]['step']} steps; {n} held-out anchors")
-    print("| first-slot agreement with the held-out next token | share | anchors |")
-    print("|---|---:|---:|")
-    names = {"probe": f"probe ({','.join(cfg.inputs)})", "bigram": "bigram of the training answers",
+    probe = P.Probe(train_pairs.states.shape[1], embed, model.get_output_embeddings().weight, cfg.width,
+                    eps=float(getattr(model.config, "rms_norm_eps", 1e-5)))
+    result = P.fit(probe, train_pairs, held_pairs, cfg, progress)
+    t0 = time.perf_counter()
+    hits = {"probe": P.agreement(probe, held_pairs)[0]}
+    t_eval = time.perf_counter() - t0
+    hits["bigram"] = P.bigram_hits(seqs, held_pairs, V)
+    hits["bigram_pairs"] = P.bigram_hits([seqs[i] for i in picked], held_pairs, V)
+    t_draft = None
+    if draft is not None:
+        t0 = time.perf_counter()
+        drafted = P.draft_slot1_tokens(draft, held_f, held_taps, H, held, held_pairs, progress=progress)
+        hits["draft"] = int((drafted == held_pairs.labels).sum())
+        t_draft = time.perf_counter() - t0
+    figures = {k: v / n for k, v in hits.items()}
+
+    names = {"probe": f"probe ({','.join(cfg.inputs)}), {result.steps} steps",
+             "bigram": f"bigram of the training answers ({len(seqs)})",
+             "bigram_pairs": f"bigram of the probe's training answers ({len(picked)})",
              "draft": f"draft {draft_path} (its own first slot)"}
-    for k, v in figures.items():
-        print(f"| {names[k]} | {v:.3f} | {round(v * n)} / {n} |")
+    held_seqs = int(held_pairs.where[:, 0].unique().numel())
+    print(f"probe: inputs {','.join(cfg.inputs)}; {len(train_pairs)} training anchors from {len(picked)} answers "
+          f"({dropped} training answers to held-out prompts dropped); {result.steps} steps, "
+          f"{result.fit_seconds:.0f} s; {n} held-out anchors of {held_seqs} answers")
+    print("| first slot: held-out anchors where the token at a+1 is named | share | anchors |")
+    print("|---|---:|---:|")
+    for k, v in hits.items():
+        print(f"| {names[k]} | {v / n:.3f} | {v} / {n} |")
     if args.out:
+        rec = {"settings": cfg.to_json(), "target": args.target, "dtype": args.dtype, "data": args.data,
+               "heldout": args.heldout, "features": args.features, "data_tokens": args.data_tokens,
+               "data_seed": args.data_seed, "max_seq_len": args.max_seq_len,
+               "draft": None if draft_path is None else str(draft_path),
+               "training_answers": len(seqs), "dropped_heldout_prompts": dropped, "probe_answers": len(picked),
+               "training_anchors": len(train_pairs), "heldout_answers": held_seqs, "heldout_anchors": n,
+               "figures": figures, "hits": hits, "steps": result.steps, "curve": result.curve,
+               "seconds": {"features_training": t_train_feat, "features_heldout": t_held_feat,
+                           "fit": result.fit_seconds, "curve_points": result.curve_seconds, "heldout_eval": t_eval,
+                           "draft": t_draft, "total": time.perf_counter() - t_start}}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": P.settings_json(cfg), "target": args.target, "data": args.data,
-                                              "heldout": args.heldout, "features": args.features,
-                                              "training_anchors": len(train_pairs.labels), "heldout_anchors": n,
-                                              "figures": figures, "curve": curve, "feature_seconds": t_feat,
-                                              "draft": None if draft_path is None else str(draft_path)}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
     return 0
 
 
