@@ -16,13 +16,22 @@ import time
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dspark.api import build_engine
 from dspark.bench.runner import side_by_side
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.engine.compare import first_difference
+from dspark.engine.marks import KINDS, TextPieces, counts
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
+
+# the page's colours (dspark/serve/static/page.css), as terminal backgrounds
+MARK_STYLE = {"accepted": "black on #c8f0c8", "corrected": "black on #ffd0c8 underline", "bonus": "black on #d6e4ff",
+              "plain": ""}
+MARK_LEGEND = {"accepted": "drafted, accepted", "corrected": "corrected by the target", "bonus": "the target's bonus",
+               "plain": "plain step"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
@@ -34,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: text and all metrics")
+    p.add_argument("--show-drafts", action="store_true",
+                   help="mark each token by origin: drafted and accepted, corrected by the target, the target's bonus "
+                        "token, or a plain step (colours in a terminal; --json: a `tokens` list)")
     p.add_argument("--compare", action="store_true", help="also decode without speculation and print the speedup")
     p.add_argument("--compare-rounds", type=int, default=3,
                    help="--compare: measured rounds after a warm-up of both arms; in each, the two arms decode "
@@ -54,9 +66,28 @@ def _streamer():
     return on_tokens
 
 
-def _timed(engine, ids, params, on_tokens=None):
+def _mark_streamer(console: Console):
+    """on_tokens callback of --show-drafts: each new token's text in its kind's colour (rich
+    drops the colours when stdout is not a terminal)."""
+    pieces = TextPieces()
+
+    def on_tokens(req, _new):
+        if req.finished:
+            return  # the rest, cut at a stop string, is printed once the request is done
+        for m in pieces.take(req):
+            console.print(Text(m.text, style=MARK_STYLE[m.kind]), end="", soft_wrap=True)
+
+    def finish(req):
+        for m in pieces.take(req):
+            console.print(Text(m.text, style=MARK_STYLE[m.kind]), end="", soft_wrap=True)
+
+    on_tokens.finish = finish
+    return on_tokens
+
+
+def _timed(engine, ids, params, on_tokens=None, marks: bool = False):
     t0 = time.perf_counter()
-    req = engine.generate(ids, params, on_tokens=on_tokens)
+    req = engine.generate(ids, params, on_tokens=on_tokens, marks=marks)
     return req, time.perf_counter() - t0
 
 
@@ -75,7 +106,11 @@ def run(args) -> int:
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         engine.generate(ids, warm)
         plain.generate(ids, warm)
-    req, elapsed = _timed(engine, ids, params, None if args.json else _streamer())
+    console = Console(highlight=False)
+    stream = None if args.json else (_mark_streamer(console) if args.show_drafts else _streamer())
+    req, elapsed = _timed(engine, ids, params, stream, marks=args.show_drafts)
+    if args.show_drafts and stream is not None:
+        stream.finish(req)
     out = {
         "text": req.text if req.text is not None else engine.decode(req.output_ids),
         "prompt_tokens": len(ids),
@@ -89,6 +124,10 @@ def run(args) -> int:
     if engine.draft is not None:
         out["layout"] = engine.draft.spec.layout
         out["metrics"] = req.metrics.to_dict()
+    if args.show_drafts:
+        out["token_kinds"] = counts(req.marks)
+        if args.json:
+            out["tokens"] = [m.to_dict() for m in TextPieces().take(req)]
     if compare:
         # the streamed run above is not timed against plain (streaming costs what plain does not pay)
         spec_tok = spec_s = plain_tok = base_s = 0
@@ -128,6 +167,13 @@ def _print_summary(out: dict) -> None:
     t = Table(title="dspark generate", show_header=False)
     t.add_row("generated tokens", str(out["generated_tokens"]))
     t.add_row("tokens/s", f"{out['tokens_per_second']:.1f}")
+    kinds = out.get("token_kinds")
+    if kinds:
+        cell = Text()
+        for k in KINDS:
+            cell.append(MARK_LEGEND[k], style=MARK_STYLE[k])
+            cell.append(f" {kinds[k]}  ")
+        t.add_row("tokens by origin", cell)
     m = out.get("metrics")
     if m:
         t.add_row("layout", out["layout"])

@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 import torch
 
 from dspark.engine.detok import Detokenizer
+from dspark.engine.marks import TokenMark, step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams, probs, sample
 from dspark.engine.scheduler import FullScheduler, VerifyPolicy
@@ -55,6 +56,8 @@ class Request:
     t_first_token: float | None = None
     t_finish: float | None = None
     detok: Detokenizer | None = None  # None: the engine has no tokenizer
+    marks: list[TokenMark] | None = None  # per output token, when asked for (engine/marks.py)
+    steps: int = 0  # decode steps run for this request (its prefill is step 0)
 
     @property
     def finished(self) -> bool:
@@ -136,7 +139,9 @@ class Engine:
         forward runs anchor + gamma drafts)."""
         return self.target.max_length - prompt_len - (self.gamma + 1)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None,
+                    marks: bool = False) -> Request:
+        """Queue a request. marks: record where each output token came from (Request.marks)."""
         if not prompt_ids:
             raise RequestError("prompt is empty")
         if params.max_new_tokens > self.room(len(prompt_ids)):
@@ -150,6 +155,8 @@ class Engine:
         if request_id is not None:
             req.id = request_id
         req.metrics = SpecMetrics(self.gamma)
+        if marks:
+            req.marks = []
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         self.waiting.append(req)
@@ -180,7 +187,7 @@ class Engine:
         first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
         batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen], pending)
         req.t_first_token = time.perf_counter()
-        self._emit(req, [first])
+        self._emit(req, [first], [TokenMark(first, "plain", 0, 0)] if req.marks is not None else None)
         return batch
 
     def _admit(self) -> None:
@@ -223,8 +230,9 @@ class Engine:
         )
 
     # ---- output --------------------------------------------------------------------------
-    def _emit(self, req: Request, tokens: list[int]) -> None:
-        """Append committed tokens up to the first stop; nothing past a stop is ever emitted."""
+    def _emit(self, req: Request, tokens: list[int], marks: list[TokenMark] | None = None) -> int:
+        """Append committed tokens up to the first stop; nothing past a stop is ever emitted.
+        Returns how many of `tokens` were kept (a stop string's cut comes later: see req.text)."""
         p, new = req.params, []
         for tok in tokens:
             new.append(tok)
@@ -235,6 +243,8 @@ class Engine:
                 req.finish_reason = "length"
                 break
         req.output_ids.extend(new)
+        if marks is not None:
+            req.marks.extend(marks[: len(new)])
         if p.stop and req.detok is not None:
             req.detok.update(req.output_ids)
             hit = req.detok.find_stop()
@@ -247,6 +257,7 @@ class Engine:
                 req.text = self.decode(req.output_ids)  # once, in full: the reference text
         if req.on_tokens is not None and new:
             req.on_tokens(req, new)
+        return len(new)
 
     def reset(self) -> None:
         """Drop every request and the batch state (after a failed step its caches are suspect)."""
@@ -273,11 +284,24 @@ class Engine:
         for observer in (self.policy, *self.observers):
             observer.observe(res, self.running)
         finished = []
+        conf = None
+        if res.conf_logits is not None and any(r.marks is not None for r in self.running):
+            conf = torch.sigmoid(res.conf_logits.float()).tolist()
         for b, req in enumerate(self.running):
+            req.steps += 1
+            committed = res.committed[b]
+            marks = None
+            if req.marks is not None:
+                marks = step_marks(req.steps, committed, res.drafted[b], res.verified[b], res.accepted[b],
+                                   res.proposed[b] if res.proposed is not None else None,
+                                   conf[b] if conf is not None else None)
+            kept = self._emit(req, committed, marks)
             if self.draft is not None:
-                req.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
-                self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
-            self._emit(req, res.committed[b])
+                # a stop (or max_new_tokens) inside the accepted drafts: count what the request got
+                acc = min(res.accepted[b], kept)
+                ver = res.verified[b] if kept == len(committed) else min(res.verified[b], kept)
+                req.metrics.record(res.drafted[b], ver, acc)
+                self.metrics.record(res.drafted[b], ver, acc)
             if req.finished:
                 finished.append(req)
         share = 1.0 / len(self.running)
@@ -314,8 +338,8 @@ class Engine:
         while self.has_work():
             self.step()
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None) -> Request:
-        req = self.add_request(prompt_ids, params, on_tokens)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, marks: bool = False) -> Request:
+        req = self.add_request(prompt_ids, params, on_tokens, marks=marks)
         while not req.finished:
             self.step()
         return req

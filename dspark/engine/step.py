@@ -63,6 +63,8 @@ class StepResult:
     # [B, g] raw confidence logits of the drafted slots (None without a confidence head), kept
     # so step observers (calibration, `dspark calibrate`) can pair them with `accepted`
     conf_logits: torch.Tensor | None = None
+    # [B][g] the drafts proposed (None when the step drafted nothing): what a rejected slot held
+    proposed: list[list[int]] | None = None
 
 
 @torch.inference_mode()
@@ -309,6 +311,7 @@ def decode_step(
     t5 = now(dev)
     batch.anchors = nxt
     nxt_ids = nxt.tolist()
+    drafts = None
     if plain_greedy:
         acc, verified, committed = [0] * B, [0] * B, [[i] for i in nxt_ids]
     else:
@@ -317,5 +320,5 @@ def decode_step(
     return StepResult(
         drafted=[g] * B, verified=verified, accepted=acc, committed=committed,
         t_draft=(t1 - t0) + (t5 - t4), t_verify=t3 - t2, t_other=(t2 - t1) + (t4 - t3),
-        conf_logits=prop.conf_logits if prop is not None else None,
+        conf_logits=prop.conf_logits if prop is not None else None, proposed=drafts if g else None,
     )

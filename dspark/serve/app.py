@@ -18,16 +18,16 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dspark.errors import DSparkError
-from dspark.serve import protocol
+from dspark.serve import page, protocol
 from dspark.serve.prometheus import ServerMetrics
 from dspark.serve.prompts import PromptEncoder
 from dspark.serve.protocol import EXTENSION, APIError, quote
-from dspark.serve.worker import Admitted, Delta, Done, EngineWorker, Failed, Job
+from dspark.serve.worker import RATE_WINDOW_S, Admitted, Delta, Done, EngineWorker, Failed, Job
 
 log = logging.getLogger("dspark")
 
@@ -165,6 +165,25 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
             return JSONResponse(APIError(503, "the engine thread is not running").body(), status_code=503)
         return {"status": "ok"}
 
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        # the page itself holds nothing secret (no key, no data): its API calls carry the key
+        return HTMLResponse(page.html(), headers=page.HEADERS)
+
+    @app.get("/static/{name}")
+    async def static(name: str):
+        if name not in page.FILES:
+            raise APIError(404, f"no such file: {quote(name)}", code="not_found")
+        return Response(page.read(name), media_type=page.FILES[name], headers=page.HEADERS)
+
+    @app.get("/v1/dspark/stats", dependencies=keyed)
+    async def stats():
+        snap = dict(worker.stats)
+        at = snap.pop("rate_at")
+        if at is None or time.perf_counter() - at > RATE_WINDOW_S:  # idle: nothing generated lately
+            snap["tokens_per_s"] = 0.0
+        return {"model": model_name, **snap}
+
     @app.get("/v1/models", dependencies=keyed)
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "dspark",
@@ -216,7 +235,7 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
                 if isinstance(ev, Done):
                     job.settled = True
                     return JSONResponse(protocol.response_body(req, job.id, job.created, model_name, ev.text,
-                                                               ev.finish_reason, ev.usage, ev.spec))
+                                                               ev.finish_reason, ev.usage, ev.spec, ev.marks))
                 if isinstance(ev, Failed):
                     job.settled = True
                     raise ev.error
@@ -237,11 +256,11 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
             while True:
                 ev = await job.events.get()
                 if isinstance(ev, Delta):
-                    yield out(text=ev.text)
+                    yield out(text=ev.text, marks=ev.marks)
                 elif isinstance(ev, Done):
                     job.settled = True
-                    if ev.tail:
-                        yield out(text=ev.tail)
+                    if ev.tail or ev.tail_marks:
+                        yield out(text=ev.tail, marks=ev.tail_marks)
                     last = protocol.chunk(req, job.id, job.created, model_name, finish=ev.finish_reason)
                     last[EXTENSION] = ev.spec  # stats reach streaming clients even without include_usage
                     yield protocol.sse(last)

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 EXTENSION = "speculative"  # response field next to `usage`: per-request speculative-decoding statistics
+MARKS = "dspark"  # opt-in request field {"marks": true}; the same field on chunks / bodies carries the marks
+MARK_OPTIONS = ("marks",)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")
@@ -94,6 +96,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk carrying usage
     max_tokens_param: str = "max_tokens"  # chat may spell it max_completion_tokens; errors name what was sent
+    marks: bool = False  # "dspark": {"marks": true}: each token's origin in the stream (docs/SERVER.md)
 
     @property
     def prompt_param(self) -> str:
@@ -156,6 +159,23 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+def _marks(body: dict) -> bool:
+    """The opt-in extension: "dspark": {"marks": true}. Anything else under "dspark" is refused
+    rather than ignored (a misspelt option would otherwise look like a server without marks)."""
+    v = body.get(MARKS)
+    if v is None:
+        return False
+    if not isinstance(v, dict):
+        raise bad(MARKS, f'{MARKS} must be an object such as {{"marks": true}}, got {quote(v)}')
+    for key in v:
+        if key not in MARK_OPTIONS:
+            raise bad(MARKS, f"{quote(key)} is not a {MARKS} option (known: {', '.join(MARK_OPTIONS)})")
+    m = v.get("marks")
+    if m is not None and not isinstance(m, bool):
+        raise bad(f"{MARKS}.marks", f"{MARKS}.marks must be true or false, got {quote(m)}")
+    return bool(m)
+
+
 def _refuse_unsupported(body: dict, table: dict) -> None:
     for name, allowed in table.items():
         v = body.get(name)
@@ -210,6 +230,7 @@ def _common(body: dict, kind: str, prompt, model_name: str, max_context: int, ma
         stream=stream,
         include_usage=include_usage,
         max_tokens_param=max_tokens_key,
+        marks=_marks(body),
     )
 
 
@@ -287,7 +308,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def response_body(req: GenRequest, rid: str, created: int, model: str, text: str, finish: str, use: dict,
-                  spec: dict | None) -> dict:
+                  spec: dict | None, marks: list[dict] | None = None) -> dict:
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish}
@@ -295,12 +316,15 @@ def response_body(req: GenRequest, rid: str, created: int, model: str, text: str
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use,
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use,
             EXTENSION: spec}
+    if marks is not None:
+        body[MARKS] = {"tokens": marks}
+    return body
 
 
 def chunk(req: GenRequest, rid: str, created: int, model: str, *, text: str | None = None, role: bool = False,
-          finish: str | None = None) -> dict:
+          finish: str | None = None, marks: list[dict] | None = None) -> dict:
     if req.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -308,7 +332,10 @@ def chunk(req: GenRequest, rid: str, created: int, model: str, *, text: str | No
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if marks is not None:  # only on requests that asked: other clients see OpenAI's chunk unchanged
+        out[MARKS] = {"tokens": marks}
+    return out
 
 
 def usage_chunk(req: GenRequest, rid: str, created: int, model: str, use: dict, spec: dict | None) -> dict:

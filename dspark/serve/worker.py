@@ -15,6 +15,7 @@ waiting); one more is refused with 429 at once rather than left to wait unbounde
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from dspark.engine.marks import TextPieces
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.serve.prometheus import ServerMetrics
@@ -39,6 +41,7 @@ class Admitted:
 @dataclass
 class Delta:
     text: str
+    marks: list[dict] | None = None  # the tokens behind `text` (requests that asked for marks)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Done:
     tail: str  # what the Delta events did not carry yet
     usage: dict
     spec: dict | None  # per-request speculative statistics; None without a draft
+    tail_marks: list[dict] | None = None  # the tokens behind `tail`
+    marks: list[dict] | None = None  # every token's mark (requests that asked for marks)
 
 
 @dataclass
@@ -72,6 +77,8 @@ class Job:
         self.closed = False
         self.started = False
         self.sent = ""  # the text already handed out as Delta events
+        self.pieces = TextPieces() if req.marks else None
+        self.marks: list[dict] = []  # every mark handed out so far
 
     def push(self, event) -> None:
         try:
@@ -81,6 +88,8 @@ class Job:
 
 
 _STOP = ("stop", None)
+RATE_WINDOW_S = 10.0  # tokens/s in the stats: over the steps of the last this many seconds
+STATS_EVERY_S = 0.25  # the stats snapshot is refreshed at most this often (the policy line costs a little)
 
 
 class EngineWorker:
@@ -96,6 +105,10 @@ class EngineWorker:
         self.submitted = 0  # jobs ever handed to this thread (tests: what was refused before reaching it)
         self._jobs: dict[str, Job] = {}  # worker thread only
         self._thread: threading.Thread | None = None
+        self._generated = 0  # tokens delivered, for the stats' rate
+        self._rate: collections.deque = collections.deque()  # (time, tokens generated so far) per step
+        self._stats_at = 0.0
+        self.stats = self._snapshot()  # replaced whole by the worker thread: readers never see it half made
         metrics.queue_depth.set_function(lambda: max(0, self._in_flight - self._running))
         metrics.running.set_function(lambda: self._running)
 
@@ -170,7 +183,8 @@ class EngineWorker:
         try:
             params = SamplingParams(max_new_tokens=job.max_tokens, temperature=req.temperature, top_k=req.top_k,
                                     top_p=req.top_p, seed=req.seed, stop=req.stop)
-            job.engine_req = self.engine.add_request(ids, params, on_tokens=self._on_tokens, request_id=job.id)
+            job.engine_req = self.engine.add_request(ids, params, on_tokens=self._on_tokens, request_id=job.id,
+                                                     marks=req.marks)
         except DSparkError as err:  # RequestError: the engine's own checks, a backstop to prompts.py's
             return self._reject(job, bad(req.prompt_param, str(err)))
         self._jobs[job.id] = job
@@ -200,13 +214,32 @@ class EngineWorker:
             job.started = True
             self.metrics.ttft.observe(time.perf_counter() - job.t_received)
         self.metrics.generation_tokens.inc(len(new))
+        self._generated += len(new)
         if r.finished:
             return  # _finish hands out the rest, cut at the stop string
+        if job.pieces is not None:
+            marks = self._take_marks(job)
+            delta = "".join(m["text"] for m in marks)
+            if delta or marks:
+                job.sent += delta
+                job.push(Delta(delta, marks))
+            return
         text = r.stream_text()  # the engine's incremental detokenizer (a stop string's start held back)
         if len(text) > len(job.sent):
             delta = text[len(job.sent):]
             job.sent += delta
             job.push(Delta(delta))
+
+    def _take_marks(self, job: Job) -> list[dict]:
+        """The marks of job's tokens committed since the last call, as the wire carries them."""
+        out = []
+        for m in job.pieces.take(job.engine_req):
+            d = m.to_dict()
+            if m.draft is not None:  # what the draft had written where the target corrected it
+                d["draft_text"] = self.engine.decode([m.draft])
+            out.append(d)
+        job.marks.extend(out)
+        return out
 
     def _step(self) -> None:
         eng = self.engine
@@ -223,8 +256,44 @@ class EngineWorker:
         self._running = len(eng.running)
         # decoded this step: those still running plus those it finished (prefill-only finishes are not returned)
         self.metrics.engine_step(eng.metrics, seconds, len(eng.running) + len(finished))
-        for job in [j for j in self._jobs.values() if j.engine_req.finished]:
+        done = [j for j in self._jobs.values() if j.engine_req.finished]
+        for job in done:
             self._finish(job)
+        now = time.perf_counter()
+        self._rate.append((now, self._generated))
+        while now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
+        if done or now - self._stats_at >= STATS_EVERY_S or not eng.has_work():
+            self._stats_at = now
+            self.stats = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        """What the page shows live: the engine's speculative counters, tokens/s over the last
+        RATE_WINDOW_S, and the verification policy's own line on why it drafts or not."""
+        eng, m = self.engine, self.engine.metrics
+        rate = 0.0
+        if len(self._rate) > 1 and self._rate[-1][0] > self._rate[0][0]:
+            (t0, n0), (t1, n1) = self._rate[0], self._rate[-1]
+            rate = (n1 - n0) / (t1 - t0)
+        summary = getattr(eng.policy, "summary", None)
+        steps = m.steps + m.plain_steps
+        return {
+            "speculative": eng.draft is not None,
+            "policy": eng.policy.name,
+            "policy_line": summary(max(1, len(eng.running))) if summary is not None and eng.draft is not None else None,
+            "gamma": m.gamma,
+            "verify_steps": m.steps,
+            "plain_steps": m.plain_steps,
+            "drafted_share": round(m.steps / steps, 4) if steps else None,
+            "mean_accept_length": round(m.mean_accept_length, 4),
+            "conditional_accept_rates": [round(x, 4) for x in m.conditional],
+            "marginal_accept_rates": [round(x, 4) for x in m.marginal],
+            "generated_tokens": self._generated,
+            "tokens_per_s": round(rate, 2),
+            "rate_at": self._rate[-1][0] if self._rate else None,
+            "running": len(eng.running),
+            "in_flight": self._in_flight,
+        }
 
     def _finish(self, job: Job) -> None:
         r = job.engine_req
@@ -236,8 +305,10 @@ class EngineWorker:
         if not text.startswith(job.sent):
             log.warning("dspark serve: %s: streamed text is not a prefix of the final text (detokenizer)", job.id)
         spec = r.metrics.to_dict() if self.engine.draft is not None else None
+        tail_marks = self._take_marks(job) if job.pieces is not None else None
         self.metrics.count(r.finish_reason)  # before the client can see the answer: /metrics never lags it
-        job.push(Done(r.finish_reason, text, text[len(job.sent):], usage(len(r.prompt_ids), len(r.output_ids)), spec))
+        job.push(Done(r.finish_reason, text, text[len(job.sent):], usage(len(r.prompt_ids), len(r.output_ids)), spec,
+                      tail_marks, job.marks if job.pieces is not None else None))
 
     def _abort(self, job: Job) -> None:
         if job.closed or job.engine_req is None:
