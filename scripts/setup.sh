@@ -34,6 +34,16 @@ if [ "${1:-}" = "--test" ]; then
   pip_install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
   pip_install "datasets>=4,<=5.1.0" "loguru>=0.7.2,<=0.7.3" aiohttp click huggingface-hub protobuf psutil \
     pydantic-settings "typer>=0.12"
+  # Debian's Chromium for the page's browser test (tests/test_page_browser.py), where apt can install
+  # it without a password; elsewhere that test skips and says why
+  if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo "sudo -n")
+    echo "installing Debian's chromium for the page's browser test"
+    DEBIAN_FRONTEND=noninteractive timeout 900 $SUDO apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
+      { DEBIAN_FRONTEND=noninteractive timeout 300 $SUDO apt-get update -q >/dev/null 2>&1 &&
+        DEBIAN_FRONTEND=noninteractive timeout 900 $SUDO apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } ||
+      echo "note: chromium could not be installed: the page's browser test will skip"
+  fi
 else
   pip_install -e .
 fi

@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
                      max_body_bytes=args.max_body_bytes)
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("WARNING: listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    log.info("dspark serve: model %r (%s) on http://%s:%d", name,
-             "speculative" if engine.draft is not None else "no draft", args.host, args.port)
+    log.info("dspark serve: model %r (%s) on http://%s:%d (the page showing each token's origin: that address "
+             "in a browser)", name, "speculative" if engine.draft is not None else "no draft", args.host, args.port)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
     if not server.started:  # uvicorn logged why (the port is taken, say)

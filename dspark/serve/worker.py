@@ -257,15 +257,16 @@ class EngineWorker:
         # decoded this step: those still running plus those it finished (prefill-only finishes are not returned)
         self.metrics.engine_step(eng.metrics, seconds, len(eng.running) + len(finished))
         done = [j for j in self._jobs.values() if j.engine_req.finished]
-        for job in done:
-            self._finish(job)
         now = time.perf_counter()
         self._rate.append((now, self._generated))
         while now - self._rate[0][0] > RATE_WINDOW_S:
             self._rate.popleft()
+        # before the answers go out: a client that reads the stats on its answer sees its own steps
         if done or now - self._stats_at >= STATS_EVERY_S or not eng.has_work():
             self._stats_at = now
             self.stats = self._snapshot()
+        for job in done:
+            self._finish(job)
 
     def _snapshot(self) -> dict:
         """What the page shows live: the engine's speculative counters, tokens/s over the last

@@ -156,9 +156,10 @@ async function send(text) {
     box.append(e);
     history.pop();
   } finally {
-    box.dataset.done = "1";
     busy = false;
     $("send").disabled = false;
+    await refreshStats();  // the answer's own steps in the panel at once, not at the next poll
+    box.dataset.done = "1";
   }
 }
 
@@ -193,12 +194,16 @@ function showStats(s) {
     : (s.policy_line || s.policy + ": drafts every step");
 }
 
-async function poll() {
+async function refreshStats() {
   try {
     showStats(await api("/v1/dspark/stats"));
   } catch (err) {
     status(String(err.message || err));
   }
+}
+
+async function poll() {
+  await refreshStats();
   setTimeout(poll, 1000);
 }
 
