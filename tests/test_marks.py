@@ -4,6 +4,7 @@ server streams it (the opt-in `dspark` extension) and `dspark generate --show-dr
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -192,7 +193,7 @@ def test_the_page_and_its_stats_respect_the_key(server):
 
 
 # ---- the terminal ---------------------------------------------------------------------------
-def test_generate_show_drafts(saved, capsys):  # noqa: F811
+def test_generate_show_drafts(saved, capsys, monkeypatch):  # noqa: F811
     target, draft = saved
     args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
             "--prompt", "Name three rivers.", "--chat", "--max-new-tokens", "16", "--no-check", "--verify", "full"]
@@ -206,3 +207,11 @@ def test_generate_show_drafts(saved, capsys):  # noqa: F811
     assert main(args + ["--show-drafts"]) == 0  # not a terminal (captured): the text, no colour codes
     text = capsys.readouterr().out
     assert text.startswith(out["text"]) and "\x1b[" not in text and "tokens by origin" in text
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a colour terminal: each kind in its colour, the same text
+    assert main(args + ["--show-drafts"]) == 0
+    coloured = capsys.readouterr().out
+    streamed = coloured.split("dspark generate")[0]  # the answer, before the summary table
+    assert re.sub(r"\x1b\[[0-9;]*m", "", streamed).rstrip().startswith(out["text"].rstrip())
+    kinds = out["token_kinds"]
+    for kind, code in (("accepted", "\x1b[30;42m"), ("corrected", "\x1b[37;41m"), ("bonus", "\x1b[30;46m")):
+        assert (code in streamed) == bool(kinds[kind]), kind

@@ -26,9 +26,9 @@ from dspark.engine.marks import KINDS, TextPieces, counts
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 
-# the page's colours (dspark/serve/static/page.css), as terminal backgrounds
-MARK_STYLE = {"accepted": "black on #c8f0c8", "corrected": "black on #ffd0c8 underline", "bonus": "black on #d6e4ff",
-              "plain": ""}
+# the page's colours (dspark/serve/static/page.css) in the 8 standard terminal colours, which every
+# colour terminal shows (rich would fold the page's pale shades into one on such a terminal)
+MARK_STYLE = {"accepted": "black on green", "corrected": "white on red", "bonus": "black on cyan", "plain": ""}
 MARK_LEGEND = {"accepted": "drafted, accepted", "corrected": "corrected by the target", "bonus": "the target's bonus",
                "plain": "plain step"}
 
