@@ -297,11 +297,13 @@ class Engine:
                                    conf[b] if conf is not None else None)
             kept = self._emit(req, committed, marks)
             if self.draft is not None:
-                # a stop (or max_new_tokens) inside the accepted drafts: count what the request got
+                # the engine's counters: what it drafted, verified and accepted (the policy's view);
+                # the request's: what it received, so a stop (or max_new_tokens) among the accepted
+                # drafts leaves the drafts past it out, and its statistics agree with its tokens
                 acc = min(res.accepted[b], kept)
                 ver = res.verified[b] if kept == len(committed) else min(res.verified[b], kept)
                 req.metrics.record(res.drafted[b], ver, acc)
-                self.metrics.record(res.drafted[b], ver, acc)
+                self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
             if req.finished:
                 finished.append(req)
         share = 1.0 / len(self.running)
