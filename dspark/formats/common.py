@@ -125,7 +125,7 @@ def get_layer_ids(cfg: dict, key: str, prefix: str = "", *, minimum: int) -> tup
 # ---------------------------------------------------------------- backbone
 
 
-def rope_from(cfg: dict, prefix: str, warnings: list[str]) -> tuple[float, dict | None]:
+def rope_from(cfg: dict, prefix: str, warnings: list[str], head_dim: int) -> tuple[float, dict | None]:
     """(rope_theta, extra rope parameters) from either transformers 5 `rope_parameters` or legacy keys."""
     params = get_dict(cfg, "rope_parameters", prefix, required=False)
     prefix_params = key_path(prefix, "rope_parameters")
@@ -154,7 +154,60 @@ def rope_from(cfg: dict, prefix: str, warnings: list[str]) -> tuple[float, dict 
         extra["rope_type"] = extra.pop("type")
     if extra is not None and extra.get("rope_type", "default") == "default":
         extra = None
+    if theta < 1:
+        # RoPE's base: below 1 a head turns faster than a radian a position, and a tiny base
+        # overflows the frequencies to inf (NaN positions, then NaN draft probabilities)
+        where = f"{prefix_params}.rope_theta" if theta_new is not None else key_path(prefix, "rope_theta")
+        raise FormatError(f"{where} must be >= 1, got {theta}")
+    if extra is not None:
+        check_rope(extra, key_path(prefix, "rope_parameters" if params else "rope_scaling"), head_dim)
     return theta, extra
+
+
+# transformers 5.19's RoPE types (its ROPE_INIT_FUNCTIONS, and "default") and the keys each one
+# requires beyond rope_type and rope_theta (it fills original_max_position_embeddings in itself).
+# A type or key it lacks fails deep inside transformers when the draft is built (a KeyError, a
+# TypeError), so the reader refuses it first, naming the key. tests/test_fuzz_files.py holds this
+# table against transformers' own.
+ROPE_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "proportional": (),
+}
+ROPE_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "low_freq_factor", "high_freq_factor")
+
+
+def check_rope(extra: dict, where: str, head_dim: int) -> None:
+    """The RoPE parameters beyond theta: a known type, its required keys, numbers where numbers go."""
+    kind = extra.get("rope_type", "default")
+    if not isinstance(kind, str) or kind not in ROPE_REQUIRED:
+        raise FormatError(f"{where}.rope_type is {kind!r}: expected one of {', '.join(ROPE_REQUIRED)}")
+    for key in ROPE_REQUIRED[kind]:
+        if extra.get(key) is None:
+            raise FormatError(f"{where}.{key} is missing (rope_type {kind!r} needs it)")
+    for key in ROPE_NUMBERS:
+        if key in extra and extra[key] is not None:
+            get_float(extra, key, where)
+    if "factor" in extra and extra["factor"] is not None and extra["factor"] < 1:
+        raise FormatError(f"{where}.factor must be >= 1 (transformers' range), got {extra['factor']}")
+    if extra.get("original_max_position_embeddings") is not None:
+        get_int(extra, "original_max_position_embeddings", where, minimum=1)
+    if extra.get("partial_rotary_factor") not in (None, 1, 1.0):
+        # dspark's draft layers rotate the whole head: a partly rotated head would not match
+        raise FormatError(f"{where}.partial_rotary_factor {extra['partial_rotary_factor']!r} is not supported "
+                          "(only 1: the whole head rotated)")
+    for key in ("short_factor", "long_factor"):
+        v = extra.get(key)
+        if v is not None and (not isinstance(v, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+            raise FormatError(f"{where}.{key} must be a list of finite numbers, got {v!r}")
+        if v is not None and len(v) != head_dim // 2:  # one per rotated frequency
+            raise FormatError(f"{where}.{key} has {len(v)} entries, expected head_dim / 2 = {head_dim // 2}")
 
 
 def parse_backbone(cfg: dict, prefix: str, *, family: str, qk_norm: bool, warnings: list[str]) -> Backbone:
@@ -179,12 +232,18 @@ def parse_backbone(cfg: dict, prefix: str, *, family: str, qk_norm: bool, warnin
     if eps is None:
         eps = 1e-6
         warnings.append(f"{key_path(prefix, 'rms_norm_eps')} absent: using 1e-06")
-    theta, rope_extra = rope_from(cfg, prefix, warnings)
+    if eps <= 0:
+        # the norm divides by sqrt(mean(x^2) + eps): a zero row (a padding mask embedding) is NaN
+        raise FormatError(f"{key_path(prefix, 'rms_norm_eps')} must be > 0, got {eps}")
+    theta, rope_extra = rope_from(cfg, prefix, warnings, head_dim)
     act_key = "hidden_act" if "hidden_act" in cfg else "hidden_activation"
     act = get_str(cfg, act_key, prefix, default=None)
     if act is None:
         act = "silu"
         warnings.append(f"{key_path(prefix, 'hidden_act')} absent: using silu")
+    if act not in ACTIVATIONS:
+        raise FormatError(f"{key_path(prefix, act_key)} is {act!r}: not an activation transformers knows "
+                          f"({', '.join(sorted(ACTIVATIONS))})")
     return Backbone(
         hidden_size=hidden,
         num_layers=get_int(cfg, "num_hidden_layers", prefix, minimum=1),
@@ -201,6 +260,16 @@ def parse_backbone(cfg: dict, prefix: str, *, family: str, qk_norm: bool, warnin
         qk_norm=qk_norm,
         family=family,
     )
+
+
+# transformers 5.19's activation names (its ACT2CLS): the draft's MLP looks hidden_act up there, and
+# a name it lacks is a KeyError when the draft is built (held against transformers' table by
+# tests/test_fuzz_files.py).
+ACTIVATIONS = frozenset({
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+    "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
+    "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
+})
 
 
 # Config classes whose __post_init__ sets sliding_window to None unless use_sliding_window is true.

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from dspark.errors import FormatError
 from dspark.formats.load import load_spec, load_weights, locate, read_config
 from dspark.formats.spec import DraftSpec
-from dspark.formats.weights import WeightsMeta, check_finite, check_shapes, check_vocab_maps
+from dspark.formats.weights import WeightsMeta, check_dtypes, check_finite, check_shapes, check_vocab_maps
 
 TARGETS = ("speculators", "deepspec")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose DSpark config this writer emits
@@ -219,6 +219,7 @@ def _check_tensors(spec: DraftSpec, tensors: dict) -> None:
         odd = sorted(set(tensors) - set(meta.infos))
         raise FormatError(f"tensors must use normalized names (no model. prefix, no verifier copies): {odd}")
     check_shapes(spec, meta)
+    check_dtypes(meta)
     for name, tensor in tensors.items():
         check_finite(name, tensor)
         check_vocab_maps(spec, name, tensor)

@@ -9,7 +9,8 @@ from pathlib import Path
 from dspark.errors import FormatError
 from dspark.formats import deepseek_v4, deepspec, specforge, speculators
 from dspark.formats.spec import DraftSpec, query_slots_for
-from dspark.formats.weights import WeightsMeta, check_shapes, check_finite, check_vocab_maps, iter_tensors
+from dspark.formats.weights import (WeightsMeta, check_dtypes, check_finite, check_shapes, check_vocab_maps,
+                                    iter_tensors)
 
 LAYOUTS = ("anchor_first", "bonus_anchor")
 # Most specific first; a file matching two of them is refused (its layout would be a guess).
@@ -34,6 +35,8 @@ def load_spec(path, layout: str | None = None, *, check_values: bool = True) -> 
     else:
         check_shapes(spec, weights)
         if check_values:
+            # with the values: `dspark doctor` reads with check_values=False and reports a dtype itself
+            check_dtypes(weights)
             for name, tensor in iter_tensors(weights):
                 _check_tensor(spec, name, tensor)
     spec = replace(spec, warnings=tuple(warnings), path=str(directory))

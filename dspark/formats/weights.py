@@ -140,9 +140,38 @@ def iter_tensors(meta: WeightsMeta):
 def check_finite(name: str, tensor) -> None:
     import torch  # heavy: see the module docstring
 
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not tensor.is_floating_point():
+        return
+    if tensor.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        tensor = tensor.float()  # torch has no isfinite for float8_e4m3fn (a NotImplementedError)
+    if not bool(torch.isfinite(tensor).all()):
         bad = int((~torch.isfinite(tensor)).sum())
         raise FormatError(f"tensor {name} holds {bad} NaN/inf value(s)")
+
+
+# Storage a draft's weights may have: what the layers compute in once cast. Anything else (integers,
+# float8) is quantised storage without its scales: cast to float it loads and runs, on numbers that
+# mean nothing. Names as safetensors writes them, and as torch does for in-memory tensors.
+FLOAT_STORAGE = frozenset({"F64", "F32", "F16", "BF16",
+                           "torch.float64", "torch.float32", "torch.float16", "torch.bfloat16"})
+INT_STORAGE = frozenset({"I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64",
+                         "torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8"})
+BOOL_STORAGE = frozenset({"BOOL", "torch.bool"})
+
+
+def check_dtypes(meta: WeightsMeta) -> None:
+    """From the header alone: weights in a float storage, d2t integer offsets, t2d a bool mask."""
+    for name in meta.names():
+        dtype = meta.infos[name].dtype
+        if name == "d2t":
+            allowed, what = INT_STORAGE, "integer offsets"
+        elif name == "t2d":
+            allowed, what = BOOL_STORAGE, "a bool mask"
+        else:
+            allowed = FLOAT_STORAGE
+            what = "F32, F16, BF16 or F64 (integers and float8 are quantised storage, without its scales)"
+        if dtype not in allowed:
+            raise FormatError(f"tensor {name} in {meta.origin} is stored as {dtype}: it must be {what}")
 
 
 def check_vocab_maps(spec: DraftSpec, name: str, tensor) -> None:

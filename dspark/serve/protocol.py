@@ -21,6 +21,8 @@ MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 QUOTE_CHARS = 64  # the most of a user-supplied value an error message repeats
+MIN_TOP_P = 1e-9  # below 1 / (any vocabulary's size): the same as any smaller top_p (see _top_p)
+MIN_TEMPERATURE = 1e-5  # the smallest temperature above 0 (vLLM's floor too; it reads smaller ones as greedy)
 
 # field -> values that mean "not used"; anything else is refused (see module docstring)
 _UNSUPPORTED_COMMON = {
@@ -150,6 +152,22 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
     return float(v)
 
 
+def _temperature(body: dict) -> float:
+    t = _number(body, "temperature", 0.0, 2.0, 1.0)
+    if 0 < t < MIN_TEMPERATURE:
+        # the logits are divided by it: below this they overflow to inf, the probabilities are NaN,
+        # and sampling fails the engine step of every request in the batch
+        raise bad("temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {quote(t)}")
+    return t
+
+
+def _top_p(body: dict) -> float:
+    # Any top_p at or below 1 / vocabulary keeps the most likely token alone, so raising a smaller
+    # one to MIN_TOP_P changes nothing, while one below float32's range (1e-300) would read as 0 in
+    # the engine's comparison, keep no token at all, and fail the engine step of the whole batch.
+    return max(_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True), MIN_TOP_P)
+
+
 def _bool(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
@@ -221,8 +239,8 @@ def _common(body: dict, kind: str, prompt, model_name: str, max_context: int, ma
         kind=kind,
         prompt=prompt,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+        temperature=_temperature(body),
+        top_p=_top_p(body),
         # -1 is vLLM's spelling of "off"
         top_k=max(0, _int(body, "top_k", -1, default=0)),
         seed=_int(body, "seed", SEED_RANGE[0], SEED_RANGE[1]),
