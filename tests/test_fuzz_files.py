@@ -35,11 +35,12 @@ from dspark.formats import common
 from dspark.formats.load import load_spec
 from dspark.model.load import load_draft
 from tests.formats_fixtures import tiny_deepspec, tiny_specforge, tiny_speculators, write_checkpoint
+from tests.fuzzing import budgets, holds
 from tests.tiny import engine_for
 
 FAST = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(FAST, max_examples=2000)
+BUDGETS = budgets(FAST)
 FAMILIES = {"deepspec": tiny_deepspec, "speculators": tiny_speculators, "specforge": tiny_specforge}
 
 
@@ -172,19 +173,10 @@ def check_config(family: str, cfg) -> None:
         outcome(d)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("family", FAMILIES)
-@FAST
-@given(data=st.data())
-def test_mutated_config(family, data):
-    check_config(family, data.draw(mutated_configs(family)))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-@SLOW
-@given(data=st.data())
-def test_mutated_config_slow(family, data):
-    check_config(family, data.draw(mutated_configs(family)))
+def test_mutated_config(family, budget):
+    holds(budget, mutated_configs(family), lambda example: check_config(family, example))
 
 
 @st.composite
@@ -208,19 +200,10 @@ def check_config_bytes(family: str, raw: bytes) -> None:
             assert "config.json" in result or "JSON" in result or "missing" in result, result
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("family", FAMILIES)
-@FAST
-@given(data=st.data())
-def test_truncated_or_corrupted_config(family, data):
-    check_config_bytes(family, data.draw(broken_config_text(family)))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-@SLOW
-@given(data=st.data())
-def test_truncated_or_corrupted_config_slow(family, data):
-    check_config_bytes(family, data.draw(broken_config_text(family)))
+def test_truncated_or_corrupted_config(family, budget):
+    holds(budget, broken_config_text(family), lambda example: check_config_bytes(family, example))
 
 
 # ---- model.safetensors -------------------------------------------------------------------------------
@@ -296,19 +279,10 @@ def check_weights(family: str, case) -> None:
             assert result != "loaded" and name in result and "stored as" in result, result
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("family", FAMILIES)
-@FAST
-@given(data=st.data())
-def test_lying_safetensors(family, data):
-    check_weights(family, data.draw(lying_files(family)))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-@SLOW
-@given(data=st.data())
-def test_lying_safetensors_slow(family, data):
-    check_weights(family, data.draw(lying_files(family)))
+def test_lying_safetensors(family, budget):
+    holds(budget, lying_files(family), lambda example: check_weights(family, example))
 
 
 @st.composite
@@ -337,10 +311,8 @@ def check_poisoned(family: str, case) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@FAST
-@given(data=st.data())
-def test_nan_and_inf_weights_are_refused(family, data):
-    check_poisoned(family, data.draw(poisoned_weights(family)))
+def test_nan_and_inf_weights_are_refused(family):
+    holds(FAST, poisoned_weights(family), lambda example: check_poisoned(family, example))
 
 
 # ---- targets the draft does not fit ---------------------------------------------------------------

@@ -31,6 +31,7 @@ from dspark.serve.protocol import APIError
 from dspark.target.hf import HFTarget
 from dspark.target.load import smollm2_dir
 from dspark.target.text import eos_ids
+from tests.fuzzing import budgets, holds
 from tests.test_serve import LiveServer
 from tests.test_serve_limits import Records
 from tests.tiny import tiny_draft
@@ -38,7 +39,7 @@ from tests.tiny import tiny_draft
 MODEL, CONTEXT = "tiny", 128
 FAST = settings(max_examples=80, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(FAST, max_examples=2000)
+BUDGETS = budgets(FAST)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -130,32 +131,15 @@ def parse_outcome(raw: bytes, route: str) -> str:
     return "parsed"
 
 
-@FAST
-@given(case=st.one_of(requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)))
-def test_parse_any_body(case):
-    route, body = case
-    parse_outcome(encoded(body), route)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parse_any_body(budget):
+    holds(budget, st.one_of(requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)),
+          lambda case: parse_outcome(encoded(case[1]), case[0]))
 
 
-@FAST
-@given(raw=RAW_BYTES, route=st.sampled_from(ROUTES))
-def test_parse_any_bytes(raw, route):
-    parse_outcome(raw, route)
-
-
-@pytest.mark.slow
-@SLOW
-@given(case=st.one_of(requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)))
-def test_parse_any_body_slow(case):
-    route, body = case
-    parse_outcome(encoded(body), route)
-
-
-@pytest.mark.slow
-@SLOW
-@given(raw=RAW_BYTES, route=st.sampled_from(ROUTES))
-def test_parse_any_bytes_slow(raw, route):
-    parse_outcome(raw, route)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parse_any_bytes(budget):
+    holds(budget, st.tuples(RAW_BYTES, st.sampled_from(ROUTES)), lambda case: parse_outcome(*case))
 
 
 # ---- a live server -------------------------------------------------------------------------------------
@@ -230,12 +214,14 @@ def no_tracebacks(records: Records) -> None:
     assert not bad, [r.getMessage() for r in bad]
 
 
-@FAST
-@given(case=st.one_of(requests(), requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)))
-def test_the_server_answers_any_body(live, records, case):
-    route, body = case
-    served_outcome(live, encoded(body), route)
-    no_tracebacks(records)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_the_server_answers_any_body(live, records, budget):
+    def check(case):
+        route, body = case
+        served_outcome(live, encoded(body), route)
+        no_tracebacks(records)
+
+    holds(budget, st.one_of(requests(), requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)), check)
 
 
 @FAST
@@ -249,15 +235,6 @@ def test_the_server_answers_any_bytes(live, records, raw, route, content_type):
     status = served_outcome(live, raw, route, content_type)
     if route in ("/v1/models", "/health"):
         assert status == 405  # GET routes
-    no_tracebacks(records)
-
-
-@pytest.mark.slow
-@SLOW
-@given(case=st.one_of(requests(), requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)))
-def test_the_server_answers_any_body_slow(live, records, case):
-    route, body = case
-    served_outcome(live, encoded(body), route)
     no_tracebacks(records)
 
 

@@ -68,20 +68,19 @@ def _streamer():
 
 def _mark_streamer(console: Console):
     """on_tokens callback of --show-drafts: each new token's text in its kind's colour (rich
-    drops the colours when stdout is not a terminal)."""
+    drops the colours when stdout is not a terminal). Its `finish(req)` prints the rest once the
+    request is done (cut at a stop string)."""
     pieces = TextPieces()
 
+    def show(req):
+        for m in pieces.take(req):
+            console.print(Text(m.text, style=MARK_STYLE[m.kind]), end="", soft_wrap=True)
+
     def on_tokens(req, _new):
-        if req.finished:
-            return  # the rest, cut at a stop string, is printed once the request is done
-        for m in pieces.take(req):
-            console.print(Text(m.text, style=MARK_STYLE[m.kind]), end="", soft_wrap=True)
+        if not req.finished:
+            show(req)
 
-    def finish(req):
-        for m in pieces.take(req):
-            console.print(Text(m.text, style=MARK_STYLE[m.kind]), end="", soft_wrap=True)
-
-    on_tokens.finish = finish
+    on_tokens.finish = show
     return on_tokens
 
 

@@ -14,7 +14,7 @@ forming go to the token that released them; tokens past a stop string's cut add 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dspark.engine.detok import Detokenizer
 
@@ -73,21 +73,16 @@ class TextPieces:
         new = []
         for i in range(self.done, len(marks)):
             self.detok.update(ids[: i + 1])
-            if final is None:
-                shown = self.detok.streamable()
-                upto = len(shown)
+            if final is None:  # while decoding: what the stream may show (a stop string's start held back)
+                text, upto = self.detok.text, len(self.detok.streamable())
             else:  # the final text, cut at a stop string; its last token takes whatever is left
-                shown = final
+                text = final
                 upto = len(final) if i == len(marks) - 1 else min(len(self.detok.text), len(final))
-            piece = shown[self.chars:upto] if upto > self.chars else ""
+            piece = text[self.chars:upto]
             self.chars += len(piece)
-            new.append(_with_text(marks[i], piece))
+            new.append(replace(marks[i], text=piece))
         self.done = len(marks)
         return new
-
-
-def _with_text(mark: TokenMark, text: str) -> TokenMark:
-    return TokenMark(mark.token, mark.kind, mark.step, mark.slot, mark.confidence, mark.draft, text)
 
 
 def counts(marks: list[TokenMark]) -> dict[str, int]:

@@ -52,7 +52,7 @@ class Done:
     usage: dict
     spec: dict | None  # per-request speculative statistics; None without a draft
     tail_marks: list[dict] | None = None  # the tokens behind `tail`
-    marks: list[dict] | None = None  # every token's mark (requests that asked for marks)
+    marks: list[dict] | None = None  # every token's mark (non-streamed requests that asked for marks)
 
 
 @dataclass
@@ -78,7 +78,8 @@ class Job:
         self.started = False
         self.sent = ""  # the text already handed out as Delta events
         self.pieces = TextPieces() if req.marks else None
-        self.marks: list[dict] = []  # every mark handed out so far
+        # every mark so far, for a non-streamed body (a stream has handed them out already)
+        self.marks: list[dict] | None = [] if req.marks and not req.stream else None
 
     def push(self, event) -> None:
         try:
@@ -238,7 +239,8 @@ class EngineWorker:
             if m.draft is not None:  # what the draft had written where the target corrected it
                 d["draft_text"] = self.engine.decode([m.draft])
             out.append(d)
-        job.marks.extend(out)
+        if job.marks is not None:
+            job.marks.extend(out)
         return out
 
     def _step(self) -> None:
@@ -309,7 +311,7 @@ class EngineWorker:
         tail_marks = self._take_marks(job) if job.pieces is not None else None
         self.metrics.count(r.finish_reason)  # before the client can see the answer: /metrics never lags it
         job.push(Done(r.finish_reason, text, text[len(job.sent):], usage(len(r.prompt_ids), len(r.output_ids)), spec,
-                      tail_marks, job.marks if job.pieces is not None else None))
+                      tail_marks, job.marks))
 
     def _abort(self, job: Job) -> None:
         if job.closed or job.engine_req is None:
