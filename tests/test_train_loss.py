@@ -94,8 +94,12 @@ def test_valid_and_sampled_anchors():
         make_blocks(ids, m, torch.tensor([0]), layout="anchor_first", gamma=2, mask_token_id=MASK)
 
 
-def _rows(logits, target, labels, conf, weight):
-    return RowOutputs(logits, conf, target, torch.arange(len(labels)), labels, weight, torch.zeros(len(labels), 2, dtype=torch.long))
+def _rows(logits, target, labels, conf, weight, draft_ids=None):
+    """Rows whose target distribution is softmax(target) over the whole vocabulary."""
+    logp = F.log_softmax(target, -1)
+    logp = logp if draft_ids is None else logp[:, draft_ids]
+    return RowOutputs(logits, conf, logp, target.argmax(-1), torch.arange(len(labels)), labels, weight,
+                      torch.zeros(len(labels), 2, dtype=torch.long), draft_ids)
 
 
 def test_confidence_label_is_one_minus_half_l1():
@@ -180,8 +184,10 @@ def test_target_distribution_of_a_row_is_the_target_at_the_previous_position():
             head = model.get_output_embeddings()(final)
         pos = [a + 1 + i for a in (5, 8) for i in range(3) if a + 1 + i < L]
         assert out.labels.tolist() == ids[pos].tolist()
-        assert torch.allclose(out.target_logits[out.target_index], head[[p - 1 for p in pos]])
-        assert out.target_logits.shape[0] == len(set(pos))  # one target row per distinct position
+        want = F.log_softmax(head[[p - 1 for p in pos]], -1)
+        assert torch.allclose(out.target_logp[out.target_index], want, atol=1e-5)
+        assert out.target_top[out.target_index].tolist() == want.argmax(-1).tolist()
+        assert out.target_logp.shape[0] == len(set(pos))  # one target row per distinct position
 
 
 def test_reduced_vocab_l1_counts_target_mass_outside_and_ce_skips_missing_labels():
@@ -192,8 +198,7 @@ def test_reduced_vocab_l1_counts_target_mass_outside_and_ce_skips_missing_labels
     logits = torch.randn(3, ids.numel(), requires_grad=True)
     target = torch.randn(3, V)
     labels = torch.tensor([2, 5, 7])  # 5 is outside the draft vocabulary
-    out = _rows(logits, target, labels, torch.zeros(3), torch.ones(3))
-    out.draft_ids = ids
+    out = _rows(logits, target, labels, torch.zeros(3), torch.ones(3), draft_ids=ids)
     ce, l1, _, label = row_terms(out)
     q_full = torch.zeros(3, V)
     q_full[:, ids] = F.softmax(logits, -1)
@@ -217,3 +222,71 @@ def test_draft_vocab_selection_ranks_answer_then_prompt_tokens():
     assert select_draft_vocab(s, 10, 6).tolist() == [1, 5, 6, 7, 8, 9]  # then prompt tokens by count
     ids = select_draft_vocab(s, 10, 6)
     assert (d2t_offsets(ids) + torch.arange(6)).tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("group", [32, 3])
+def test_blocks_of_one_sequence_attended_together_equal_each_block_on_its_own_context(group, monkeypatch):
+    """Training runs every block of a sequence as one masked attention over that sequence's
+    context (and several sequences padded together): each block must get exactly the states,
+    and the weights exactly the gradients, it gets run alone on its own copy of the context.
+    A sliding-window causal layer and a full bidirectional one; group 3 splits a sequence's
+    blocks over several attention groups."""
+    import dataclasses
+
+    from dspark.formats.spec import LayerAttention
+    from dspark.model import draft as draft_mod
+
+    monkeypatch.setattr(draft_mod, "GROUP_BLOCKS", group)
+    torch.set_num_threads(1)
+    model = tiny_target()
+    base = tiny_draft(model, num_layers=2, gamma=3)
+    spec = dataclasses.replace(base.spec, layer_attention=(LayerAttention(4, True), LayerAttention(None, False)))
+    draft = draft_mod.DSparkDraft(spec)
+    draft.load_state_dict(base.state_dict())
+    n_taps = len(spec.hidden_state_indices)
+    lengths = [12, 9, 15]
+    taps = torch.zeros(3, 15, 64 * n_taps)
+    for r, L in enumerate(lengths):
+        taps[r, :L] = torch.randn(L, 64 * n_taps)
+    anchors = [torch.tensor([1, 4, 5, 9]), torch.tensor([3, 7]), torch.tensor([2, 6, 8, 11, 13])]
+    seq = torch.cat([torch.full((a.numel(),), r) for r, a in enumerate(anchors)])
+    anchor = torch.cat(anchors)
+    ids = torch.randint(4, 90, (anchor.numel(), spec.query_slots))
+
+    def run(together: bool):
+        draft.zero_grad()
+        ctx = draft.context_kv(taps, torch.arange(15)[None].expand(3, -1))
+        if together:
+            h = draft(ids, ctx, anchor, seq)
+        else:
+            h = torch.cat([draft(ids[i:i + 1], [type(kv)(kv.k[seq[i]][None], kv.v[seq[i]][None]) for kv in ctx],
+                                 anchor[i:i + 1]) for i in range(anchor.numel())])
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        return h.detach(), {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+    h1, g1 = run(True)
+    h0, g0 = run(False)
+    assert torch.allclose(h1, h0, atol=1e-5)
+    assert set(g1) == set(g0) and all(torch.allclose(g1[k], g0[k], atol=1e-4) for k in g0)
+
+
+def test_the_target_head_computes_each_positions_full_vocabulary_once_and_agrees_without_its_memo():
+    from dspark.train.loss import TargetHead
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=True)
+    calls = []
+    head.register_forward_hook(lambda _m, inp, _o: calls.append(inp[0].shape[0]))
+    ids = torch.tensor([1, 5, 6, 20, 33])
+    final = torch.randn(10, 16)
+    memo = TargetHead(head, ids, positions=10)
+    plain = TargetHead(head, ids)
+    for keys, new in ((torch.tensor([0, 3, 4]), 3), (torch.tensor([3, 4, 7, 9]), 2), (torch.tensor([0, 9]), 0)):
+        with torch.no_grad():
+            want_logp, want_top = F.log_softmax(head(final[keys]), -1)[:, ids], head(final[keys]).argmax(-1)
+        calls.clear()
+        got = memo(final[keys], keys)
+        assert sum(calls) == new  # the whole vocabulary runs only on keys not seen before
+        assert torch.allclose(got[0], want_logp, atol=1e-5) and got[1].tolist() == want_top.tolist()
+        assert torch.allclose(plain(final[keys])[0], want_logp, atol=1e-5)
+    assert int(memo.lse.isnan().sum()) == 10 - 5  # keys 0, 3, 4, 7, 9 and no other

@@ -75,6 +75,9 @@ def _draft_args(p) -> None:
     g.add_argument("--layout", default="anchor_first", choices=LAYOUTS)
     g.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--kv-heads", type=int, default=None,
+                   help="draft key/value heads (default: the target's); the values a context position passes "
+                        "to the block are kv-heads x head_dim wide")
     g.add_argument("--taps", type=_int_tuple, default=None, help="HF hidden_states indices, e.g. 2,15,28")
     g.add_argument("--n-taps", type=int, default=3, help="taps spread over the depth when --taps is not given")
     g.add_argument("--markov-rank", type=int, default=64, help="0 = no Markov head (DFlash-style ablation)")
@@ -434,7 +437,7 @@ def _probe(args) -> int:
 
 
 def _config(args, data: str, heldout: str | None, features: str, out: str):
-    d = DraftOptions(gamma=args.gamma, layout=args.layout, num_layers=args.layers, intermediate_size=args.intermediate_size,
+    d = DraftOptions(gamma=args.gamma, layout=args.layout, num_layers=args.layers, intermediate_size=args.intermediate_size, kv_heads=args.kv_heads,
                      taps=args.taps, n_taps=args.n_taps, markov_rank=args.markov_rank, markov_head_type=args.markov_type,
                      confidence_head=not args.no_confidence_head, mask_token_id=args.mask_token_id,
                      draft_vocab=args.draft_vocab)

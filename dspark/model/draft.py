@@ -24,6 +24,7 @@ from dspark.ragged import merge_rows
 BORROWABLE = ("embed_tokens.weight", "lm_head.weight")
 
 
+GROUP_BLOCKS = 32  # blocks of one context row attended together: past this the masked-out cross-block scores cost more than a context copy
 CONTEXT_CHUNK = 256  # context capacity grows in multiples of this (doubling): growth copies are rare
 
 
@@ -177,40 +178,74 @@ class DSparkDraft(nn.Module):
         cos, sin = self.rope(positions, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def _masks(self, ctx_len: torch.Tensor, T: int, S: int) -> list[torch.Tensor]:
-        """One [N, 1, S, T+S] bool mask per layer from spec.layer_attention."""
-        j = torch.arange(T, device=ctx_len.device)
+    def _masks(self, anchors: torch.Tensor, T: int, S: int) -> list[torch.Tensor]:
+        """One [G, 1, n*S, T + n*S] bool mask per layer (spec.layer_attention) for groups of n
+        blocks of S rows laid end to end, anchors [G, n]: a row sees its own block's context prefix
+        (positions < its anchor, within a sliding window if the layer has one) and its own block's
+        rows (causally if the layer is causal), never another block."""
+        G, n = anchors.shape
+        dev = anchors.device
+        j = torch.arange(T, device=dev)
+        a = anchors.repeat_interleave(S, dim=1)[..., None]  # [G, nS, 1]: each row's anchor
+        blk = torch.arange(n, device=dev).repeat_interleave(S)
+        slot = torch.arange(S, device=dev).repeat(n)
+        same = blk[:, None] == blk[None, :]  # [nS, nS]
         cache: dict[tuple, torch.Tensor] = {}
         out = []
         for att in self.spec.layer_attention:
             key = (att.sliding_window, att.causal)
             if key not in cache:
-                ctx_ok = j[None, :] < ctx_len[:, None]  # [N, T]
+                ctx_ok = j[None, None, :] < a  # [G, nS, T]
                 if att.sliding_window is not None:
-                    ctx_ok = ctx_ok & (j[None, :] >= ctx_len[:, None] - att.sliding_window)
-                blk = torch.ones(S, S, dtype=torch.bool, device=ctx_len.device)
-                if att.causal:
-                    blk = torch.tril(blk)
-                ctx_part = ctx_ok[:, None, None, :].expand(-1, 1, S, T)
-                blk_part = blk[None, None].expand(ctx_len.shape[0], 1, S, S)
-                cache[key] = torch.cat([ctx_part, blk_part], dim=-1)
+                    ctx_ok = ctx_ok & (j[None, None, :] >= a - att.sliding_window)
+                own = same & (slot[None, :] <= slot[:, None]) if att.causal else same
+                cache[key] = torch.cat([ctx_ok, own[None].expand(G, -1, -1)], dim=-1)[:, None]
             out.append(cache[key])
         return out
 
-    def forward(self, block_ids: torch.Tensor, ctx: list[LayerKV], ctx_len: torch.Tensor) -> torch.Tensor:
-        """block_ids [N, S] (row 0 = anchor, then MASK), ctx K/V [N or 1, kv, T, D], ctx_len [N].
+    def forward(self, block_ids: torch.Tensor, ctx: list[LayerKV], ctx_len: torch.Tensor,
+                seq: torch.Tensor | None = None) -> torch.Tensor:
+        """block_ids [N, S] (row 0 = anchor, then MASK), ctx K/V [B, kv, T, D], ctx_len [N] (each
+        block's anchor position), seq [N]: the row of ctx each block reads (default: its own when
+        B == N, else row 0).
 
         Returns the post-norm block states h [N, S, H]: what lm_head, the Markov head and the
-        confidence head read.
+        confidence head read. Blocks that read the same context row run as one attention of up to
+        GROUP_BLOCKS blocks, each masked to its own rows and context prefix, so training's hundreds
+        of blocks per sequence read that sequence's K/V once instead of each a copy of it.
         """
         N, S = block_ids.shape
-        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
-        positions = ctx_len[:, None] + torch.arange(S, device=block_ids.device)[None, :]
+        B = ctx[0].k.shape[0]
+        dev = block_ids.device
+        if seq is None:
+            seq = torch.arange(N, device=dev) if B == N else torch.zeros(N, dtype=torch.long, device=dev)
+        seq = seq.to(dev)
+        # groups: each context row's blocks, in order, cut into runs of at most GROUP_BLOCKS
+        order = torch.argsort(seq, stable=True)
+        counts = torch.bincount(seq, minlength=B)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(seq)
+        rank[order] = torch.arange(N, device=dev) - first[seq[order]]
+        per_row = (counts + GROUP_BLOCKS - 1) // GROUP_BLOCKS  # groups of each context row
+        group_base = torch.cumsum(per_row, 0) - per_row
+        group = group_base[seq] + rank // GROUP_BLOCKS
+        place = rank % GROUP_BLOCKS
+        n_groups = int(per_row.sum())
+        n = int(min(GROUP_BLOCKS, int(counts.max())))
+        group_row = torch.repeat_interleave(torch.arange(B, device=dev), per_row)  # [G] context row of each group
+        ids = block_ids.new_full((n_groups, n, S), self.spec.mask_token_id)
+        ids[group, place] = block_ids
+        anchors = ctx_len.new_zeros(n_groups, n)  # padding blocks: anchor 0, no context, only themselves
+        anchors[group, place] = ctx_len.to(dev)
+        if n_groups != B or not bool((group_row == torch.arange(B, device=dev)).all()):
+            ctx = [LayerKV(kv.k[group_row], kv.v[group_row]) for kv in ctx] if B > 1 else ctx
+        x = self.embed_tokens(ids.view(n_groups, n * S)).to(self.fc.weight.dtype)
+        positions = (anchors[..., None] + torch.arange(S, device=dev)).view(n_groups, n * S)
         cos, sin = self.rope(positions, x.dtype)
-        masks = self._masks(ctx_len, ctx[0].k.shape[2], S)
+        masks = self._masks(anchors, ctx[0].k.shape[2], S)
         for layer, kv, mask in zip(self.layers, ctx, masks):
             x = layer(x, kv, mask, cos, sin)
-        return self.norm(x)
+        return self.norm(x).view(n_groups, n, S, -1)[group, place]
 
     def block_states(self, anchors: torch.Tensor, ctx: ContextCache, rows: int | None = None) -> torch.Tensor:
         """Decoding's forward of the block [anchor, MASK, ...] (anchors [N]) over a context cache ->

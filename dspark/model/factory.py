@@ -5,6 +5,7 @@ Defaults suit small targets; DeepSpec's own heads use 5 taps spread from layer 1
 
 from __future__ import annotations
 
+from dspark.errors import FormatError
 from dspark.formats.spec import Backbone, DraftSpec, LayerAttention, query_slots_for
 
 
@@ -29,6 +30,7 @@ def make_spec(
     confidence_head: bool = True,
     mask_token_id: int = 0,
     intermediate_size: int | None = None,
+    num_key_value_heads: int | None = None,
     verifier: str | None = None,
     draft_vocab_size: int | None = None,
 ) -> DraftSpec:
@@ -36,7 +38,9 @@ def make_spec(
     c = target_config
     H = c.hidden_size
     heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
+    kv = num_key_value_heads or getattr(c, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise FormatError(f"draft key/value heads {kv} must divide its {heads} attention heads")
     head_dim = getattr(c, "head_dim", None) or H // heads
     rope = getattr(c, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))

@@ -32,6 +32,7 @@ class DraftOptions:
     layout: str = "anchor_first"
     num_layers: int = 2
     intermediate_size: int | None = None  # None: the target's
+    kv_heads: int | None = None  # None: the target's (each context position passes kv_heads * head_dim values)
     taps: tuple[int, ...] | None = None  # HF hidden_states indices; None: n_taps spread over the depth
     n_taps: int = 3
     markov_rank: int = 64  # 0: no Markov head (DFlash-style ablation)
@@ -59,6 +60,8 @@ class DraftOptions:
         if self.draft_vocab is not None and not 1 <= self.draft_vocab < vocab_size:
             raise TrainError(f"--draft-vocab must lie in [1, {vocab_size}) (leave it out for the full vocabulary), "
                              f"got {self.draft_vocab}")
+        if self.kv_heads is not None and self.kv_heads < 1:
+            raise TrainError(f"--kv-heads must be >= 1, got {self.kv_heads}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise TrainError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
 
@@ -181,6 +184,7 @@ def draft_spec(cfg: TrainConfig, target_config, verifier: str | None = None):
         confidence_head=d.confidence_head,
         mask_token_id=d.mask_token_id,
         intermediate_size=d.intermediate_size,
+        num_key_value_heads=d.kv_heads,
         verifier=verifier,
         draft_vocab_size=d.draft_vocab,
     )

@@ -17,8 +17,9 @@ from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, r
 
 
 @torch.no_grad()
-def evaluate(draft, features, seqs, lm_head, *, max_anchors: int, weights: LossWeights, seed: int = 0,
+def evaluate(draft, features, seqs, target, *, max_anchors: int, weights: LossWeights, seed: int = 0,
              head_weight=None) -> dict:
+    """target: a TargetHead over `seqs` laid end to end (its memo keys), or the target's LM head."""
     spec = draft.spec
     g = spec.gamma
     was_training = draft.training
@@ -26,7 +27,10 @@ def evaluate(draft, features, seqs, lm_head, *, max_anchors: int, weights: LossW
     gen = torch.Generator().manual_seed(seed)
     match, accept, conf = [], [], []
     loss = ce = l1 = bce = wsum = 0.0
+    offset = 0
     for i, seq in enumerate(seqs):
+        keys = torch.arange(offset, offset + len(seq.ids))
+        offset += len(seq.ids)
         anchors = valid_anchors(seq.loss_mask)
         if anchors.numel() == 0:
             continue
@@ -43,12 +47,12 @@ def evaluate(draft, features, seqs, lm_head, *, max_anchors: int, weights: LossW
         taps, final = features.get([i])[0]
         dev = draft.fc.weight.device
         ctx = draft.context_kv(taps[None].to(dev, draft.fc.weight.dtype), torch.arange(len(seq.ids), device=dev)[None])
-        out = draft_rows(draft, ctx, blocks, seq.ids, final, lm_head, head_weight)
+        out = draft_rows(draft, ctx, blocks, seq.ids, final, target, head_weight, keys=keys)
         terms = row_terms(out)
         acc = terms[3]
         s = loss_sums(out, weights, terms)
         loss, ce, l1, bce, wsum = loss + float(s.total), ce + s.ce, l1 + s.l1, bce + s.conf, wsum + s.weight
-        match.append((out.draft_argmax() == out.target_logits.argmax(-1)[out.target_index]).view(-1, g).cpu())
+        match.append((out.draft_argmax() == out.target_top[out.target_index]).view(-1, g).cpu())
         accept.append(acc.view(-1, g).cpu())
         if out.conf_logits is not None:
             conf.append((torch.sigmoid(out.conf_logits) - acc).abs().view(-1, g).cpu())

@@ -121,14 +121,53 @@ def pack_blocks(blocks: list[Blocks], lengths: list[int]) -> tuple[Blocks, torch
     return Blocks(cat("anchors"), cat("block_ids"), cat("prev_ids"), label_pos, cat("slot_valid"), blocks[0].decay), seq
 
 
+class TargetHead:
+    """The frozen target's distribution at the positions a batch predicts: log-probabilities over
+    the draft's vocabulary (normalised over the target's whole vocabulary) and the target's argmax.
+
+    With a reduced draft vocabulary a step needs only its columns of the target's head, plus each
+    position's whole-vocabulary normaliser and argmax. Given `positions` (how many distinct keys
+    the caller will use), those two are computed the first time a key is seen and kept, so later
+    visits of a position (every epoch, every overlapping block) cost Vd / V of the full head."""
+
+    def __init__(self, lm_head, draft_ids: torch.Tensor | None = None, positions: int = 0):
+        self.lm_head, self.draft_ids = lm_head, draft_ids
+        w = lm_head.weight.detach()
+        bias = getattr(lm_head, "bias", None)
+        self.rows = None if draft_ids is None else w[draft_ids.to(w.device)]
+        self.row_bias = None if draft_ids is None or bias is None else bias.detach()[draft_ids.to(w.device)]
+        self.lse = torch.full((positions,), float("nan")) if positions and draft_ids is not None else None
+        self.top = torch.full((positions,), -1, dtype=torch.long) if self.lse is not None else None
+
+    @torch.no_grad()
+    def __call__(self, final: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """final [U, H] post-norm target states, keys [U] their memo keys -> (logp [U, Vd], top [U])."""
+        x = final.to(self.lm_head.weight.dtype)
+        if self.rows is None:
+            z = self.lm_head(x).float()
+            return F.log_softmax(z, dim=-1), z.argmax(-1)
+        part = F.linear(x, self.rows, self.row_bias).float()
+        if self.lse is None or keys is None:
+            z = self.lm_head(x).float()
+            return part - z.logsumexp(-1, keepdim=True), z.argmax(-1)
+        keys = keys.cpu()
+        new = self.lse[keys].isnan().nonzero().squeeze(-1)
+        if new.numel():
+            z = self.lm_head(x[new.to(x.device)]).float()
+            self.lse[keys[new]] = z.logsumexp(-1).cpu()
+            self.top[keys[new]] = z.argmax(-1).cpu()
+        return part - self.lse[keys].to(part.device)[:, None], self.top[keys].to(part.device)
+
+
 @dataclass
 class RowOutputs:
     """Draft outputs on the weighted rows of a batch of blocks (flattened)."""
 
-    logits: torch.Tensor  # [M, V] fp32 Markov-corrected draft logits (the q that decoding samples from)
+    logits: torch.Tensor  # [M, Vd] fp32 Markov-corrected draft logits (the q that decoding samples from)
     conf_logits: torch.Tensor | None  # [M]
-    target_logits: torch.Tensor  # [U, V] fp32, one per distinct predicted position
-    target_index: torch.Tensor  # [M] row -> its entry of target_logits
+    target_logp: torch.Tensor  # [U, Vd] fp32 target log-probabilities over the draft vocabulary, one per distinct position
+    target_top: torch.Tensor  # [U] the target's argmax there (a target id, maybe outside the draft vocabulary)
+    target_index: torch.Tensor  # [M] row -> its entry of target_logp
     labels: torch.Tensor  # [M] data tokens
     weight: torch.Tensor  # [M]
     rows: torch.Tensor  # [M, 2] (block, row) of each output
@@ -140,19 +179,22 @@ class RowOutputs:
         return top if self.draft_ids is None else self.draft_ids[top]
 
 
-def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: torch.Tensor, lm_head,
-               head_weight: torch.Tensor | None = None) -> RowOutputs:
+def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: torch.Tensor, target,
+               head_weight: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+               keys: torch.Tensor | None = None) -> RowOutputs:
     """Run the draft on all blocks of one sequence (or of several, see pack_blocks); keep the rows
     that carry weight.
 
-    ctx_kv: draft.context_kv of the whole sequence (one entry per position, masked per anchor),
-    batch 1, or one row per block;
-    final_hidden [L, H]: the target's post-norm last hidden states; lm_head maps them to logits.
+    ctx_kv: draft.context_kv of the sequences (one entry per position, masked per anchor), one row
+    per sequence, seq [N] the row of each block (None: row 0, or each block its own row);
+    final_hidden [L, H]: the target's post-norm last hidden states; target: a TargetHead (or the
+    target's LM head module) that maps them to the target's distribution; keys [L]: each
+    position's key in the TargetHead's memo.
     head_weight: a low-precision copy of the draft's frozen (borrowed) LM head. Its matmul is most
     of the training FLOPs, and a bf16 target runs the draft head in bf16 at decode time anyway.
     """
     dev = draft.fc.weight.device
-    h = draft(blocks.block_ids.to(dev), ctx_kv, blocks.anchors.to(dev))  # [N, S, H]
+    h = draft(blocks.block_ids.to(dev), ctx_kv, blocks.anchors.to(dev), seq)  # [N, S, H]
     prev_emb, bias = None, None
     if draft.markov_head is not None:
         bias, prev_emb = draft.markov_head.block_bias(blocks.prev_ids.to(dev), h)
@@ -173,19 +215,22 @@ def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: t
     if bias is not None:
         logits = logits + pick(bias).float()
     label_pos = blocks.label_pos.to(dev)[b, r]
-    # Overlapping blocks predict the same positions many times: run the target head once per position.
+    draft_ids = None if draft.d2t is None else draft.to_target_ids(torch.arange(draft.d2t.numel(), device=dev))
+    if not isinstance(target, TargetHead):
+        target = TargetHead(target, draft_ids)
+    # Overlapping blocks predict the same positions many times: the target head runs once per position.
     positions, index = torch.unique(label_pos - 1, return_inverse=True)
-    with torch.no_grad():
-        target = lm_head(final_hidden.to(dev)[positions].to(lm_head.weight.dtype)).float()
+    logp, top = target(final_hidden.to(dev)[positions], None if keys is None else keys[positions.cpu()])
     return RowOutputs(
         logits=logits,
         conf_logits=conf[b, r].float() if conf is not None else None,
-        target_logits=target,
+        target_logp=logp,
+        target_top=top,
         target_index=index,
         labels=ids.to(dev)[label_pos],
         weight=weight[b, r],
         rows=rows,
-        draft_ids=None if draft.d2t is None else draft.to_target_ids(torch.arange(draft.d2t.numel(), device=dev)),
+        draft_ids=draft_ids,
     )
 
 
@@ -203,15 +248,15 @@ class LossSums:
 def row_terms(out: RowOutputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per row: (CE, L1 distance, confidence BCE or None, confidence label)."""
     logp = F.log_softmax(out.logits, dim=-1)
-    p_target = F.softmax(out.target_logits, dim=-1)
+    p_target = out.target_logp.exp()
     labels = out.labels
     outside = None
     if out.draft_ids is not None:
         # q is 0 outside the draft vocabulary, so the target mass there counts fully in ||p - q||_1;
         # a data token outside it has no draft logit and adds no CE (the L1 term still penalizes it)
-        p_target = p_target[:, out.draft_ids]
         outside = (1.0 - p_target.sum(dim=-1)).clamp_min(0.0)[out.target_index]
-        to_draft = torch.full((out.target_logits.shape[-1],), -100, dtype=torch.long, device=labels.device)
+        size = max(int(labels.max()), int(out.draft_ids.max())) + 1 if labels.numel() else 1
+        to_draft = torch.full((size,), -100, dtype=torch.long, device=labels.device)
         to_draft[out.draft_ids] = torch.arange(out.draft_ids.numel(), device=labels.device)
         labels = to_draft[labels]
     p_target = p_target[out.target_index]

@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.formats.load import load_spec, load_weights
-from dspark.model.layers import LayerKV
 from dspark.model.load import build_draft
 from dspark.target.load import load_target
 from dspark.train import distributed
@@ -34,7 +33,7 @@ from dspark.train.evaluate import evaluate
 from dspark.train.export import checkpoint_tensors, default_verifier, write_draft
 from dspark.train.features import (CachedFeatures, OnlineFeatures, ScaledFeatures, build_cache, cache_bytes, data_digest,
                                    tap_scale)
-from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, pack_blocks, sample_anchors
+from dspark.train.loss import LossWeights, TargetHead, draft_rows, loss_sums, make_blocks, pack_blocks, sample_anchors
 from dspark.train.rundir import BEST, CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
 from dspark.train.vocab import d2t_offsets, select_draft_vocab
 
@@ -185,6 +184,13 @@ class Run:
         self.head_weight = None
         if cfg.head_dtype == "bf16" and not w.requires_grad:  # a trainable head stays fp32
             self.head_weight = w.detach().to(torch.bfloat16)
+        draft_ids = None if self.draft.d2t is None else self.draft.to_target_ids(
+            torch.arange(self.draft.d2t.numel(), device=self.draft.d2t.device))
+        self.offsets = [0]
+        for s in self.seqs:
+            self.offsets.append(self.offsets[-1] + len(s.ids))
+        self.target_head = TargetHead(self.lm_head, draft_ids, positions=self.offsets[-1])
+        self.held_head = TargetHead(self.lm_head, draft_ids, positions=sum(len(s.ids) for s in self.held or []))
         distributed.broadcast_parameters(ctx, self.draft)
         self.features = self._features()
         self.held_features = None
@@ -332,12 +338,10 @@ class Run:
             taps[row, : lengths[row]] = feats[k][0].to(dev, torch.float32)
         ctx = self.draft.context_kv(taps, torch.arange(T, device=dev)[None].expand(len(group), -1))
         packed, seq = pack_blocks([blocks[k] for k in group], lengths)
-        if len(group) > 1:
-            seq = seq.to(dev)
-            ctx = [LayerKV(kv.k[seq], kv.v[seq]) for kv in ctx]
         ids = torch.cat([s.ids for s in seqs])
         final = torch.cat([feats[k][1] for k in group])
-        return draft_rows(self.draft, ctx, packed, ids, final, self.lm_head, self.head_weight)
+        keys = torch.cat([torch.arange(self.offsets[local[k]], self.offsets[local[k] + 1]) for k in group])
+        return draft_rows(self.draft, ctx, packed, ids, final, self.target_head, self.head_weight, seq=seq, keys=keys)
 
     def train_step(self, step: int) -> dict:
         epoch, batch = self.batch(step)
@@ -365,7 +369,7 @@ class Run:
     def evaluate(self) -> dict | None:
         if self.held_features is None:
             return None
-        return evaluate(self.draft, self.held_features, self.held, self.lm_head, max_anchors=self.cfg.eval_max_anchors,
+        return evaluate(self.draft, self.held_features, self.held, self.held_head, max_anchors=self.cfg.eval_max_anchors,
                         weights=self.weights, seed=self.cfg.seed, head_weight=self.head_weight)
 
     def save(self) -> Path:
