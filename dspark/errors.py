@@ -11,3 +11,22 @@ class FormatError(DSparkError):
 
 class RequestError(DSparkError):
     """A generation request is invalid (bad sampling parameters, prompt too long, ...)."""
+
+
+class NonFiniteError(DSparkError):
+    """The target computed NaN or inf for some rows of a batch (rows: their indices): those
+    requests cannot be continued; the others can."""
+
+    def __init__(self, message: str, rows: list[int]):
+        super().__init__(message)
+        self.rows = rows
+
+
+def check_finite(x, what: str) -> None:
+    """x [B, ...]: raise NonFiniteError naming the rows that hold a NaN or inf."""
+    import torch
+
+    ok = torch.isfinite(x).flatten(1).all(dim=1)
+    if not bool(ok.all()):
+        rows = (~ok).nonzero().flatten().tolist()
+        raise NonFiniteError(f"the target computed non-finite values (NaN/inf) in its {what}", rows)

@@ -317,3 +317,19 @@ def test_the_draft_context_cache_keeps_exactly_the_committed_entries():
     assert merged.lengths.tolist() == [len(rows[2]), len(rows[0]), 3]
     assert torch.equal(merged.layers[0].k[1, :, : len(rows[0])], torch.stack(rows[0], 1))
     assert torch.equal(merged.layers[0].k[2, :, :3], torch.ones(kv, 3, D))
+
+
+def test_sampling_params_hold_the_floors_api_users_rely_on():
+    """The server's 400 / floor for temperature and top_p also hold for Python callers: a tiny
+    temperature is refused naming the floor (it made NaN probabilities), a tiny top_p keeps the
+    most likely token alone instead of none."""
+    from dspark.engine.sampling import MIN_TEMPERATURE, MIN_TOP_P, probs
+    from dspark.errors import RequestError
+
+    with pytest.raises(RequestError, match=r"temperature must be 0 \(greedy\) or at least 1e-05, got 1e-06"):
+        SamplingParams(temperature=1e-6)
+    assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+    p = SamplingParams(temperature=1.0, top_p=1e-300)
+    assert p.top_p == MIN_TOP_P
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0])
+    assert probs(logits, p).tolist() == [0.0, 1.0, 0.0, 0.0]

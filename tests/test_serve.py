@@ -372,6 +372,10 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(small):
     generated = metric(after, "dspark_generation_tokens_total") - metric(before, "dspark_generation_tokens_total")
     assert generated < 400
     assert metric(after, "dspark_running_requests") == 0 and metric(after, "dspark_queue_depth") == 0
+    # the engine's own state: the refused, the aborted and the finished request hold no slot or cache
+    engine, worker = small.app.state.engine, small.app.state.worker
+    assert engine.running == [] and engine.waiting == [] and engine.batch is None
+    assert worker._in_flight == 0 and worker._jobs == {}
     assert c.completions.create(model=MODEL, prompt="again", max_tokens=3).usage.completion_tokens >= 1
 
 
@@ -413,6 +417,19 @@ def test_engine_failure_fails_its_requests_and_the_server_recovers(small, caplog
     assert errors == metric(before, "dspark_requests_total", status="error") + 2
     assert small.http.get("/health", headers=auth).status_code == 200
     assert c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0).usage.completion_tokens == 5
+
+
+def test_a_draining_server_refuses_new_requests_with_a_503(small):
+    """After SIGTERM (`dspark serve` calls drain): new work is refused at once, naming why."""
+    worker = small.app.state.worker
+    worker.drain()
+    try:
+        r = small.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            headers={"Authorization": f"Bearer {KEY}"})
+    finally:
+        worker.draining = False
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert small.client(KEY).completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
 def _wait_for(cond, what: str, timeout: float = 15.0) -> None:

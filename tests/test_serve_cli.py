@@ -128,8 +128,31 @@ def test_sigterm_drains_and_exits_0(saved):
     assert proc.returncode == 0, proc.stdout.read()
 
 
+def test_sigterm_past_the_drain_timeout_ends_what_is_in_flight_with_a_503_and_exits_0(saved):
+    """A drain is bounded: past --drain-timeout (0 here: at once) a request still decoding ends
+    with a clean error event naming the shutdown, never a cut connection, and the exit is 0."""
+    target, _ = saved
+    port = _free_port()
+    proc = _start(port, "--target", str(target), "--no-spec", "--max-batch", "2", "--drain-timeout", "0")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = iter(c.completions.create(model="tiny-target", prompt="Once", max_tokens=230, temperature=0,
+                                           stream=True))
+        next(stream)
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match=r"shutting down \(its drain timeout passed\)"):
+            list(stream)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            _stop(proc, signal.SIGKILL)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+
+
 @pytest.mark.parametrize("flag,value", [("--max-batch", "0"), ("--max-queue", "-1"), ("--port", "70000"),
-                                        ("--max-body-bytes", "0")])
+                                        ("--max-body-bytes", "0"), ("--drain-timeout", "-1")])
 def test_serve_refuses_bad_flags_before_loading(flag, value, capsys):
     assert main(["serve", "--target", "/nonexistent", "--no-spec", flag, value]) == 2
     assert flag in capsys.readouterr().err

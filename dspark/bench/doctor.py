@@ -48,7 +48,7 @@ from dspark.engine.step import teacher_forced
 from dspark.errors import FormatError
 from dspark.formats.load import force_layout, load_spec, load_weights
 from dspark.formats.spec import query_slots_for
-from dspark.formats.weights import WeightsMeta, iter_tensors
+from dspark.formats.weights import FLOAT_STORAGE, WeightsMeta, iter_tensors
 from dspark.kernels import argmax
 from dspark.model.draft import ContextCache
 from dspark.model.load import build_draft, check_compatible
@@ -709,17 +709,16 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
     if meta is None:
         checks.append(Check("weights", "fail", f"no weights found for {spec.path}"))
         return checks, None
-    floats = {"F32", "F16", "BF16", "F64"}
     maps = {"d2t", "t2d"}
     kinds = sorted({i.dtype for n, i in meta.infos.items() if n not in maps})
-    quant = sorted({f"{n} ({i.dtype})" for n, i in meta.infos.items() if n not in maps and i.dtype not in floats})
-    if quant:
-        checks.append(Check("dtype", "fail", f"non-float draft weights {quant[:4]}: quantised storage that this "
-                                             "engine would cast to float without dequantising"))
-    else:
-        run = str(run_dtype).replace("torch.", "")
-        note = "" if len(kinds) == 1 else "; mixed storage dtypes"
-        checks.append(Check("dtype", "warn" if len(kinds) > 1 else "ok", f"stored {', '.join(kinds)}, run in {run}{note}"))
+    quant = sorted({f"{n} ({i.dtype})" for n, i in meta.infos.items() if n not in maps and i.dtype not in FLOAT_STORAGE})
+    if quant:  # the weights are not loaded: load_weights refuses such storage
+        checks.append(Check("dtype", "fail", f"non-float draft weights {quant[:4]}: quantised storage (integers, "
+                                             "float8) without its scales, which no engine can run as it is"))
+        return checks, None
+    run = str(run_dtype).replace("torch.", "")
+    note = "" if len(kinds) == 1 else "; mixed storage dtypes"
+    checks.append(Check("dtype", "warn" if len(kinds) > 1 else "ok", f"stored {', '.join(kinds)}, run in {run}{note}"))
     try:
         tensors = load_weights(spec)
     except FormatError:

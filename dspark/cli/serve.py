@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body accepted; beyond that: HTTP 413 "
                         "(default: 64 bytes per token of the model's context, at least 4 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds after SIGTERM/SIGINT that requests in flight may take to finish; then each ends "
+                        "with a clean 503 and the process exits 0 (default 30; new requests get 503 at once)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -49,6 +52,8 @@ def _check_flags(args) -> None:
         raise DSparkError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise DSparkError(f"--port must be in 1..65535, got {args.port}")
+    if args.drain_timeout < 0:
+        raise DSparkError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise DSparkError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
 
@@ -56,7 +61,24 @@ def _check_flags(args) -> None:
 class _Server(uvicorn.Server):
     """uvicorn, ending the process normally after a graceful shutdown. uvicorn itself re-raises
     the signal that stopped it once it has drained, so that the default handler ends the
-    process: after SIGTERM that is exit 143, which supervisors read as a failure."""
+    process: after SIGTERM that is exit 143, which supervisors read as a failure.
+
+    On the first signal the worker stops admitting; `drain_timeout` seconds later it ends what is
+    still in flight with a 503, so the drain is bounded and no client is cut off mid-answer."""
+
+    def __init__(self, config, worker, drain_timeout: float):
+        super().__init__(config)
+        self.worker, self.drain_timeout = worker, drain_timeout
+        self._timer: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._timer is None:
+            log.info("dspark serve: draining (up to %.0f s for the requests in flight)", self.drain_timeout)
+            self.worker.drain()
+            self._timer = threading.Timer(self.drain_timeout, self.worker.cut)
+            self._timer.daemon = True
+            self._timer.start()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -91,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
         log.warning("WARNING: listening on %s without --api-key: anyone who can reach it can use it", args.host)
     log.info("dspark serve: model %r (%s) on http://%s:%d (the page showing each token's origin: that address "
              "in a browser)", name, "speculative" if engine.draft is not None else "no draft", args.host, args.port)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    # uvicorn's own bound: connections still open a little after the drain's 503s are closed
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout + 5)
+    server = _Server(config, app.state.worker, args.drain_timeout)
     server.run()
     if not server.started:  # uvicorn logged why (the port is taken, say)
         raise DSparkError(f"the server did not start on {args.host}:{args.port}")

@@ -49,7 +49,8 @@ class Request:
     on_tokens: Callable[["Request", list[int]], None] | None = None
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why a request ended with "error" (a fixed phrase; the log has the exception)
     metrics: SpecMetrics | None = None
     text: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -190,14 +191,73 @@ class Engine:
         self._emit(req, [first], [TokenMark(first, "plain", 0, 0)] if req.marks is not None else None)
         return batch
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Prefill waiting requests into the batch; returns those that failed (each its own)."""
+        failed = []
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting.pop(0)
-            one = self._prefill(req)
+            try:
+                one = self._prefill(req)
+            except Exception as err:  # its own prefill: nothing else was touched
+                self._fail(req, err, "prefill")
+                failed.append(req)
+                continue
             if req.finished:
                 continue
             self.running.append(req)
             self.batch = one if self.batch is None else self._merge(self.batch, one)
+        return failed
+
+    @torch.inference_mode()
+    def _resume(self, req: Request, gen: torch.Generator | None) -> Batch:
+        """A one-row batch for a request that has output: its prompt and output but the last token
+        run through the target again, the last token its anchor, its own generator (as it was
+        before the step that failed). What decoding continues from equals what it had."""
+        dev = self.target.device
+        ids = req.prompt_ids + req.output_ids[:-1]
+        state = self.target.new_state(1)
+        _, taps = self.target.forward(state, torch.tensor([ids], device=dev), logits="last")
+        self.target.commit(state, torch.tensor([len(ids)], device=dev))
+        ctx = self.draft.new_context_cache(1, dev) if self.draft is not None else None
+        return Batch(state, ctx, torch.tensor([req.output_ids[-1]], device=dev), [req.params], [gen],
+                     [taps] if self.draft is not None else [])
+
+    def _fail(self, req: Request, err: BaseException, where: str) -> None:
+        log.error("dspark: request %s failed in its %s: %s: %s", req.id, where, type(err).__name__, err,
+                  exc_info=not isinstance(err, DSparkError))
+        req.finish_reason = "error"
+        req.error = str(err) if isinstance(err, DSparkError) else f"internal error in the {where}"
+        req.t_finish = time.perf_counter()
+
+    def _recover(self, err: Exception, states: list) -> list[Request]:
+        """After a decode step raised: the batch state is suspect, the requests are not. Each is
+        rebuilt alone from its tokens (generators as before the step) and steps once alone;
+        those that fail alone (or that the error names) end with "error", the others go on as
+        if nothing happened. Returns the requests this finished."""
+        log.error("dspark: a decode step of %d requests failed (%s: %s); isolating them", len(self.running),
+                  type(err).__name__, err, exc_info=not isinstance(err, DSparkError))
+        named = set(getattr(err, "rows", None) or ())
+        reqs, gens = self.running, self.batch.generators
+        self.running, self.batch = [], None
+        finished = []
+        for b, (req, gen, st) in enumerate(zip(reqs, gens, states)):
+            if gen is not None:
+                gen.set_state(st)
+            try:
+                if b in named:
+                    raise err
+                one = self._resume(req, gen)
+                res = decode_step(self.target, self.draft, one, self.policy)
+                done = self._record(res, [req])
+            except Exception as alone:
+                self._fail(req, alone, "decode step")
+                finished.append(req)
+                continue
+            finished.extend(done)
+            if not req.finished:
+                self.running.append(req)
+                self.batch = one if self.batch is None else self._merge(self.batch, one)
+        return finished
 
     def _merge(self, a: Batch, b: Batch) -> Batch:
         for x in (a, b):  # rows joining must share one context length: no taps left waiting
@@ -276,18 +336,32 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit waiting requests, run one decode step for the batch; return requests that finished."""
-        self._admit()
+        """Admit waiting requests, run one decode step for the batch; return requests that finished
+        (a failure ends only the requests it belongs to, with finish_reason "error")."""
+        failed = self._admit()
         if self.batch is None:
-            return []
-        res = decode_step(self.target, self.draft, self.batch, self.policy)
+            return failed
+        # the generators as they were: a failed step is replayed with the same randomness
+        states = [g.get_state() if g is not None else None for g in self.batch.generators]
+        try:
+            res = decode_step(self.target, self.draft, self.batch, self.policy)
+        except Exception as err:
+            return failed + self._recover(err, states)
+        finished = failed + self._record(res, self.running)
+        self._drop_finished()
+        return finished
+
+    def _record(self, res: StepResult, running: list[Request]) -> list[Request]:
+        """Hand a step's tokens to its requests (rows in order) and count them; returns those that
+        finished. A request whose own output handling raises (its stop strings, its callback)
+        ends with "error" alone."""
         for observer in (self.policy, *self.observers):
-            observer.observe(res, self.running)
+            observer.observe(res, running)
         finished = []
         conf = None
-        if res.conf_logits is not None and any(r.marks is not None for r in self.running):
+        if res.conf_logits is not None and any(r.marks is not None for r in running):
             conf = torch.sigmoid(res.conf_logits.float()).tolist()
-        for b, req in enumerate(self.running):
+        for b, req in enumerate(running):
             req.steps += 1
             committed = res.committed[b]
             marks = None
@@ -295,7 +369,11 @@ class Engine:
                 marks = step_marks(req.steps, committed, res.drafted[b], res.verified[b], res.accepted[b],
                                    res.proposed[b] if res.proposed is not None else None,
                                    conf[b] if conf is not None else None)
-            kept = self._emit(req, committed, marks)
+            try:
+                kept = self._emit(req, committed, marks)
+            except Exception as err:
+                self._fail(req, err, "output")
+                kept = 0
             if self.draft is not None:
                 # the engine's counters: what it drafted, verified and accepted (the policy's view);
                 # the request's: what it received, so a stop (or max_new_tokens) among the accepted
@@ -306,14 +384,13 @@ class Engine:
                 self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
             if req.finished:
                 finished.append(req)
-        share = 1.0 / len(self.running)
-        for m in [self.metrics] + [r.metrics for r in self.running]:
+        share = 1.0 / len(running)
+        for m in [self.metrics] + [r.metrics for r in running]:
             w = 1.0 if m is self.metrics else share
             m.t_draft += res.t_draft * w
             m.t_verify += res.t_verify * w
             m.t_other += res.t_other * w
         self._check_degraded()
-        self._drop_finished()
         return finished
 
     def _check_degraded(self) -> None:
@@ -341,12 +418,17 @@ class Engine:
             self.step()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, marks: bool = False) -> Request:
+        """One request to its end; a request that failed raises (DSparkError naming why)."""
         req = self.add_request(prompt_ids, params, on_tokens, marks=marks)
         while not req.finished:
             self.step()
+        if req.finish_reason == "error":
+            raise DSparkError(f"generation failed: {req.error} (request {req.id})")
         return req
 
     def generate_many(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Request]:
+        """Several requests batched; one that failed ends alone (finish_reason "error", .error why),
+        the others are unaffected."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run_until_done()

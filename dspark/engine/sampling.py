@@ -15,6 +15,15 @@ from dspark.errors import RequestError
 from dspark.kernels import argmax
 
 
+# The smallest temperature above 0 (vLLM's floor too): logits are divided by it, and below this
+# they overflow to inf, the probabilities turn NaN and sampling fails.
+MIN_TEMPERATURE = 1e-5
+# Any top_p at or below 1 / vocabulary keeps the most likely token alone, so raising a smaller one
+# to this changes nothing, while one below float32's range (1e-300) would read as 0 in `probs`'
+# comparison and keep no token at all.
+MIN_TOP_P = 1e-9
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -33,8 +42,12 @@ class SamplingParams:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise RequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)  # the same tokens kept (see MIN_TOP_P)
 
     @property
     def greedy(self) -> bool:

@@ -46,7 +46,8 @@ def load_spec(path, layout: str | None = None, *, check_values: bool = True) -> 
 def load_weights(spec_or_path) -> dict:
     """All draft tensors under the normalized names of docs/DESIGN.md §4 (no `model.` prefix).
 
-    Target-owned copies (verifier_lm_head, verifier_norm) are dropped; NaN/inf is a FormatError.
+    Target-owned copies (verifier_lm_head, verifier_norm) are dropped; NaN/inf and a non-float
+    storage of a weight are a FormatError.
     """
     spec = spec_or_path if isinstance(spec_or_path, DraftSpec) else load_spec(spec_or_path, check_values=False)
     if spec.path is None:
@@ -55,6 +56,7 @@ def load_weights(spec_or_path) -> dict:
     if meta is None:
         raise FormatError(f"no model.safetensors in {spec.path}")
     check_shapes(spec, meta)
+    check_dtypes(meta)  # integer or float8 weights are quantised storage without its scales: never cast them
     tensors = {}
     for name, tensor in iter_tensors(meta):
         _check_tensor(spec, name, tensor)

@@ -13,6 +13,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from dspark.engine.sampling import MIN_TEMPERATURE, MIN_TOP_P
+
 EXTENSION = "speculative"  # response field next to `usage`: per-request speculative-decoding statistics
 MARKS = "dspark"  # opt-in request field {"marks": true}; the same field on chunks / bodies carries the marks
 MARK_OPTIONS = ("marks",)
@@ -21,8 +23,6 @@ MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 QUOTE_CHARS = 64  # the most of a user-supplied value an error message repeats
-MIN_TOP_P = 1e-9  # below 1 / (any vocabulary's size): the same as any smaller top_p (see _top_p)
-MIN_TEMPERATURE = 1e-5  # the smallest temperature above 0 (vLLM's floor too; it reads smaller ones as greedy)
 
 # field -> values that mean "not used"; anything else is refused (see module docstring)
 _UNSUPPORTED_COMMON = {
@@ -154,17 +154,13 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open
 
 def _temperature(body: dict) -> float:
     t = _number(body, "temperature", 0.0, 2.0, 1.0)
-    if 0 < t < MIN_TEMPERATURE:
-        # the logits are divided by it: below this they overflow to inf, the probabilities are NaN,
-        # and sampling fails the engine step of every request in the batch
+    if 0 < t < MIN_TEMPERATURE:  # engine.sampling.MIN_TEMPERATURE: a 400 naming the field, before the engine
         raise bad("temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {quote(t)}")
     return t
 
 
 def _top_p(body: dict) -> float:
-    # Any top_p at or below 1 / vocabulary keeps the most likely token alone, so raising a smaller
-    # one to MIN_TOP_P changes nothing, while one below float32's range (1e-300) would read as 0 in
-    # the engine's comparison, keep no token at all, and fail the engine step of the whole batch.
+    # engine.sampling.MIN_TOP_P: a smaller top_p keeps the same tokens
     return max(_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True), MIN_TOP_P)
 
 

@@ -103,6 +103,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._running = 0
+        self.draining = False  # set on SIGTERM: new requests are refused, those in flight go on
         self.submitted = 0  # jobs ever handed to this thread (tests: what was refused before reaching it)
         self._jobs: dict[str, Job] = {}  # worker thread only
         self._thread: threading.Thread | None = None
@@ -127,10 +128,20 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def drain(self) -> None:
+        """Stop admitting (a shutdown began): new requests get a 503, those in flight go on."""
+        self.draining = True
+
+    def cut(self) -> None:
+        """The drain timeout passed: every request still in flight ends with a clean 503."""
+        self._cmds.put(("cut", None))
+
     def submit(self, job: Job) -> None:
         """Queue a job for admission, or raise 429 when max_batch + max_queue are in flight."""
         if not self.alive:
             raise APIError(503, "the engine thread is not running")
+        if self.draining:
+            raise APIError(503, "the server is shutting down: retry shortly", None, code="shutting_down")
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise APIError(
@@ -170,6 +181,10 @@ class EngineWorker:
             if kind == "stop":
                 self._shutdown()
                 return False
+            if kind == "cut":
+                self._empty_engine()
+                self._fail(list(self._jobs.values()), "the server is shutting down (its drain timeout passed)", 503)
+                continue
             try:
                 self._add(job) if kind == "add" else self._abort(job)
             except Exception:  # a bug in admission must cost one request, not the batch
@@ -300,6 +315,8 @@ class EngineWorker:
 
     def _finish(self, job: Job) -> None:
         r = job.engine_req
+        if r.finish_reason == "error":  # this request alone failed (engine.Engine._recover); the batch goes on
+            return self._fail([job], r.error or "internal error in the engine")
         self._close(job)
         if r.finish_reason == "abort":
             self.metrics.count("aborted")

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dspark.errors import RequestError
+from dspark.errors import RequestError, check_finite
 from dspark.kernels import argmax
 from dspark.ragged import merge_rows, pack
 
@@ -125,6 +125,7 @@ class HFTarget:
             logits_to_keep=1 if last_only else 0,
         )
         state.pending = S
+        check_finite(out.logits, "logits")  # a NaN / inf row ends its own request (engine.Engine._recover)
         taps = torch.cat([self._captured[k] for k in self.tap_indices], dim=-1) if self.tap_indices else None
         if logits == "argmax":
             return argmax(out.logits), taps

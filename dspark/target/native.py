@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from dspark import kernels
 from dspark.kernels import NO_TENSOR, q8_groups
-from dspark.errors import DSparkError, RequestError
+from dspark.errors import DSparkError, RequestError, check_finite
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once
@@ -530,6 +530,9 @@ class NativeTarget:
         for col, src in self._tap_fill:
             tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
         state.pending = S
+        # a NaN / inf row must end its own request, not become tokens (engine.Engine._recover); on the
+        # final states, which every logits mode derives from: [B, S, H], far cheaper than the logits
+        check_finite(h, "final hidden states")
         # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
         if logits == "final":
             return h, tapped
