@@ -32,16 +32,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import mmap
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from dspark import envs
+
 log = logging.getLogger("dspark")
 
-# DSPARK_PACK_BF16=0: plain F.linear everywhere (for comparisons)
-PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
 
 
 # bf16 weights up to this many elements run on dspark's kernel (csrc/q4.cpp `bf16_mm`) where it is
@@ -50,8 +49,6 @@ PACK_BF16 = os.environ.get("DSPARK_PACK_BF16", "1") != "0"
 # oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
 # 1-3 rows (2.4 against 2.7-3.3 ms); a bf16 head is rare (a float target head; the draft's is Q8_0).
 BF16_KERNEL_MAX = 1 << 22
-# DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages; to compare)
-HUGE_PAGES = os.environ.get("DSPARK_HUGE_PAGES", "1") != "0"
 HUGE = 2 << 20  # a transparent huge page (x86-64)
 
 
@@ -59,7 +56,7 @@ def _huge_buffer(nbytes: int) -> torch.Tensor | None:
     """nbytes of zeros (uint8) in an anonymous mapping asked to be backed by 2 MB pages (madvise
     MADV_HUGEPAGE: Linux with transparent huge pages in `madvise` or `always` mode), starting on
     a huge page boundary; None where it cannot be had (the caller allocates as usual)."""
-    if not (HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE")):
+    if not (envs.huge_pages() and hasattr(mmap, "MADV_HUGEPAGE")):
         return None
     try:
         mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -124,7 +121,7 @@ def pack_bf16(w: torch.Tensor):
     without oneDNN) or where plain F.linear is faster: fewer than 16 outputs (the draft's
     confidence head, one output: oneDNN's packed call took 24 us warm, 85 us cold in a drafting
     step, against F.linear's 5 us)."""
-    if not PACK_BF16 or w.device.type != "cpu" or w.shape[0] < 16:
+    if not envs.pack_bf16() or w.device.type != "cpu" or w.shape[0] < 16:
         return None
     N, K = w.shape
     if N * K <= BF16_KERNEL_MAX and tile_applies(N, K):
@@ -181,9 +178,7 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
-# DSPARK_Q4_KERNEL=0: torch's ops everywhere (for comparisons); DSPARK_KERNEL_ISA=avx2: build the
-# AVX2 variant on an AVX-512 machine (to test it)
-ENABLED = os.environ.get("DSPARK_Q4_KERNEL", "1") != "0"
+# switched off and forced to one ISA through dspark/envs.py (DSPARK_Q4_KERNEL, DSPARK_KERNEL_ISA)
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
 SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp", "draft.cpp")  # the last two call the others
 FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk",
@@ -212,7 +207,7 @@ def _cpu_flags() -> set[str]:
 
 def _isa() -> tuple[str | None, str]:
     """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
-    flags, forced = _cpu_flags(), os.environ.get("DSPARK_KERNEL_ISA")
+    flags, forced = _cpu_flags(), envs.kernel_isa()
     for isa, (need, _) in ISAS.items():
         if forced in (None, isa) and all(f in flags for f in need):
             lacking = [f for f in ISAS["avx512"][0] if f not in flags]
@@ -229,20 +224,18 @@ def extension():
         return _build["ext"]
     isa, why = _isa()
     _build.update(ext=None, isa=isa, why=why)
-    if not ENABLED:
+    if not envs.q4_kernel():
         _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
     elif isa is not None:
         # the AVX2 build's int4 and Q8_0 matmuls: 8-bit activations unless asked not to (q4_activations)
-        bf16_only = isa == "avx2" and os.environ.get("DSPARK_INT8_ACTIVATIONS", "1") == "0"
+        bf16_only = isa == "avx2" and not envs.int8_activations()
         int8 = isa == "avx2" and not bf16_only
         cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if bf16_only else ())
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
         _build["int8"] = int8
         tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
         name = f"dspark_{isa}_{tag}"
-        # its own variable, not DSPARK_CACHE: tests point that at temporary folders, and the
-        # build should happen once per machine
-        root = Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark" / "kernels")) / name
+        root = envs.kernel_cache_dir() / name
         fresh = not (root / f"{name}.so").exists()
         if fresh:
             log.warning("compiling dspark's CPU kernels (%s, once per machine, about a minute)", isa)

@@ -883,7 +883,7 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     assert z.shape == (2, 3, 1000) and z.dtype == torch.bfloat16 and z.is_contiguous() and not z.any()
     z[1, 2, 999] = 1.0
     assert z.sum() == 1
-    monkeypatch.setattr(kernels, "HUGE_PAGES", False)
+    monkeypatch.setenv("DSPARK_HUGE_PAGES", "0")
     assert not kernels.huge_zeros((4, 5), torch.float32).any()
     c = Holder()
     c.w = torch.randn(4, 4)
@@ -892,7 +892,7 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     model = q4_exact(tiny_target())
     ids = torch.tensor([[5, 17, 33, 8, 9]])
     plain = NativeTarget(model, act_dtype=torch.bfloat16)
-    monkeypatch.setattr(kernels, "HUGE_PAGES", True)
+    monkeypatch.setenv("DSPARK_HUGE_PAGES", "1")
     huge = NativeTarget(model, act_dtype=torch.bfloat16)
     def first(t):
         lin = t.layers[0].wqkv

@@ -307,7 +307,7 @@ def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
         torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
     model = tiny_target(seed=3)
     packed = NativeTarget(model, weights="bf16")
-    monkeypatch.setattr(kernels, "PACK_BF16", False)
+    monkeypatch.setenv("DSPARK_PACK_BF16", "0")
     plain = NativeTarget(model, weights="bf16")
     assert plain.layers[0].w13.packed is None and packed.layers[0].w13.packed is not None
     ids = torch.randint(4, model.config.vocab_size, (1, 12), generator=g)

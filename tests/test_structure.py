@@ -119,6 +119,25 @@ def library_problems(trees: dict[str, ast.Module]) -> list[str]:
     return problems
 
 
+ENVS = "dspark.envs"
+
+
+def environment_reads(trees: dict[str, ast.Module]) -> list[str]:
+    """os.environ / os.getenv / os.putenv anywhere but dspark/envs.py: the one switchboard."""
+    problems = []
+    for name, tree in trees.items():
+        if name == ENVS:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "environb") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                problems.append(f"{name}:{node.lineno} reads os.{node.attr} (environment variables belong to {ENVS})")
+            if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                    any(a.name in ("environ", "getenv", "putenv", "environb") for a in node.names):
+                problems.append(f"{name}:{node.lineno} imports from os what belongs to {ENVS}")
+    return problems
+
+
 # ---- the checks on the real package ------------------------------------------------------------
 
 def test_the_package_has_no_import_circle():
@@ -130,6 +149,10 @@ def test_the_library_neither_imports_the_command_layer_nor_prints():
     assert library_problems(parse_package()) == []
 
 
+def test_every_environment_variable_is_read_in_envs():
+    assert environment_reads(parse_package()) == []
+
+
 def test_below_the_api_nothing_imports_the_api():
     """Arrows point down: the api assembles engines from the packages, never the reverse."""
     trees = parse_package()
@@ -139,6 +162,14 @@ def test_below_the_api_nothing_imports_the_api():
 
 
 # ---- the checks can fail: the same functions on small packages with the faults in them ---------
+
+def test_an_environment_read_outside_envs_is_found(tmp_path):
+    trees = _write(tmp_path, {"__init__.py": "", "envs.py": "import os\nX = os.environ.get('A')\n",
+                              "a.py": "import os\nY = os.environ['B']\n", "b.py": "from os import getenv\n",
+                              "c.py": "import os\nZ = os.getenv('C')\n"})
+    found = environment_reads(trees)
+    assert [f.split(" ")[0] for f in found] == ["dspark.a:2", "dspark.b:1", "dspark.c:2"]
+
 
 def _write(root: Path, files: dict[str, str]) -> dict[str, ast.Module]:
     for rel, text in files.items():

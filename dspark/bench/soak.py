@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dspark import envs
 from dspark.errors import DSparkError
 from dspark.target.load import cpu_model_and_flags
 
@@ -303,7 +304,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="dspark-soak-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "dspark", "serve", *serve_args, "--host", HOST, "--port", str(port)]
         # its own server on 127.0.0.1: a $DSPARK_API_KEY in the environment would make it ask for a key
-        env = {k: v for k, v in os.environ.items() if k != "DSPARK_API_KEY"}
+        env = envs.child_env(drop=("DSPARK_API_KEY",))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         try:
             self._wait_healthy(start_timeout)

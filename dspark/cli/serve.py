@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
+from dspark import envs
 from dspark.api import build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config
 from dspark.errors import DSparkError
@@ -26,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"),
+    p.add_argument("--api-key", default=envs.api_key(),
                    help="require 'Authorization: Bearer KEY' on every request (default: $DSPARK_API_KEY)")
     p.add_argument("--model-name", default=None, help="model id clients send and /v1/models lists (default: the target)")
     p.add_argument("--max-queue", type=int, default=64,

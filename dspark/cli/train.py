@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import replace
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dspark import envs
 from dspark.api import EngineConfig, build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.formats.load import LAYOUTS
@@ -247,7 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.stage != "fit":
+    if envs.world_size() > 1 and args.stage != "fit":
         raise TrainError(f"`dspark train {args.stage}` runs in one process; only `fit` is data-parallel under torchrun")
     return {"prompts": _prompts_stage, "pack": _pack, "data": _data, "features": _features, "fit": _fit, "export": _export, "eval": _eval, "probe": _probe, "all": _all}[args.stage](args)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dspark import envs
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
 from dspark.target.native import FLOAT_NAMES, WEIGHTS, NativeTarget, resolve_weights, supports
@@ -85,11 +86,11 @@ def default_device() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    return envs.cache_dir()
 
 
 def smollm2_gguf() -> Path:
-    override = os.environ.get("DSPARK_SMOLLM2_GGUF")  # machines without the wheel (a GPU box with no registry)
+    override = envs.smollm2_gguf()  # machines without the wheel (a GPU box with no registry)
     if override:
         if not Path(override).is_file():
             raise DSparkError(f"DSPARK_SMOLLM2_GGUF={override}: no such file")

@@ -26,12 +26,12 @@ set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from dspark import envs
 from dspark import kernels
 from dspark.kernels import NO_TENSOR, q8_groups
 from dspark.errors import DSparkError, RequestError, check_finite
@@ -45,8 +45,6 @@ FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-format name
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
-# DSPARK_LAYERS_IN_ONE_CALL=0: the Python layer loop even where the extension's runs (to compare)
-LAYERS_IN_ONE_CALL = os.environ.get("DSPARK_LAYERS_IN_ONE_CALL", "1") != "0"
 
 
 def _rope_type(cfg) -> str:
@@ -229,7 +227,7 @@ class _LayerStack:
     def of(target: "NativeTarget") -> "_LayerStack | None":
         """Where every piece of the forward runs on the extension's kernels (bf16 with the matmul
         tile, heads of a multiple of 16, a gate/up width of a multiple of 32), else None."""
-        if target._ext is None or target.head_dim % 16 or not LAYERS_IN_ONE_CALL:
+        if target._ext is None or target.head_dim % 16:
             return None
         for ly in target.layers:
             if not all(_on_tile(lin) for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)) or ly.w13.out_features % 32:

@@ -9,12 +9,12 @@ gloo on CPU, nccl on GPU; 127.0.0.1 works for single-machine runs.
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from dspark import envs
 from dspark.train.errors import TrainError
 
 
@@ -31,11 +31,11 @@ class DistContext:
 
 
 def setup(device: str | None = None) -> DistContext:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = envs.world_size()
     want_cuda = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
     if world <= 1:
         return DistContext(device=device or ("cuda" if want_cuda else "cpu"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = envs.local_rank()
     if want_cuda:
         if torch.cuda.device_count() <= local:
             raise TrainError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices")
