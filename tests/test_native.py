@@ -402,3 +402,22 @@ def test_the_cache_grows_under_a_running_state_and_the_layer_views_follow():
         assert (lg - ref[:, at : at + size]).abs().max() <= 1e-4, at
         at += size
     assert len(kvs) > 1  # the cache did grow
+
+
+def test_both_runtimes_implement_the_target_protocol():
+    """The engine sees targets only through dspark.target.base.Target: both runtimes have every
+    member, with the protocol's parameters (names and defaults), and so do their states."""
+    import inspect
+
+    from dspark.target import base
+    from dspark.target.load import make_target
+
+    model = tiny_target()
+    for runtime in ("hf", "native"):
+        target = make_target(model, runtime)
+        assert isinstance(target, base.Target) and isinstance(target.new_state(2), base.TargetState), runtime
+        for name, member in vars(base.Target).items():
+            if callable(member) and not name.startswith("_"):
+                want = [(p.name, p.default) for p in inspect.signature(member).parameters.values()]
+                got = [(p.name, p.default) for p in inspect.signature(getattr(type(target), name)).parameters.values()]
+                assert got == want, (runtime, name, got)

@@ -24,7 +24,7 @@ from dspark.engine.step import Batch, StepResult, decode_step, flush_context
 from dspark.errors import DSparkError, RequestError
 from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
-from dspark.target.hf import HFTarget
+from dspark.target.base import Target
 from dspark.target.text import encode_prompt
 
 log = logging.getLogger("dspark")
@@ -83,7 +83,7 @@ class StepObserver(Protocol):
 class Engine:
     def __init__(
         self,
-        target: HFTarget,
+        target: Target,
         draft: DSparkDraft | None = None,
         tokenizer=None,
         eos_token_ids: tuple[int, ...] = (),

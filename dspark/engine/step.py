@@ -24,7 +24,7 @@ from dspark.engine.timing import now
 from dspark.kernels import argmax, markov_walk
 from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
-from dspark.target.hf import HFTarget, TargetState
+from dspark.target.base import Target, TargetState
 
 
 @dataclass
@@ -254,7 +254,7 @@ def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
 
 @torch.inference_mode()
 def decode_step(
-    target: HFTarget,
+    target: Target,
     draft: DSparkDraft | None,
     batch: Batch,
     policy: VerifyPolicy,

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark import envs
 from dspark.errors import DSparkError
+from dspark.target.base import Target
 from dspark.target.hf import HFTarget
 from dspark.target.native import FLOAT_NAMES, WEIGHTS, NativeTarget, resolve_weights, supports
 
@@ -169,7 +170,7 @@ RUNTIMES = ("auto", "native", "hf")  # auto: native where the architecture is su
 
 
 def make_target(model, runtime: str = "native", weights: str = "auto", tap_indices: tuple[int, ...] = (),
-                act_dtype: torch.dtype | None = None):
+                act_dtype: torch.dtype | None = None) -> Target:
     """The engine's view of a loaded HF model: 'native' (dspark.target.native) or 'hf' (HFTarget).
 
     'native' refuses an architecture it does not implement with an error naming it; a caller

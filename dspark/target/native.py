@@ -19,7 +19,7 @@ step is bound by reading the weights and by per-op overhead, not by FLOPs:
   int4 (group 32, the layout of the GGUF Q4_0/Q4_1 files, so a model dequantised from such a
   file is held exactly as shipped) through torch's CPU weight-only kernels.
 
-Same interface as `dspark.target.hf.HFTarget`: new_state / forward / commit / select / merge /
+The `dspark.target.base.Target` interface, as `dspark.target.hf.HFTarget`: new_state / forward / commit / select / merge /
 set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 """
 

@@ -1,0 +1,58 @@
+"""What the engine needs from a target: the interface both runtimes implement.
+
+`HFTarget` (target/hf.py) runs any Hugging Face causal LM through its own forward; it is the
+reference. `NativeTarget` (target/native.py) runs the same weights on dspark's CPU kernels.
+The engine, the decode step and the benchmarks see only this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+# What `forward(..., logits=...)` returns besides the taps:
+# "all" [B, S, V] fp32 logits; "last" [B, 1, V] each row's last valid position; "argmax" [B, S]
+# int64 greedy tokens (no fp32 logits made); "final" [B, S, H] post-norm final hidden states.
+LOGITS_MODES = ("all", "last", "argmax", "final")
+
+
+@runtime_checkable
+class TargetState(Protocol):
+    """The KV cache of B requests: lengths[b] committed positions; `pending` positions of the
+    last forward wait for `commit`."""
+
+    lengths: torch.Tensor
+    pending: int
+
+
+@runtime_checkable
+class Target(Protocol):
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_length: int  # positions a sequence may hold (prompt, output and the draft block)
+    tap_indices: tuple[int, ...]  # HF hidden_states indices the forward returns as taps
+
+    def set_taps(self, tap_indices: tuple[int, ...]) -> None:
+        """Tap index i = input of decoder layer i (0 = the embeddings; the layer count = the last
+        layer's output before the final norm)."""
+
+    def view(self, tap_indices: tuple[int, ...] = ()) -> "Target":
+        """The same weights with taps of its own."""
+
+    def new_state(self, batch: int = 1) -> TargetState: ...
+
+    def forward(self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+                logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [B, S] (row b valid for its first counts[b]) at positions continuing each row ->
+        (the `logits` mode's output, taps [B, S, n_taps * H] or None), written past the committed
+        lengths, pending until `commit`. Raises RequestError past max_length and NonFiniteError
+        (naming the rows) where the states are NaN/inf."""
+
+    def commit(self, state: TargetState, keep: torch.Tensor) -> None:
+        """Keep the first keep[b] pending positions of each row, drop the rest."""
+
+    def select(self, state: TargetState, rows: torch.Tensor) -> TargetState: ...
+
+    def merge(self, states: list[TargetState]) -> TargetState: ...
