@@ -84,14 +84,15 @@ def _reference_walk(ref, taps, counts, anchors, tokens):
     return h, logits
 
 
+@pytest.mark.parametrize("kv", [None, 4], ids=["gqa", "mha"])  # the target's 2 key/value heads, or one per head
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_one_call_drafts_what_the_modules_would(fmt, monkeypatch):
+def test_one_call_drafts_what_the_modules_would(fmt, kv, monkeypatch):
     """Greedy proposals from the one call, in a ragged batch, against the draft's modules in fp32
     with each matrix rounded as the kernels hold it in `fmt`: the head's logits within 2^-5 of the
     largest (bf16 activations), each slot's token the modules' argmax of U h + W2 W1[previous
     token] wherever the top two are clear of that rounding, the confidences up to it."""
     model = tiny_target()
-    draft = tiny_draft(model, gamma=5, markov_rank=24).to(torch.bfloat16)
+    draft = tiny_draft(model, gamma=5, markov_rank=24, num_key_value_heads=kv).to(torch.bfloat16)
     fast.set_weights(draft, fmt)
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():  # a head with real margins, as a trained draft has
