@@ -200,3 +200,20 @@ def test_cli_all_with_a_reduced_vocabulary_exports_speculators_only(tmp_path, ca
     assert (root / "draft-speculators" / "model.safetensors").exists() and not (root / "draft-deepspec").exists()
     cfg = json.loads((root / "draft-speculators" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 24
+
+
+def test_one_prompt_reader_for_training_and_measuring(tmp_path):
+    """dspark.prompts reads every prompt file: gzipped JSON lines for training as for bench,
+    and a training text file keeps a line that starts with '{' as text."""
+    import gzip
+
+    from dspark.prompts import read_prompt_file
+
+    gz = tmp_path / "set.jsonl.gz"
+    gz.write_bytes(gzip.compress(b'{"prompt": "first", "category": "a"}\n\n{"prompt": "second"}\n'))
+    assert [(p.text, p.category) for p in load_prompts(str(gz))] == [("first", "a"), ("second", "")]
+    assert read_prompt_file(gz) == ["first", "second"]
+    txt = tmp_path / "set.txt"
+    txt.write_text('{"prompt": "json-looking"}\nplain\n')
+    assert [p.text for p in load_prompts(str(txt))] == ['{"prompt": "json-looking"}', "plain"]
+    assert read_prompt_file(txt) == ["json-looking", "plain"]

@@ -7,13 +7,12 @@ The paper's evaluation sets (GSM8K, MATH500, ...) must never be used here.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from dspark.prompts import prompt_lines
 from dspark.train.errors import TrainError
 
 BUNDLED = ("train", "heldout")
@@ -41,23 +40,14 @@ def load_prompts(source: str) -> list[Prompt]:
     if not path.is_file():
         raise TrainError(f"prompt set {source!r}: no such file (bundled sets: {', '.join(BUNDLED)})")
     prompts = []
-    packed = path.suffix == ".gz"  # prompt sets kept in the repository are gzipped (.jsonl.gz)
-    text = gzip.decompress(path.read_bytes()).decode("utf-8") if packed else path.read_text(encoding="utf-8")
-    kind = Path(path.stem).suffix if packed else path.suffix
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+    for n, rec in prompt_lines(path, TrainError, sniff_json=False):
+        if isinstance(rec, str):
+            prompts.append(Prompt(rec))
             continue
-        if kind == ".jsonl":
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TrainError(f"{path}:{n}: malformed JSON: {exc.msg}") from None
-            text = rec.get("prompt") if isinstance(rec, dict) else None
-            if not isinstance(text, str) or not text.strip():
-                raise TrainError(f"{path}:{n}: each line needs a non-empty string field \"prompt\"")
-            prompts.append(Prompt(text, str(rec.get("category", ""))))
-        else:
-            prompts.append(Prompt(line.strip()))
+        text = rec.get("prompt") if isinstance(rec, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise TrainError(f"{path}:{n}: each line needs a non-empty string field \"prompt\"")
+        prompts.append(Prompt(text, str(rec.get("category", ""))))
     if not prompts:
         raise TrainError(f"prompt set {path} is empty")
     return dedupe(prompts)
