@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dspark import kernels
-from dspark.bench.doctor import quick_check
+from dspark.doctor.quick import quick_check
 from dspark.engine.engine import Engine
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
 from dspark.engine.step import draft_phase_seconds, target_step
@@ -130,7 +130,7 @@ def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch)
     engine.config, engine.notes = config, notes
     if config.check and draft is not None:
-        # the doctor's statistic on a short sample (dspark.bench.doctor.QUICK_BUDGET): about as much as
+        # the doctor's statistic on a short sample (dspark.doctor.quick.QUICK_BUDGET): about as much as
         # decoding 256 tokens, more only while another reading of the file could still be better
         t0 = time.perf_counter()
         check = quick_check(engine)

@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 
 from dspark.api import EngineConfig, build_engine
-from dspark.bench.doctor import EXIT_UNHEALTHY, diagnose, layout_readings, quick_check
+from dspark.doctor.check import diagnose
+from dspark.doctor.quick import quick_check
+from dspark.doctor.readings import layout_readings
+from dspark.doctor.report import EXIT_UNHEALTHY
 from dspark.formats.convert import write_speculators
 from tests.trained import TAPS, WEAK_STEPS, _train_draft, _train_target
 

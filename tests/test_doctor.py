@@ -17,9 +17,12 @@ import pytest
 import torch
 
 from dspark.api import EngineConfig, build_engine
-from dspark.bench.doctor import (EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget, score_anchors, context_for, diagnose,
-                                 generate_texts, layout_readings, quick_check)
 from dspark.cli import main
+from dspark.doctor.check import diagnose
+from dspark.doctor.quick import quick_check
+from dspark.doctor.readings import context_for, layout_readings, score_anchors
+from dspark.doctor.report import EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget
+from dspark.doctor.texts import generate_texts
 from dspark.engine.sampling import SamplingParams
 from dspark.formats.convert import write_deepspec, write_speculators
 from dspark.formats.load import force_layout
@@ -212,7 +215,8 @@ def test_no_reading_is_dropped_on_a_handful_of_texts_and_explanations_stand_on_t
     unreliable to exclude a reading (the true mask of a tau-1.14 draft was excluded there, and the
     diagnosis then carried an irrelevant taps change). Exclusion waits for MIN_TEXTS_TO_EXCLUDE
     texts, and the simpler readings of an explanation are measured on the evidence's text."""
-    from dspark.bench.doctor import MIN_TEXTS_TO_EXCLUDE, simpler_readings
+    from dspark.bench.paired import MIN_TEXTS_TO_EXCLUDE
+    from dspark.doctor.statistic import simpler_readings
 
     writer, make, _, _ = LIES["mask"]
     path = _variant(trained, "mask", writer, make(_spec(trained, "weak")), "weak")
@@ -280,8 +284,10 @@ def test_weights_name_taps_that_behaviour_cannot_tell_apart(trained):
     RMS; tests/trained.py scaled=True). Where behaviour cannot tell the taps readings apart (as on
     SmolLM2's weakly trained drafts, docs/BENCHMARKS.md), fc's weights name the true taps; they
     never outrank behaviour that prefers the declared taps, and a healthy file gets no finding."""
-    from dspark.bench.doctor import Report, readings_for, weights_finding
     from dspark.bench.paired import Comparison
+    from dspark.doctor.check import weights_finding
+    from dspark.doctor.readings import readings_for
+    from dspark.doctor.report import Report
     from tests.trained import _train_draft
 
     draft = _train_draft(trained["model"], steps=15, scaled=True)

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from dspark.api import BUNDLED_DRAFT, load_engine
-from dspark.bench.doctor import EXIT_UNHEALTHY
 from dspark.cli import main
+from dspark.doctor.report import EXIT_UNHEALTHY
 
 pytestmark = pytest.mark.slow
 

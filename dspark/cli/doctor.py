@@ -1,4 +1,4 @@
-"""`dspark doctor`: the doctor's check (dspark.bench.doctor) on the command line, and its report.
+"""`dspark doctor`: the doctor's check (dspark.doctor) on the command line, and its report.
 
 Exit codes: 0 healthy (every other reading is excluded from giving 3% more tokens per step or
 0.05 nats more log-probability per slot to the target's tokens), 3 a misread or a
@@ -16,8 +16,9 @@ from rich.table import Table
 from rich.text import Text as RText
 
 from dspark.api import build_engine, resolve_draft
-from dspark.bench.doctor import _PRETTY, Budget, Report, diagnose
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
+from dspark.doctor.check import diagnose
+from dspark.doctor.report import PRETTY_LAYOUT, Budget, Report
 from dspark.errors import DSparkError
 from dspark.prompts import read_prompt_file
 
@@ -70,7 +71,7 @@ def print_report(report: Report) -> None:
     console = Console()
     d = report.declared
     console.print(RText(f"dspark doctor: draft {report.draft} on target {report.target}", style="bold"))
-    console.print(RText(f"declared: {d.format}, {_PRETTY[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
+    console.print(RText(f"declared: {d.format}, {PRETTY_LAYOUT[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
                         f"block_size {d.block_size}, hidden_state_indices {list(d.hidden_state_indices)}, "
                         f"mask_token_id {d.mask_token_id}"))
     ct = Table(title="static checks")
