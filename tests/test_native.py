@@ -290,7 +290,6 @@ def test_hf_target_last_logits_match_full_ragged():
 def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
     """bf16 weights on a CPU go through oneDNN's prepacked linear (faster at 1-8 rows); its output
     equals F.linear's within bf16 rounding, and DSPARK_PACK_BF16=0 keeps plain F.linear."""
-    import dspark.kernels as kernels
     import dspark.target.native as native
 
     if not torch.backends.mkldnn.is_available():
@@ -394,7 +393,7 @@ def test_the_cache_grows_under_a_running_state_and_the_layer_views_follow():
     with torch.no_grad():
         ref = model(ids).logits
     st = native.new_state(1)
-    first, at, kvs = None, 0, set()
+    at, kvs = 0, set()
     for size in (CACHE_CHUNK - 8, 16, 24):  # the second forward runs past the first allocation
         lg, _ = native.forward(st, ids[:, at : at + size])
         native.commit(st, torch.tensor([size]))

@@ -13,7 +13,7 @@ from dspark.target.load import load_target
 from dspark.train import trainer
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.errors import TrainError
-from dspark.train.features import CachedFeatures, OnlineFeatures, fold_tap_scale, tap_scale
+from dspark.train.features import OnlineFeatures, fold_tap_scale, tap_scale
 from dspark.train.trainer import load_state, train
 from tests.test_train_fixtures import save_tiny_target, synthetic_shard
 from tests.tiny import engine_for, hf_greedy

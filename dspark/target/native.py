@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dspark import envs
 from dspark import kernels
 from dspark.kernels import NO_TENSOR, q8_groups
 from dspark.errors import DSparkError, RequestError, check_finite
