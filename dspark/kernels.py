@@ -1,4 +1,4 @@
-"""CPU matmul kernels chosen by measurement (docs/BENCHMARKS.md, "Target runtimes").
+"""CPU matmul kernels chosen by measurement (docs/history/benchmarks.md, "Target runtimes").
 
 bf16 weights on a CPU run through a packed linear instead of `F.linear`: oneDNN's prepacked one
 (measured on Zen 4, AVX512-BF16: 1.3-1.8x faster at 1-8 rows on SmolLM2's shapes, the same numbers
@@ -17,8 +17,8 @@ are (a greedy plain step's head output, argmax'd in the layer stack's own call: 
 int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4.cpp`),
 compiled on first use (~1 min, once per machine and source version, cached under
 `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
-an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call (docs/
-BENCHMARKS.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"; there int4
+an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call
+(docs/history/benchmarks.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"; there int4
 and Q8_0 weights take 8-bit activations, `q4_activations`, "Session 17"). Group
 scales and minimums that are all fp16 numbers (GGUF's, "Session 15") are held in fp16. The same
 extension fuses the native runtime's RMSNorms (and the residual add before each) for bf16
@@ -85,7 +85,7 @@ def into_huge_pages(holders) -> int:
 
     A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
     TLB misses a step, and the matmuls stream at ~75 % of the speed they reach in 2 MB pages
-    (docs/BENCHMARKS.md, "Session 14"). Only plain CPU tensors move (not oneDNN's packed ones)."""
+    (docs/history/benchmarks.md, "Session 14"). Only plain CPU tensors move (not oneDNN's packed ones)."""
     def held(obj, field):
         val = getattr(obj, field)
         return val if isinstance(val, tuple) else (val,)
@@ -281,7 +281,7 @@ def q4_activations() -> str | None:
     """What dspark's int4 and Q8_0 matmuls do with their bf16 activations here: 'bf16' (take them
     as they are) or 'int8' (quantise them per group of 32); None without the tile.
 
-    By build (docs/BENCHMARKS.md "Session 17"). AVX2: each row's groups of 32 inputs quantised to
+    By build (docs/history/benchmarks.md "Session 17"). AVX2: each row's groups of 32 inputs quantised to
     8 bits (s = max|x| / 127, xq = round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0
     weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
     at 8 than on bf16 activations (FMAs, one broadcast each); DSPARK_INT8_ACTIVATIONS=0 builds it

@@ -1,4 +1,4 @@
-// A decoder's layer stack in one call (docs/BENCHMARKS.md, "Session 14"): the same kernels, in the
+// A decoder's layer stack in one call (docs/history/benchmarks.md, "Session 14"): the same kernels, in the
 // same order, as the Python loop of dspark/target/native.py (`NativeTarget.forward`), whose ~15
 // Python-level calls and views a layer cost ~0.6-1 ms of a ~7-9 ms SmolLM2 step. Bit for bit
 // the Python loop's result (tested). The embedding lookup, the positions and, for a greedy plain
