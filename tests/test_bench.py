@@ -111,8 +111,8 @@ def test_arms_are_interleaved_per_prompt_with_rotating_order():
     runners = {a.name: Fake(a.name) for a in arms}
     sets = [Set("a", 3)]
     encoded = {"a": [[10], [11], [12]]}
-    timer = ForwardTimer(torch.nn.Identity(), "cpu")
-    chunks = interleaved(arms, runners, sets, encoded, lambda i: None, timer, "cpu")
+    with ForwardTimer(torch.nn.Identity(), "cpu") as timer:  # it wraps NativeTarget.forward until closed
+        chunks = interleaved(arms, runners, sets, encoded, lambda i: None, timer, "cpu")
     assert calls == [
         ("hf", (10,)), ("plain", (10,)), ("full", (10,)),  # prompt 0
         ("plain", (11,)), ("full", (11,)), ("hf", (11,)),  # prompt 1: order rotated
@@ -253,3 +253,16 @@ def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
     for bad in ("hf-bf16@torch", "native-int4@cuda", "native-int4@"):
         with pytest.raises(DSparkError, match="unknown runtime arm"):
             runtime.parse_arms(bad)
+
+
+def test_the_forward_timer_puts_the_native_forward_back():
+    """It wraps NativeTarget.forward (every native call counts) only while open, keeping its signature."""
+    import inspect
+
+    from dspark.target.native import NativeTarget
+
+    original = NativeTarget.forward
+    with ForwardTimer(torch.nn.Identity(), "cpu"):
+        assert NativeTarget.forward is not original
+        assert inspect.signature(NativeTarget.forward) == inspect.signature(original)
+    assert NativeTarget.forward is original

@@ -14,6 +14,8 @@ acceptance, cache commits, scheduling and bookkeeping.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +102,7 @@ class ForwardTimer:
         self._native_forward = NativeTarget.forward
         timer = self
 
+        @functools.wraps(self._native_forward)  # the same signature for whoever inspects it
         def timed(target, *args, **kwargs):
             timer._pre()
             try:
@@ -120,6 +123,12 @@ class ForwardTimer:
         for h in self._handles:
             h.remove()
         NativeTarget.forward = self._native_forward
+
+    def __enter__(self) -> "ForwardTimer":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
 
 
 @dataclass
