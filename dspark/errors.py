@@ -21,12 +21,3 @@ class NonFiniteError(DSparkError):
         super().__init__(message)
         self.rows = rows
 
-
-def check_finite(x, what: str) -> None:
-    """x [B, ...]: raise NonFiniteError naming the rows that hold a NaN or inf."""
-    import torch
-
-    ok = torch.isfinite(x).flatten(1).all(dim=1)
-    if not bool(ok.all()):
-        rows = (~ok).nonzero().flatten().tolist()
-        raise NonFiniteError(f"the target computed non-finite values (NaN/inf) in its {what}", rows)

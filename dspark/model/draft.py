@@ -217,10 +217,28 @@ class DSparkDraft(nn.Module):
         N, S = block_ids.shape
         B = ctx[0].k.shape[0]
         dev = block_ids.device
-        if seq is None:
-            seq = torch.arange(N, device=dev) if B == N else torch.zeros(N, dtype=torch.long, device=dev)
-        seq = seq.to(dev)
-        # groups: each context row's blocks, in order, cut into runs of at most GROUP_BLOCKS
+        if seq is None and B == N:  # decoding: each block reads its own row, nothing to group
+            group = place = None
+            n_groups, n, ids, anchors = N, 1, block_ids[:, None], ctx_len[:, None].to(dev)
+        else:
+            seq = (torch.zeros(N, dtype=torch.long, device=dev) if seq is None else seq).to(dev)
+            group, place, n_groups, n, ids, anchors, ctx = self._groups(block_ids, ctx, ctx_len, seq)
+        x = self.embed_tokens(ids.view(n_groups, n * S)).to(self.fc.weight.dtype)
+        positions = (anchors[..., None] + torch.arange(S, device=dev)).view(n_groups, n * S)
+        cos, sin = self.rope(positions, x.dtype)
+        masks = self._masks(anchors, ctx[0].k.shape[2], S)
+        for layer, kv, mask in zip(self.layers, ctx, masks):
+            x = layer(x, kv, mask, cos, sin)
+        h = self.norm(x).view(n_groups, n, S, -1)
+        return h[:, 0] if group is None else h[group, place]
+
+    def _groups(self, block_ids, ctx, ctx_len, seq):
+        """Blocks [N, S] by the context row they read (seq [N]), each row's in order, cut into
+        groups of at most GROUP_BLOCKS: (group and place of each block, the group count, the
+        blocks per group, ids [G, n, S] and anchors [G, n] with padding blocks (anchor 0: no
+        context, only themselves), ctx with one row per group)."""
+        N, S = block_ids.shape
+        B, dev = ctx[0].k.shape[0], block_ids.device
         order = torch.argsort(seq, stable=True)
         counts = torch.bincount(seq, minlength=B)
         first = torch.cumsum(counts, 0) - counts
@@ -235,17 +253,11 @@ class DSparkDraft(nn.Module):
         group_row = torch.repeat_interleave(torch.arange(B, device=dev), per_row)  # [G] context row of each group
         ids = block_ids.new_full((n_groups, n, S), self.spec.mask_token_id)
         ids[group, place] = block_ids
-        anchors = ctx_len.new_zeros(n_groups, n)  # padding blocks: anchor 0, no context, only themselves
+        anchors = ctx_len.new_zeros(n_groups, n)
         anchors[group, place] = ctx_len.to(dev)
-        if n_groups != B or not bool((group_row == torch.arange(B, device=dev)).all()):
-            ctx = [LayerKV(kv.k[group_row], kv.v[group_row]) for kv in ctx] if B > 1 else ctx
-        x = self.embed_tokens(ids.view(n_groups, n * S)).to(self.fc.weight.dtype)
-        positions = (anchors[..., None] + torch.arange(S, device=dev)).view(n_groups, n * S)
-        cos, sin = self.rope(positions, x.dtype)
-        masks = self._masks(anchors, ctx[0].k.shape[2], S)
-        for layer, kv, mask in zip(self.layers, ctx, masks):
-            x = layer(x, kv, mask, cos, sin)
-        return self.norm(x).view(n_groups, n, S, -1)[group, place]
+        if B > 1 and (n_groups != B or not bool((group_row == torch.arange(B, device=dev)).all())):
+            ctx = [LayerKV(kv.k[group_row], kv.v[group_row]) for kv in ctx]
+        return group, place, n_groups, n, ids, anchors, ctx
 
     def block_states(self, anchors: torch.Tensor, ctx: ContextCache, rows: int | None = None) -> torch.Tensor:
         """Decoding's forward of the block [anchor, MASK, ...] (anchors [N]) over a context cache ->

@@ -182,8 +182,7 @@ class EngineWorker:
                 self._shutdown()
                 return False
             if kind == "cut":
-                self._empty_engine()
-                self._fail(list(self._jobs.values()), "the server is shutting down (its drain timeout passed)", 503)
+                self._fail_all("the server is shutting down (its drain timeout passed)", 503)
                 continue
             try:
                 self._add(job) if kind == "add" else self._abort(job)
@@ -356,10 +355,13 @@ class EngineWorker:
         self.engine.reset()
         self._running = 0
 
-    def _engine_failed(self) -> None:
+    def _fail_all(self, why: str, status: int = 500) -> None:
+        """Every request in flight ends with `why`, from an empty engine."""
         self._empty_engine()
-        self._fail(list(self._jobs.values()), "internal error in the engine")
+        self._fail(list(self._jobs.values()), why, status)
+
+    def _engine_failed(self) -> None:
+        self._fail_all("internal error in the engine")
 
     def _shutdown(self) -> None:
-        self._empty_engine()
-        self._fail(list(self._jobs.values()), "the server is shutting down", status=503)
+        self._fail_all("the server is shutting down", 503)

@@ -11,10 +11,22 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from dspark.errors import NonFiniteError
+
 # What `forward(..., logits=...)` returns besides the taps:
 # "all" [B, S, V] fp32 logits; "last" [B, 1, V] each row's last valid position; "argmax" [B, S]
 # int64 greedy tokens (no fp32 logits made); "final" [B, S, H] post-norm final hidden states.
 LOGITS_MODES = ("all", "last", "argmax", "final")
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """x [B, ...] (every step's final states): raise NonFiniteError naming the rows that hold a NaN
+    or inf. One reduction when all is finite; the rows are found only when something is not."""
+    if bool(torch.isfinite(x).all()):
+        return
+    ok = torch.isfinite(x).flatten(1).all(dim=1)
+    raise NonFiniteError(f"the target computed non-finite values (NaN/inf) in its {what}",
+                         (~ok).nonzero().flatten().tolist())
 
 
 @runtime_checkable

@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dspark.errors import RequestError, check_finite
+from dspark.errors import RequestError
+from dspark.target.base import check_finite
 from dspark.kernels import argmax
 from dspark.ragged import merge_rows, pack
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from dspark import kernels
 from dspark.kernels import NO_TENSOR, q8_groups
-from dspark.errors import DSparkError, RequestError, check_finite
+from dspark.errors import DSparkError, RequestError
+from dspark.target.base import check_finite
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once

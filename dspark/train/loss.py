@@ -215,9 +215,10 @@ def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: t
     if bias is not None:
         logits = logits + pick(bias).float()
     label_pos = blocks.label_pos.to(dev)[b, r]
-    draft_ids = None if draft.d2t is None else draft.to_target_ids(torch.arange(draft.d2t.numel(), device=dev))
     if not isinstance(target, TargetHead):
-        target = TargetHead(target, draft_ids)
+        vocab_ids = None if draft.d2t is None else draft.to_target_ids(torch.arange(draft.d2t.numel(), device=dev))
+        target = TargetHead(target, vocab_ids)
+    draft_ids = target.draft_ids
     # Overlapping blocks predict the same positions many times: the target head runs once per position.
     positions, index = torch.unique(label_pos - 1, return_inverse=True)
     logp, top = target(final_hidden.to(dev)[positions], None if keys is None else keys[positions.cpu()])
