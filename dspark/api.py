@@ -142,17 +142,14 @@ def build_engine(config: EngineConfig) -> Engine:
             # what the check measured, plus one timed draft phase: an adaptive policy then knows from
             # the first step whether drafting pays, instead of drafting to find out
             accepted, step = check.accepted.numpy(), target_step(target)
-
-            def phase(depth=None):  # timed after a target step, as decoding meets it (cold caches)
-                return DraftPrior(accepted, draft.spec.gamma, draft_phase_seconds(draft, evict=step, depth=depth), depth)
-
-            engine.prior = phase()
+            # timed after a target step, as decoding meets it (cold caches), at one slot and at up to
+            # three: a CPU verifies 1-3 slots, and the second figure prices each slot past the first
+            one = draft_phase_seconds(draft, evict=step, depth=1)
+            deep = min(3, draft.spec.gamma)
+            slot = max(0.0, draft_phase_seconds(draft, evict=step, depth=deep) - one) / (deep - 1) if deep > 1 else 0.0
+            engine.prior = DraftPrior(accepted, draft.spec.gamma, one, 1, slot)
             if isinstance(policy, AdaptiveScheduler):
                 policy.seed(engine.prior)
-                depth = policy.planned_depth()
-                if depth is not None and depth < draft.spec.gamma:  # it will draft fewer slots: time those
-                    engine.prior = phase(depth)
-                    policy.seed(engine.prior)
                 notes.append(policy.summary())
     return engine
 

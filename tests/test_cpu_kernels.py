@@ -529,28 +529,6 @@ def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced, dtype):
         ext.markov_walk(base, w1, w2t.double(), none, anchors)
 
 
-def test_greedy_proposals_are_the_same_with_and_without_the_walk_kernel(ext, monkeypatch):
-    """propose() on the modules (the reference path: a draft the one-call phase does not take), a
-    bf16 or fp32 draft: the compiled walk gives the tokens and confidences of torch's slot-by-slot
-    walk (a reduced vocabulary and a batch of three included)."""
-    from dspark.engine import step as S
-    from dspark.model import fast as fast_draft
-
-    monkeypatch.setattr(fast_draft, "applies", lambda *a: False)
-    model = tiny_target()
-    for reduced, dtype in ((None, torch.bfloat16), (48, torch.bfloat16), (48, torch.float32)):
-        draft = tiny_draft(model, gamma=5, **({"draft_vocab_size": reduced} if reduced else {})).to(dtype)
-        taps = torch.randn(3, 9, draft.fc.weight.shape[1]).to(dtype)
-        ctx = draft.new_context_cache(3, "cpu", dtype)
-        draft.extend_context(ctx, taps, torch.tensor([9, 6, 3]))
-        batch = S.Batch(None, ctx, torch.tensor([5, 17, 40]), [SamplingParams()] * 3, [None] * 3)
-        fast = S.propose(draft, batch)
-        with monkeypatch.context() as m:
-            m.setattr(S, "markov_walk", lambda *a: None)
-            slow = S.propose(draft, batch)
-        assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.conf_logits, slow.conf_logits)
-
-
 def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
     """bf16 weights up to BF16_KERNEL_MAX elements run on dspark's small-row kernel: the matmul up
     to its bf16 rounding, each row's bits whatever rows share the call, a bias added after; larger

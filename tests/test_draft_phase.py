@@ -231,8 +231,8 @@ def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(mo
                 batch = S.Batch(None, ctx, torch.tensor([a]), [SamplingParams()], [None], [taps])
                 out.append(int(S.propose(draft, batch, 1).tokens[0, 0]))
                 if fmt == "bf16" or fmt is None:
-                    h, base, _ = S.draft_block(draft, torch.tensor([a]), batch.ctx, 1)
-                    logits.append(base[0, 0].float())
+                    block = S.draft_block(draft, torch.tensor([a]), batch.ctx, 1)
+                    logits.append(block.base[0, 0].float())
         return torch.tensor(out), logits
 
     ref, ref_logits = first_slots(None)

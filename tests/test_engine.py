@@ -132,6 +132,8 @@ def test_q_is_the_markov_corrected_distribution():
 
 def test_caches_hold_only_committed_positions():
     """After partial accepts the target cache and the draft context equal a clean prefill."""
+    from dspark.engine.step import flush_context
+
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
     engine = engine_for(model, draft)
@@ -148,7 +150,11 @@ def test_caches_hold_only_committed_positions():
         committed = req.prompt_ids + req.output_ids[:-1]  # the last token is the anchor: not run yet
         assert int(b.target.lengths[0]) == len(committed)
         assert b.target.cache.get_seq_length() == len(committed)
-        assert int(b.ctx.lengths[0]) == len(committed)
+        # the step's committed taps wait for the next drafting call (Batch.unposted): exactly those
+        waiting = int(b.unposted[1][0]) if b.unposted is not None else 0
+        assert int(b.ctx.lengths[0]) + waiting == len(committed)
+        flush_context(draft, b)
+        assert int(b.ctx.lengths[0]) == len(committed) and b.unposted is None
         # a clean run over exactly the committed tokens gives the same cache contents
         clean = engine.target.new_state(1)
         _, taps = engine.target.forward(clean, torch.tensor([committed]))
@@ -203,7 +209,7 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
         engine.step()
         req, b = engine.running[0], engine.batch
         committed = req.prompt_ids + req.output_ids[:-1]
-        waiting = sum(p.shape[1] for p in b.pending)
+        waiting = sum(p.shape[1] for p in b.pending) + (int(b.unposted[1][0]) if b.unposted is not None else 0)
         waited = max(waited, waiting)
         assert int(b.ctx.lengths[0]) + waiting == len(committed)
     # the prompt's 3 positions and two skipped steps wait for the first drafting step

@@ -28,7 +28,10 @@ def test_trained_draft_is_lossless_and_accepts(trained):
     for p in PROMPTS:
         req = engine.generate(p, SamplingParams(max_new_tokens=128))
         assert req.output_ids == hf_greedy(model, p, 128)
-    assert engine.metrics.mean_accept_length > 2.0
+    # a draft that predicts: ~2 tokens a step, a little less where the kernels multiply its Q4_1
+    # matrices with 8-bit activations (AVX2 CPUs: 1.98) than with bf16 ones (the misreads below
+    # read at least 0.5 less)
+    assert engine.metrics.mean_accept_length > 1.8
 
 
 @pytest.mark.parametrize("misread", ["layout", "taps", "mask"])

@@ -28,6 +28,7 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
     assert out["arms_ratio"] == ratio
     # a speedup only where a step drafted: otherwise both arms ran plain decoding and it is said so
     assert out["speedup"] == (ratio if out["drafted_steps"] else None)
+    assert 0 <= out["drafted_steps"] <= out["timed_steps"] and out["timed_steps"] >= 3  # 3 rounds, >= 1 step each
     assert out["compare_rounds"] == 3  # warmed up, then three rounds of the arms stepping in turn
     rounds = out["speedup_rounds"]  # each round's own ratio, around the overall one
     assert len(rounds) == 3 and min(rounds) <= ratio + 1e-3 and max(rounds) >= ratio - 1e-3
@@ -64,11 +65,42 @@ def test_no_speedup_is_claimed_when_no_step_drafted(saved, capsys, monkeypatch):
             "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "none: no step drafted" in text and "both decoded plainly" in text and "their ratio (noise)" in text
+    assert "none: the timed rounds drafted no step (0 of" in text and "both decoded plainly" in text
+    assert "their ratio (noise)" in text
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["drafted_steps"] == 0 and out["speedup"] is None and out["arms_ratio"] > 0
     assert main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+
+
+def test_a_streamed_run_that_drafted_does_not_stand_for_the_timed_rounds(saved, capsys, monkeypatch):  # noqa: F811
+    """The streamed run drafts (its verify steps are shown) while the timed rounds do not (an
+    adaptive policy that looked once and went back to plain steps): the speedup row speaks of
+    the timed rounds and says how many of their steps drafted, so the two rows cannot contradict."""
+    from dspark.cli import generate
+    from dspark.engine.scheduler import FullScheduler
+
+    timed = {"on": False}
+    real = generate.side_by_side
+
+    def rounds(*a, **k):
+        timed["on"] = True
+        try:
+            return real(*a, **k)
+        finally:
+            timed["on"] = False
+
+    monkeypatch.setattr(generate, "side_by_side", rounds)
+    monkeypatch.setattr(FullScheduler, "should_draft", lambda self, batch: not timed["on"])
+    target, draft = saved
+    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
+            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["metrics"]["verify_steps"] >= 1 and out["drafted_steps"] == 0 and out["speedup"] is None
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "none: the timed rounds drafted no step" in text and "verify steps" in text
 
 
 def test_compare_rounds_step_the_two_arms_in_turn(saved):  # noqa: F811

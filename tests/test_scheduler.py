@@ -393,6 +393,28 @@ def test_a_prior_from_the_load_time_check_decides_the_first_step():
     assert sch.AdaptiveScheduler(curve).summary().endswith("the first step drafts")
 
 
+def test_each_drafted_slot_is_priced_so_a_shallow_step_is_not_charged_for_deep_ones():
+    """The prior's phase timed at 3 slots with a cost per slot: depth 1 is charged the phase less
+    two slots, so a draft whose deeper slots do not pay their head row still drafts one slot; a
+    drafting step at depth d teaches the depth-1 overhead (its time less d - 1 slots)."""
+    curve = CostCurve((1, 64), (0.010, 0.010))
+    batch = SimpleNamespace(anchors=torch.zeros(1, dtype=torch.long))
+    prior = DraftPrior(np.array([1, 1, 0, 2] * 8), gamma=3, draft_seconds=0.006, depth=3, slot_seconds=0.002)
+    assert prior.first_slot_seconds() == pytest.approx(0.002)
+    sched = AdaptiveScheduler(curve, prior=prior)  # survival .75 .25 0
+    spec, plain = sched.expected_rates(1)
+    # depth 1: 1.75 tokens in 2 + 10 ms beats depth 2: 2.0 in 4 + 10 ms, and plain's 1 in 10 ms
+    assert spec == pytest.approx(1.75 / 0.012) and sched._best_depth == 1 and sched.should_draft(batch)
+    assert sched.break_even() == pytest.approx(0.2) and "+2.0 ms a slot" in sched.summary()
+    flat = AdaptiveScheduler(curve, prior=DraftPrior(prior.accepted, gamma=3, draft_seconds=0.006, depth=3))
+    assert flat.break_even() == pytest.approx(0.6)  # the same phase, every depth charged the whole of it
+    sched.observe(SimpleNamespace(drafted=[2], verified=[2], accepted=[1], t_draft=0.005, t_other=0.0,
+                                  t_verify=0.010), [])
+    assert sched.overhead == pytest.approx(0.003)  # 5 ms at depth 2, less one slot
+    with pytest.raises(DSparkError, match="slot_seconds"):
+        DraftPrior(np.array([0, 1]), gamma=3, draft_seconds=0.001, slot_seconds=-1.0)
+
+
 def test_adaptive_drafts_only_as_deep_as_it_could_verify():
     """The depth the skip comparison found best, plus one for a confident step, is all the policy
     asks the draft for; a step that drafted fewer slots updates only their survival."""
@@ -401,7 +423,8 @@ def test_adaptive_drafts_only_as_deep_as_it_could_verify():
     prior = DraftPrior(np.array([3, 3, 0, 1] * 8), gamma=5, draft_seconds=0.001)  # survival .75 .5 .5 0 0
     sched = AdaptiveScheduler(curve, prior=prior)
     assert sched.draft_depth(batch) is None  # nothing compared yet: every slot
-    assert sched.planned_depth() == 4  # what build_engine times the prior's draft phase at
+    sched.expected_rates(1)
+    assert sched.draft_depth(batch) == 4  # best depth 3, plus one a confident step may verify
     with pytest.raises(DSparkError, match="depth"):
         DraftPrior(np.array([0, 1]), gamma=5, draft_seconds=0.001, depth=6)
     assert "draft phase 1.0 ms at 2 slots" in AdaptiveScheduler(

@@ -66,6 +66,9 @@ def test_the_cheap_points_get_their_repeats_when_a_pass_fills_the_budget():
 
     curve = profile_cost_curve(SlowAtLength(), [1, 2, 64], repeats=3, budget_s=0.6)
     assert curve.meta["repeats"] == 3 and curve.meta["repeats_largest"] == 1
+    # where a start-up profiles (cost_curve_for), the points that decide break-even take more samples
+    more = profile_cost_curve(SlowAtLength(), [1, 2, 64], repeats=3, budget_s=0.8, small_repeats=costs.SMALL_REPEATS)
+    assert more.meta["repeats"] == costs.SMALL_REPEATS and more.meta["repeats_largest"] <= 3
 
 
 def test_cache_round_trip_and_key(tmp_path, monkeypatch):

@@ -267,7 +267,10 @@ def test_blocks_of_one_sequence_attended_together_equal_each_block_on_its_own_co
     h1, g1 = run(True)
     h0, g0 = run(False)
     assert torch.allclose(h1, h0, atol=1e-5)
-    assert set(g1) == set(g0) and all(torch.allclose(g1[k], g0[k], atol=1e-4) for k in g0)
+    # fp32 sums in another order: within 1e-5 of each gradient's largest entry (the embedding's
+    # reaches a few hundred here)
+    assert set(g1) == set(g0)
+    assert all(float((g1[k] - g0[k]).abs().max()) <= 1e-5 * float(g0[k].abs().max()) + 1e-6 for k in g0)
 
 
 def test_the_target_head_computes_each_positions_full_vocabulary_once_and_agrees_without_its_memo():

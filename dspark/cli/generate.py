@@ -130,10 +130,12 @@ def run(args) -> int:
     if compare:
         # the streamed run above is not timed against plain (streaming costs what plain does not pay)
         spec_tok = spec_s = plain_tok = base_s = 0
-        base, rounds, drafted = None, [], 0
+        base, rounds, drafted, steps = None, [], 0, 0
         for r in range(args.compare_rounds):
             (s_req, p_req), (s_secs, p_secs), _ = side_by_side([engine, plain], ids, params, first=r)
-            drafted += s_req.metrics.to_dict()["verify_steps"]
+            m = s_req.metrics.to_dict()
+            drafted += m["verify_steps"]
+            steps += m["verify_steps"] + m["plain_steps"]
             spec_tok, spec_s = spec_tok + len(s_req.output_ids), spec_s + s_secs
             plain_tok, base_s = plain_tok + len(p_req.output_ids), base_s + p_secs
             base = p_req if base is None else base  # the plain output compared with the streamed one
@@ -149,7 +151,8 @@ def run(args) -> int:
             out["plain"]["first_difference"] = first_difference(engine.target.model, ids, req.output_ids,
                                                                 base.output_ids)
         ratio = round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
-        out["drafted_steps"] = drafted
+        # the timed rounds' own steps: the streamed run above may have drafted where they did not
+        out["drafted_steps"], out["timed_steps"] = drafted, steps
         # no step drafted: both arms ran the same plain steps, so their ratio is the host's noise, not a speedup
         out["speedup"] = ratio if drafted else None
         out["arms_ratio"] = ratio
@@ -191,12 +194,14 @@ def _print_summary(out: dict) -> None:
         t.add_row("plain decoding tokens/s", f"{out['plain']['tokens_per_second']:.1f}")
         spread = out.get("speedup_rounds") or []
         rounds = f"  (rounds {min(spread):.2f}-{max(spread):.2f}x)" if len(spread) > 1 else ""
+        timed = f"{out['drafted_steps']} of {out['timed_steps']} steps drafted ({out['compare_rounds']} rounds)"
         if out["speedup"] is None:
-            t.add_row("speedup over plain decoding", "none: no step drafted")
-            t.add_row("the two arms", "both decoded plainly, the same steps")
+            t.add_row("speedup over plain decoding", f"none: the timed rounds drafted no step ({timed})")
+            t.add_row("the two arms", "both decoded plainly in the timed rounds, the same steps")
             t.add_row("their ratio (noise)", f"{out['arms_ratio']:.2f}x{rounds}")
         else:
             t.add_row("speedup over plain decoding", f"{out['speedup']:.2f}x{rounds}")
+            t.add_row("timed rounds", timed)
         same, diff = out["plain"]["same_output"], out["plain"].get("first_difference")
         if not same and diff and diff["logit_gap"] is not None:
             same = (f"no: from token {diff['token']}, where the target's two candidates are "

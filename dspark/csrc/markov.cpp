@@ -139,7 +139,7 @@ torch::Tensor markov_walk(torch::Tensor base, torch::Tensor w1, torch::Tensor w2
 namespace markov {
 
 // torch.argmax's choice over x[0..V) (the first NaN, else the first largest), in two vector passes
-// where AVX-512 runs: the maximum and whether any NaN is there, then the first entry equal to it.
+// (AVX-512 or AVX2): the maximum and whether any NaN is there, then the first entry equal to it.
 // torch's CPU argmax compares one element at a time (~1 ns each: ~50 us over SmolLM2's 49 152
 // logits, paid for every verified row of every step). T: fp32, or bf16 (widened exactly: the
 // same choice as over the fp32 copy, which a greedy plain step then need not make).
@@ -149,6 +149,12 @@ inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const c10::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
 }
 #endif
 
@@ -170,6 +176,20 @@ inline int64_t first_max(const T* x, int64_t V) {
     best = _mm512_reduce_max_ps(m);
   }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (V >= 8) {
+    __m256 m = _mm256_set1_ps(best), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = load8(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, v);
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float l : lanes) best = l > best ? l : best;
+  }
+#endif
   for (; i < V; ++i) {
     const float v = widen(x[i]);
     nan = nan || std::isnan(v);
@@ -184,6 +204,13 @@ inline int64_t first_max(const T* x, int64_t V) {
   const __m512 b = _mm512_set1_ps(best);
   for (; j + 16 <= V; j += 16) {
     const __mmask16 eq = _mm512_cmp_ps_mask(load16(x + j), b, _CMP_EQ_OQ);
+    if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
+  }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 b8 = _mm256_set1_ps(best);
+  for (; j + 8 <= V; j += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + j), b8, _CMP_EQ_OQ));
     if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
   }
 #endif

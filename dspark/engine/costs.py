@@ -34,8 +34,14 @@ FLAT_RATIO = 1.10
 PROFILE_CONTEXT = 32  # committed tokens the scratch state holds (attention has something to read)
 # how profile_cost_curve samples (part of a cached curve's identity): 2 = the small points get their
 # repeats even where one pass of the large ones fills the budget; 3 = every point reads the
-# target's argmax alone, as greedy verification does since docs/history/benchmarks.md "Session 18"
-PROFILER = 3
+# target's argmax alone, as greedy verification does since docs/history/benchmarks.md "Session 18";
+# 4 = the points of up to SMALL_TOKENS tokens read SMALL_REPEATS samples
+PROFILER = 4
+# The 1- and 2-token points decide whether drafting pays at all (break-even is (phase + t2) / t1 - 1),
+# and the least of 3 samples left their ratio changing from one start-up to the next on a 2-core VM;
+# they cost a few ms each, so they take more samples than the large points (docs/SCHEDULING.md).
+SMALL_TOKENS = 4
+SMALL_REPEATS = 15
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ def default_grid(max_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float = math.inf, seed: int = 0,
-                  context: int = PROFILE_CONTEXT) -> dict[int, list[float]]:
+                  context: int = PROFILE_CONTEXT, small_repeats: int = 0) -> dict[int, list[float]]:
     """Seconds of target.forward of [1, T] random tokens for T in grid, greedy (the target's argmax
     alone), on a scratch state of `context` committed tokens (the timed entries dropped after each).
 
@@ -127,7 +133,8 @@ def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float 
     points, which decide whether drafting pays at all, get their repeats even where one pass of
     the large ones fills it: one sample of a 1-token step can be a descheduled one). When the
     warm-up alone overruns the budget (a loaded machine) its own timings are returned, with a
-    warning, rather than making start-up slower still."""
+    warning, rather than making start-up slower still. small_repeats: the points of up to
+    SMALL_TOKENS tokens take that many passes where it exceeds `repeats` (the budget still holds)."""
     gen = torch.Generator().manual_seed(seed)
     dev = target.device
     state = target.new_state(1)
@@ -137,9 +144,11 @@ def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float 
     times: dict[int, list[float]] = {t: [] for t in grid}
     keep_none = torch.zeros(1, dtype=torch.long, device=dev)
     start = time.perf_counter()
-    for rep in range(repeats + 1):
+    for rep in range(max(repeats, small_repeats) + 1):
         timed = 0
         for t in grid:
+            if rep > repeats and t > SMALL_TOKENS:
+                continue
             if rep >= 2 and time.perf_counter() + times[t][-1] - start > budget_s:
                 continue
             timed += 1
@@ -162,14 +171,15 @@ def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float 
     return times
 
 
-def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0) -> CostCurve:
+def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0,
+                       small_repeats: int = 0) -> CostCurve:
     """The cost curve of `target` over grid (`forward_times` within budget_s, on a scratch state
     of PROFILE_CONTEXT tokens): the minimum per point, because load from other processes only
     ever adds time, and the adaptive scheduler rescales the whole curve to observed steps anyway.
     A [1, T] forward costs what a padded [R, T/R] verify costs (the projections see R*T/R rows
     either way; the attention share is small at these lengths)."""
     start = time.perf_counter()
-    times = forward_times(target, grid, repeats=repeats, budget_s=budget_s, seed=seed)
+    times = forward_times(target, grid, repeats=repeats, budget_s=budget_s, seed=seed, small_repeats=small_repeats)
     meta = {"repeats": len(times[grid[0]]), "repeats_largest": len(times[grid[-1]]), "context": PROFILE_CONTEXT,
             "profile_s": round(time.perf_counter() - start, 3)}
     return CostCurve.from_points(grid, [min(times[t]) for t in grid], meta)
@@ -237,7 +247,7 @@ def cost_curve_for(target, max_tokens: int, *, cache: bool = True, refresh: bool
         except DSparkError as exc:
             log.warning("ignoring unreadable cost curve cache %s: %s", path, exc)
     if curve is None:
-        curve = profile_cost_curve(target, grid, budget_s=budget_s)
+        curve = profile_cost_curve(target, grid, budget_s=budget_s, small_repeats=SMALL_REPEATS)
         curve = CostCurve(curve.tokens, curve.seconds, {**curve.meta, "identity": ident})
         if cache:
             curve.save(path)

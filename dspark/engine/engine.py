@@ -287,6 +287,7 @@ class Engine:
             [b.params[i] for i in keep],
             [b.generators[i] for i in keep],
             [p[rows] for p in b.pending],
+            None if b.unposted is None else (b.unposted[0][rows], b.unposted[1][rows]),
         )
 
     # ---- output --------------------------------------------------------------------------

@@ -57,6 +57,9 @@ class DraftPrior:
     gamma: int
     draft_seconds: float
     depth: int | None = None  # the slots drafted when draft_seconds was timed (None: all gamma)
+    # what each drafted slot past the first adds to the phase (its head row and walk step): a
+    # policy weighing depth 1 against depth 3 must not charge depth 1 for three slots
+    slot_seconds: float = 0.0
 
     def __post_init__(self):
         a = np.asarray(self.accepted)
@@ -66,6 +69,12 @@ class DraftPrior:
             raise DSparkError(f"draft prior: draft_seconds must be positive, got {self.draft_seconds!r}")
         if self.depth is not None and not 1 <= self.depth <= self.gamma:
             raise DSparkError(f"draft prior: depth must be 1..{self.gamma} (or None: all), got {self.depth!r}")
+        if not (math.isfinite(self.slot_seconds) and self.slot_seconds >= 0):
+            raise DSparkError(f"draft prior: slot_seconds must be >= 0, got {self.slot_seconds!r}")
+
+    def first_slot_seconds(self) -> float:
+        """The phase at one slot: draft_seconds less the slots past the first it was timed with."""
+        return max(0.0, self.draft_seconds - self.slot_seconds * ((self.depth or self.gamma) - 1))
 
     @property
     def anchors(self) -> int:
@@ -212,7 +221,8 @@ class AdaptiveScheduler(VerifyPolicy):
                  prior: DraftPrior | None = None, probe_share: float = PROBE_SHARE):
         super().__init__(calibration)
         self.curve, self.learn, self.skip, self.probe_share = curve, learn, skip, probe_share
-        self.overhead, self.scale = 0.0, 1.0
+        # overhead: a drafting step's fixed time at depth 1; each slot past the first adds slot_cost
+        self.overhead, self.scale, self.slot_cost = 0.0, 1.0, 0.0
         self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
         self.survival: np.ndarray | None = None  # running mean predicted prefix survival per depth [g]
         self.realised: np.ndarray | None = None  # running P(first j+1 drafts accepted | verified), per depth
@@ -242,7 +252,7 @@ class AdaptiveScheduler(VerifyPolicy):
         self.realised_n = np.full(len(s), prior.anchors, dtype=np.int64)
         # the first real drafting step replaces the draft phase: a probe after many skipped steps also
         # pays their context update, which the wait before the next probe must count
-        self.overhead, self._drafted_seen = prior.draft_seconds, 0
+        self.overhead, self.slot_cost, self._drafted_seen = prior.first_slot_seconds(), prior.slot_seconds, 0
         self.plain_overhead = 0.0
 
     def sps(self, tokens: int) -> float:
@@ -268,13 +278,6 @@ class AdaptiveScheduler(VerifyPolicy):
             self.survival[:g] = (1 - w) * self.survival[:g] + w * mean
         return self._lengths(admit(surv, self.sps), batch)
 
-    def planned_depth(self, R: int = 1) -> int | None:
-        """The depth draft_depth would ask for at R requests, from what is known now (None: all)."""
-        if self.survival is None or self.plain_overhead is None:
-            return None
-        self.expected_rates(R)
-        return self.draft_depth(None)
-
     def draft_depth(self, batch) -> int | None:
         """One slot past the depth the last comparison (`expected_rates`) found best: admission
         may still go one deeper on a confident step, and slots past that are not drafted."""
@@ -290,7 +293,7 @@ class AdaptiveScheduler(VerifyPolicy):
         tau, best = float(R), 0.0
         for j, s in enumerate(self.expected_survival().tolist()):
             tau += R * s
-            rate = tau / (self.overhead + self.scale * self._step_time(R * (j + 2)))
+            rate = tau / (self.overhead + j * self.slot_cost + self.scale * self._step_time(R * (j + 2)))
             if rate > best:
                 best, self._best_depth = rate, j + 1
         return best, plain
@@ -334,7 +337,9 @@ class AdaptiveScheduler(VerifyPolicy):
         src = "measured while decoding"
         if self.prior is not None:
             at = f" at {self.prior.depth} slot{'s' if self.prior.depth > 1 else ''}" if self.prior.depth else ""
-            src = f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms{at}"
+            more = f", +{self.prior.slot_seconds * 1e3:.1f} ms a slot" if self.prior.slot_seconds else ""
+            src = (f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
+                   f"{at}{more}")
         need = self.break_even(R)
         even = f"slot 1 breaks even at {need:.2f}" if need <= 1 else "slot 1 cannot break even"
         head = (f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against "
@@ -402,6 +407,7 @@ class AdaptiveScheduler(VerifyPolicy):
             self._plain_seen += 1
             return
         w = 1.0 if self._drafted_seen == 0 else EMA
+        fixed -= self.slot_cost * (res.drafted[0] - 1)  # as if it had drafted one slot
         self.overhead = (1 - w) * self.overhead + w * fixed
         self._drafted_seen += 1
         self._observe_acceptance(max(res.drafted), np.asarray(res.verified), np.asarray(res.accepted))

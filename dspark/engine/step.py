@@ -7,7 +7,8 @@
       -> target forward on [anchor, drafts[:n]]          -> logits, tapped hidden states
       -> accept (greedy or rejection sampling)           -> accepted a [B], next token [B]
       -> commit: target keeps anchor + a drafts; the draft context receives the taps of
-         exactly those positions (never a rejected one); next token = new anchor
+         exactly those positions (never a rejected one), in the next drafting step's call;
+         next token = new anchor
 With no draft (g = 0) the same path is plain target decoding; so is a step whose policy
 skips drafting (`should_draft`); its taps reach the draft context at the next drafting step.
 """
@@ -21,7 +22,7 @@ import torch
 from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.engine.timing import now
-from dspark.kernels import argmax, markov_walk
+from dspark.kernels import argmax
 from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.target.base import Target, TargetState
@@ -40,6 +41,10 @@ class Batch:
     # that skipped drafting, every row the same k): a plain step does not pay for the context
     # update; the next drafting step adds them in one call
     pending: list[torch.Tensor] = field(default_factory=list)
+    # the last drafting step's taps [B, 1+m, F] and how many of each row it committed [B]: the
+    # next drafting step's call posts them with its block (one call, not two, a step); a plain
+    # step posts them first. Never set while `pending` holds taps.
+    unposted: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -67,20 +72,43 @@ class StepResult:
     proposed: list[list[int]] | None = None
 
 
+@dataclass
+class Block:
+    """What the draft's network made of one block: either the walked proposal (the kernels walked
+    every row greedily: tokens and confidences) or what a walk in Python reads (h, the base logits
+    of the drafted rows, the Markov head's state before the first of them)."""
+
+    h: torch.Tensor | None = None  # [B, r, H] states of the block rows up to the last one drafted
+    base: torch.Tensor | None = None  # [B, depth, Vd] draft-head logits of the drafted rows
+    state: torch.Tensor | None = None  # the Markov head's state before the first drafted row (rnn / gated)
+    tokens: torch.Tensor | None = None  # [B, depth] walked target ids
+    conf: torch.Tensor | None = None  # [B, depth] confidence logits of the walked rows (None: no confidence head)
+
+
 @torch.inference_mode()
-def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, depth: int | None = None):
-    """The draft's one forward over [anchor, MASK, ...]: (h [B, r, H], the states of the block
-    rows up to the last one drafted, base logits of the first `depth` sampled rows [B, depth, Vd]
-    (all g by default), the Markov head's state before the first sampled row, or None)."""
+def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, depth: int | None = None,
+                taps: torch.Tensor | None = None, counts: torch.Tensor | None = None, walk: bool = False) -> Block:
+    """The draft's network for one drafting phase: commit the first counts[b] of taps [B, n, F]
+    to the context (when given), then the block [anchor, MASK, ...] over it, the head on the first
+    `depth` sampled rows (all g by default) and, with walk, the greedy Markov walk and the
+    confidences. On a CPU with dspark's kernels that is one compiled call (model/fast.py); the
+    modules (the reference, and the path on other devices) run the same steps op by op and leave
+    the walk to the caller, as the kernels do for gated and rnn Markov heads. The whole block
+    runs, as trained, whatever the depth."""
     spec = draft.spec
     B = anchors.shape[0]
     rows = spec.sampled_rows
     stop = rows.stop if depth is None else rows.start + depth
-    # the whole block runs, as trained, whatever the depth; states are kept up to the last row read
     if fast.applies(draft, ctx, B):
-        h, base = fast.for_draft(draft).call(spec, ctx, None, None, anchors, rows.start, stop - rows.start)
-        h = h.to(draft.fc.weight.dtype)  # what the Python heads read
+        kernel = fast.for_draft(draft)
+        walk = walk and kernel.walks
+        out = kernel.call(spec, ctx, taps, counts, anchors, rows.start, stop - rows.start, walk=walk)
+        if walk:
+            return Block(tokens=out[0], conf=out[1] if out[1].numel() else None)
+        h, base = out[0].to(draft.fc.weight.dtype), out[1]  # h: what the Python heads read
     else:
+        if taps is not None:
+            draft.extend_context(ctx, taps, counts)
         h = draft.block_states(anchors, ctx, stop)  # [B, stop, H]
         base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
     mh = draft.markov_head
@@ -88,14 +116,16 @@ def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, de
     if mh is not None and mh.head_type == "rnn" and rows.start == 1:
         # bonus-anchor row 0 is never sampled, but training ran the recurrence through it
         _, _, state = mh.step(anchors, h[:, 0], state)
-    return h, base, state
+    return Block(h=h, base=base, state=state)
 
 
 @torch.inference_mode()
 def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Proposal:
     """Draft the first `depth` slots of the block (all g by default: a policy that will verify
-    no deeper saves the draft head and the walk of the rest). The draft context first takes the
-    taps waiting in batch.pending."""
+    no deeper saves the draft head and the walk of the rest). The draft context takes the taps
+    waiting in batch.pending in the same call (`draft_block`). Every request greedy: the kernels
+    walk, and the phase is that one call; otherwise the walk runs here, slot by slot, sampling
+    the rows that sample and keeping the distributions verification divides by."""
     rows, mh = draft.spec.sampled_rows, draft.markov_head
     if depth is not None:
         if not 1 <= depth <= len(rows):
@@ -104,23 +134,11 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
     anchors = batch.anchors
     B = anchors.shape[0]
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
-    if not sampled and fast.applies(draft, batch.ctx, B):
-        kernel = fast.for_draft(draft)
-        if kernel.walks:
-            # every request greedy: the context update, the block, the head, the walk and the
-            # confidences in one compiled call (model/fast.py)
-            taps, counts = take_pending(batch)
-            tokens, conf = kernel.call(draft.spec, batch.ctx, taps, counts, anchors, rows.start, len(rows), walk=True)
-            return Proposal(tokens=tokens, q=[None] * B, conf_logits=conf if conf.numel() else None)
-    flush_context(draft, batch)
-    h, base, state = draft_block(draft, anchors, batch.ctx, len(rows))
-    if not sampled and mh is not None and mh.head_type == "vanilla":
-        # every request greedy: the whole walk in one compiled call where it runs (a CPU with dspark's extension)
-        walked = markov_walk(base, mh.markov_w1.weight, mh.w2_transposed(), draft.d2t, anchors)
-        if walked is not None:
-            prev_ids = torch.cat([anchors[:, None], walked[:, :-1]], 1)  # [B, g] each slot's previous token
-            conf = draft.confidence_logits(h[:, rows.start : rows.stop], mh.markov_w1(prev_ids))
-            return Proposal(tokens=walked, q=[None] * B, conf_logits=conf)
+    taps, counts = take_pending(batch)
+    block = draft_block(draft, anchors, batch.ctx, len(rows), taps, counts, walk=not sampled)
+    if block.tokens is not None:
+        return Proposal(tokens=block.tokens, q=[None] * B, conf_logits=block.conf)
+    h, base, state = block.h, block.base, block.state
     prev, tokens, embs = anchors, [], []
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     for k, row in enumerate(rows):
@@ -164,8 +182,9 @@ def target_step(target):
 @torch.inference_mode()
 def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None,
                         depth: int | None = None) -> float:
-    """Wall time of one drafting step's own work at batch 1 (`propose`, then the context update of
-    the positions a step commits), on a context of `context` positions: what the adaptive policy
+    """Wall time of one drafting step's own work at batch 1 (`propose`, with the context update of
+    two positions the last step committed in its call, as decoding runs it), on a context of
+    `context` positions: what the adaptive policy
     weighs against a target step before any real step has run. Median of `reps` after one warm-up.
     evict: called (untimed) before each rep; pass one target step, which in decoding runs between
     two drafting phases and pushes the draft's weights out of the CPU's caches (on SmolLM2 a warm
@@ -177,17 +196,16 @@ def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, ev
                          torch.tensor([context], device=dev))
     batch = Batch(target=None, ctx=ctx, anchors=torch.zeros(1, dtype=torch.long, device=dev),
                   params=[SamplingParams()], generators=[None])
-    taps = torch.zeros(1, 2, width, device=dev, dtype=dtype)
+    committed = (torch.zeros(1, 3, width, device=dev, dtype=dtype), torch.tensor([2], device=dev))
     times = []
     for _ in range(reps + 1):
         # each rep from the same context: the writes past its length are scratch (ContextCache)
-        scratch = ContextCache(list(ctx.layers), ctx.lengths.clone())
-        batch.ctx = scratch
+        batch.ctx = ContextCache(list(ctx.layers), ctx.lengths.clone())
+        batch.unposted = committed  # a one-draft verify that accepted it: 2 of its 3 positions kept
         if evict is not None:
             evict()
         t0 = now(dev)
         propose(draft, batch, depth)
-        draft.extend_context(scratch, taps, torch.tensor([2], device=dev))
         times.append(now(dev) - t0)
     return sorted(times[1:])[reps // 2]
 
@@ -203,7 +221,8 @@ def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache,
     are exactly what greedy verification accepts; the log-probabilities are the draft's training
     objective on the same slots (`dspark doctor` compares readings on both)."""
     rows, mh = draft.spec.sampled_rows, draft.markov_head
-    h, base, state = draft_block(draft, anchors, ctx)
+    block = draft_block(draft, anchors, ctx)
+    h, base, state = block.h, block.base, block.state
     prev, tokens, logps = anchors, [], []
     for k, row in enumerate(rows):
         logits = base[:, k]
@@ -233,8 +252,13 @@ def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, bat
 
 
 def take_pending(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The taps waiting in batch.pending as one [B, k, D] tensor and their counts [B] (all k), or
-    (None, None); batch.pending is emptied."""
+    """The taps waiting for the draft context and how many of each row to commit [B]: the last
+    drafting step's (batch.unposted), or those in batch.pending as one [B, k, D] tensor (all k),
+    or (None, None). What is returned is no longer waiting."""
+    if batch.unposted is not None:
+        taps, counts = batch.unposted
+        batch.unposted = None
+        return taps, counts
     if not batch.pending:
         return None, None
     taps = torch.cat(batch.pending, dim=1) if len(batch.pending) > 1 else batch.pending[0]
@@ -246,7 +270,7 @@ def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
     """Bring the draft context up to the committed length: the prompt's taps and those of skipped
     steps, in one call (each row waits on the same number of positions: a batch holds pending taps
     only while it is one request, or after steps that committed one token per row)."""
-    if draft is None or not batch.pending:
+    if draft is None or (not batch.pending and batch.unposted is None):
         return
     taps, counts = take_pending(batch)
     draft.extend_context(batch.ctx, taps, counts)
@@ -304,9 +328,11 @@ def decode_step(
         keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     target.commit(batch.target, keep)
     t4 = now(dev)
-    if drafting:
-        draft.extend_context(batch.ctx, taps, keep)
+    if drafting:  # the committed positions' taps reach the draft context with the next block's call
+        batch.unposted = (taps, keep)
     elif draft is not None:  # a plain step committed one token per row (taps: [B, 1, D], a new tensor)
+        if batch.unposted is not None:  # the last drafting step's taps go in first, where they belong
+            flush_context(draft, batch)
         batch.pending.append(taps)
     t5 = now(dev)
     batch.anchors = nxt

@@ -217,7 +217,18 @@ def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def why_not(draft) -> str | None:
-    """Why this draft decodes through its modules rather than the kernels, or None: it can."""
+    """Why this draft decodes through its modules rather than the kernels, or None: it can.
+    Asked at every drafting step, answered once per spec, weights (their dtype and device; a
+    shape changes only with a new tensor), format and extension: it depends on those alone."""
+    w = draft.fc.weight
+    spec, settings = draft.spec, (weights(draft), kernels.extension() is not None, w.dtype, w.device)
+    memo = draft.__dict__.get("_why_not")  # read_as views copy it, with their own spec
+    if memo is None or memo[0] is not spec or memo[1] is not w or memo[2] != settings:
+        memo = draft.__dict__["_why_not"] = (spec, w, settings, _why_not(draft))
+    return memo[3]
+
+
+def _why_not(draft) -> str | None:
     spec, b, w = draft.spec, draft.spec.backbone, draft.fc.weight
     if w.device.type != "cpu":
         return f"weights on {w.device.type}"
