@@ -12,15 +12,17 @@ value, and ties still go to the first index), and torch's CPU argmax runs 3-4x f
 8-token verify, 61 -> 19 us over the draft's 16 384). The AVX-512 build's own argmax (two vector
 passes: the maximum, then its first index; the first NaN where there is one, as torch) takes
 21 us for 3 x 49 152 fp32 logits against torch's 150 (2 threads), and reads bf16 logits as they
-are (a greedy plain step's head output, argmax'd in the layer stack's own call: "Session 15").
+are (a greedy plain step's head output, argmax'd in the layer stack's own call: docs/history/benchmarks.md
+"a greedy plain step in one call").
 
 int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4.cpp`),
 compiled on first use (~1 min, once per machine and source version, cached under
 `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
 an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call
-(docs/history/benchmarks.md "Session 10"; its AVX2 variant, 8 fp32 lanes and FMAs: "Session 13"; there int4
-and Q8_0 weights take 8-bit activations, `q4_activations`, "Session 17"). Group
-scales and minimums that are all fp16 numbers (GGUF's, "Session 15") are held in fp16. The same
+(docs/history/benchmarks.md "dspark's own int4 kernel"; its AVX2 variant, 8 fp32 lanes and FMAs:
+"a matmul tile for AVX2 CPUs"; there int4 and Q8_0 weights take 8-bit activations, `q4_activations`,
+"8-bit activations for the AVX2 build's int4 and Q8_0 matmuls"). Group scales and minimums that
+are all fp16 numbers (GGUF's: "group scales in fp16") are held in fp16. The same
 extension fuses the native runtime's RMSNorms (and the residual add before each) for bf16
 activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
 (`csrc/attn.cpp`). Anywhere else, or if it cannot be compiled, torch's ops run and `q4_status()`
@@ -85,7 +87,7 @@ def into_huge_pages(holders) -> int:
 
     A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
     TLB misses a step, and the matmuls stream at ~75 % of the speed they reach in 2 MB pages
-    (docs/history/benchmarks.md, "Session 14"). Only plain CPU tensors move (not oneDNN's packed ones)."""
+    (docs/history/benchmarks.md, "... huge pages, ..."). Only plain CPU tensors move (not oneDNN's packed ones)."""
     def held(obj, field):
         val = getattr(obj, field)
         return val if isinstance(val, tuple) else (val,)
@@ -281,14 +283,14 @@ def q4_activations() -> str | None:
     """What dspark's int4 and Q8_0 matmuls do with their bf16 activations here: 'bf16' (take them
     as they are) or 'int8' (quantise them per group of 32); None without the tile.
 
-    By build (docs/history/benchmarks.md "Session 17"). AVX2: each row's groups of 32 inputs quantised to
+    By build (docs/history/benchmarks.md "8-bit activations for the AVX2 build's int4 and Q8_0 matmuls"). AVX2: each row's groups of 32 inputs quantised to
     8 bits (s = max|x| / 127, xq = round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0
     weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
     at 8 than on bf16 activations (FMAs, one broadcast each); DSPARK_INT8_ACTIVATIONS=0 builds it
     with bf16 ones (its own cached build), closer to the Q4_1 model (KL 0.0011 against 0.003 a
-    token) at session 16's speed. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
-    1 row and 1.2-1.4x at 8 on Zen 4, 1.0x at 1 row, 0.9x at 2 and 1.18x at 8 on Zen 5 ("Session
-    19": at 1 row the stack is bound by streaming its weights), and 1 row is what plain decoding
+    token) at the speed the AVX2 tile had before. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
+    1 row and 1.2-1.4x at 8 on Zen 4, 1.0x at 1 row, 0.9x at 2 and 1.18x at 8 on Zen 5 ("the floors,
+    measured": at 1 row the stack is bound by streaming its weights), and 1 row is what plain decoding
     runs. Either is the target model of its build: verification is lossless against it, and its
     products are checked against the quantised model (tests/test_cpu_kernels.py). bf16 weights
     always take bf16 activations."""

@@ -48,7 +48,7 @@ SCALES = {
     # fit: 64 sequences x 32 anchors a step (2 048 blocks), not 64 x 256 (16 384): the second H200
     # session's fits stopped at ~120 steps, below CPU fits of 400 steps of 256 blocks; on the CPU
     # fresh fits gain far more per optimizer step than per block, and, at equal blocks a step, more
-    # per step from more sequences with fewer anchors each (docs/history/training.md "Session 8", "Session 9")
+    # per step from more sequences with fewer anchors each (docs/history/training.md: "optimizer steps, not blocks", "more sequences a step")
     "full": dict(prompts=14000, prompt_batch=2048, gen_batch=1024, max_new=512, prompts_s=100, data_s=150, fit_s=330,
                  batch=64, anchors=32, subsets=(300_000, 78_000), eval_every=100, lr=1e-3, procs=2, draft_vocab=16384,
                  chunk=1024),

@@ -892,7 +892,7 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     mostly agrees (measured over 12 answers: AVX-512 KL 0.0007 nats a token, 98.5 % of top tokens;
     AVX2 0.003, 97.5 %; here, 4 answers, AVX2 0.004, 95.9 %; the AVX2 kernel that gave the
     minimum's term x's own sum, not the quantised one, read KL 0.014: docs/history/benchmarks.md
-    "Session 17"). DSPARK_INT8_ACTIVATIONS=0 gives the AVX2 build bf16 activations (its own build):
+    "8-bit activations ..."). DSPARK_INT8_ACTIVATIONS=0 gives the AVX2 build bf16 activations (its own build):
     its matmuls are then the bf16 products (checked as the AVX-512 build's), and it stays closer
     (measured: KL 0.0011, 98.7 %)."""
     from pathlib import Path

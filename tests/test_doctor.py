@@ -258,7 +258,7 @@ def test_likelihood_decides_where_acceptance_cannot_and_never_against_it():
     # acceptance alone still decides as before
     more = (acc + 1).clamp(max=4)
     assert compare(acc, more, segs, 4, ll=(declared_ll, declared_ll), **kw).by == "acceptance"
-    # a healthy file on noisy text (docs/BENCHMARKS.md, session 7): acceptance leaves a reading open a
+    # a healthy file on noisy text (docs/BENCHMARKS.md, "Checking a draft"): acceptance leaves a reading open a
     # little ahead of the declared one, while the draft's objective clearly prefers the declared reading
     def swapped(down: int, up: int) -> torch.Tensor:  # acc with `down` ones cleared and `up` zeros set
         g, o = torch.Generator().manual_seed(3), acc.clone()

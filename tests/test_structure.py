@@ -5,6 +5,7 @@ and every decoding command takes the shared engine flags."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,14 @@ def environment_reads(trees: dict[str, ast.Module]) -> list[str]:
     return problems
 
 
+def session_citations(root: Path) -> list[str]:
+    """Comments and docstrings that name a working session ("Session 17"): code keeps the why and
+    cites the history by what an entry measured (docs/history/benchmarks.md, "8-bit activations ...")."""
+    pattern = re.compile(r"\b[Ss]ession \d")
+    return [f"{path.relative_to(root.parent)}:{n}" for path in sorted(root.rglob("*")) if path.suffix in (".py", ".cpp", ".h")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+
+
 # ---- the checks on the real package ------------------------------------------------------------
 
 def test_the_package_has_no_import_circle():
@@ -151,6 +160,17 @@ def test_the_library_neither_imports_the_command_layer_nor_prints():
 
 def test_every_environment_variable_is_read_in_envs():
     assert environment_reads(parse_package()) == []
+
+
+def test_no_code_comment_cites_a_working_session():
+    assert session_citations(ROOT) == []
+
+
+def test_a_session_citation_is_found(tmp_path):
+    (tmp_path / "dspark" / "csrc").mkdir(parents=True)
+    (tmp_path / "dspark" / "csrc" / "k.cpp").write_text("// fast (Session 17)\nint x;\n")
+    (tmp_path / "dspark" / "a.py").write_text('"""the session is over"""\n')
+    assert session_citations(tmp_path / "dspark") == ["dspark/csrc/k.cpp:1"]
 
 
 def test_below_the_api_nothing_imports_the_api():

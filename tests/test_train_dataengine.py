@@ -227,7 +227,7 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
 
 
 def test_a_resumed_warm_start_with_a_reduced_vocabulary_trains_against_its_own_head_rows(tmp_path):
-    """Found resuming the SmolLM2 fit of session 5: the resumed run recomputed the vocabulary from
+    """Found resuming a SmolLM2 fit: the resumed run recomputed the vocabulary from
     its data, restored the checkpoint's rows, but kept a bf16 copy of the recomputed rows for the
     frozen head matmul -- acceptance fell from 1.58 to 1.04. The copy must be the checkpoint's."""
     from dspark.train import distributed

@@ -1,4 +1,4 @@
-// Attention of a few new queries over the KV cache, bf16 (docs/history/benchmarks.md, "Session 10").
+// Attention of a few new queries over the KV cache, bf16 (docs/history/benchmarks.md, "the rest of a forward in the same extension").
 // torch's flash-attention kernel costs 45-90 us a layer for 1-8 queries over ~200 cached keys,
 // mostly set-up; this does the arithmetic directly. Each query row (batch row, position, head)
 // is computed on its own, over its keys 0..pos in a fixed order, so its result does not depend
@@ -148,7 +148,7 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
 #if defined(__AVX512BF16__)
   // heads of a multiple of 32 values (fixed at compile time): q.k by the bf16 dot product, pairs
   // of values a lane, and the score scaled after the sum: no widening of the keys, half the
-  // instructions a key (docs/history/benchmarks.md, "Session 16")
+  // instructions a key (docs/history/benchmarks.md, "... the bf16 dot product in attention ...")
   constexpr bool BDOT = DWT > 0 && DWT % 2 == 0;
 #else
   constexpr bool BDOT = false;
@@ -209,8 +209,8 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
   for (int64_t g = 0; g < G; ++g) {
     float* score = buf.data() + g * np;
     // the largest score by vectors of W keys (the last one's padding lanes -inf): one scalar max
-    // after the other was a chain of n dependent operations (8 positions over 600 keys 75 -> 54
-    // us, docs/history/benchmarks.md "Session 18"); a maximum is exact in any order (same bits)
+    // after the other was a chain of n dependent operations (docs/history/benchmarks.md,
+    // "... two kernel layouts ..."); a maximum is exact in any order (same bits)
     V mx = set1(-INFINITY);
     for (int64_t j = 0; j < n; j += W) {
       const int live = static_cast<int>(std::min<int64_t>(W, n - j));

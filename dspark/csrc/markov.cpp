@@ -1,5 +1,5 @@
 // The vanilla Markov head's greedy walk over a drafted block in one call (docs/history/benchmarks.md,
-// "Session 11"). In torch each slot is ~8 small ops (W1 lookup, the rank-r matmul over the draft
+// "a cheaper draft phase"). In torch each slot is ~8 small ops (W1 lookup, the rank-r matmul over the draft
 // vocabulary, the add, the argmax, the d2t map): ~0.25-0.4 ms a slot on a 2-core CPU, 1.6-2.7 ms
 // of a ~5 ms draft phase for 7 slots. Rounding as in the torch path, in the draft's dtype (bf16 or
 // fp32): the bias W2 z is accumulated in fp32 and rounded to that dtype, added to the base logit

@@ -1,9 +1,10 @@
 // dspark's int4 weight-only matmul (and its Q8_0 and bf16 variants) for CPUs with AVX512-BF16
-// (docs/history/benchmarks.md, "Session 10"); an AVX2 + FMA build of the same scheme follows it ("Session 13").
+// (docs/history/benchmarks.md, "dspark's own int4 kernel"); an AVX2 + FMA build of the same scheme
+// follows it ("a matmul tile for AVX2 CPUs").
 //
 // y [M, N] = x [M, K] @ W.T, W held as 4-bit groups of 32 inputs: w = q * d + lo (the GGUF Q4_1
 // rule), bf16 activations, fp32 sums, bf16 result; the AVX2 build's int4 matmul quantises the
-// activations to 8 bits per group of 32 (`act8`, "Session 17"). Compiled on first use by
+// activations to 8 bits per group of 32 (`act8`, "8-bit activations for the AVX2 build's ..."). Compiled on first use by
 // dspark/kernels.py.
 //
 // Why not torch's _weight_int4pack_mm_for_cpu: it vectorises along K, so every weight is
@@ -24,7 +25,7 @@
 //      AVX2 ("octets"): octet o of 64 bytes (inputs k = 32g + 8o + 0..7); 16-bit word 2c + i
 //      holds q[c, k + 2j + i] in its nibble j (0..3): one byte mask (after a 4-bit shift for odd
 //      steps) gives a step's 4 bytes per column, with no widening (`tile_a8`, docs/history/benchmarks.md
-//      "Session 18")
+//      "... two kernel layouts ...")
 //   D, L [N/16, K/32, 16] fp32 or fp16 (`Scales`): d and lo of each column of the block
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -106,7 +107,7 @@ struct Scales {
 };
 
 // Each unpack also asks for the weight bytes AHEAD bytes further on, into L2 (docs/history/benchmarks.md,
-// "Session 16"). Left to the hardware's prefetcher, a tile waited on memory and computed in turn:
+// "weights asked for ahead of the tile"). Left to the hardware's prefetcher, a tile waited on memory and computed in turn:
 // 8 rows of a bf16 stack cost one row's streaming time plus their arithmetic (14.4 against 8.2 ms
 // for SmolLM2's 120 layer matrices); asked ahead, 10.1 ms. L1 (T0) hurt at every row count, as did
 // distances of 2-8 KB. A tile's column blocks are consecutive in memory, so AHEAD is ~a tile on.
@@ -115,7 +116,7 @@ inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*
 
 // the sum of a group's 32 values (4 vectors of 8, fp32) by one fixed tree: the vectors added in
 // pairs, then across the 8 lanes. The AVX-512 build's Q4_1 minimum's term (lo x the group's sum
-// of x); summed one input after the other, the sums of 8 rows cost ~5 us a matmul ("Session 17").
+// of x); summed one input after the other, the sums of 8 rows cost more than the rest of their group ("8-bit activations ...").
 inline float sum32(const __m256 (&v)[4]) {
   const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
   __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -201,7 +202,7 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
   for (int64_t g = 0; g < G; ++g) {
     // the group's sum of q * x per column, in two halves added at its end: inputs (4 step, 4 step
     // + 1) in t, (4 step + 2, 4 step + 3) in u. One chain of 16 dependent dot products a group
-    // left 1-2 rows waiting on their latency (docs/history/benchmarks.md "Session 18": 2 rows -8 %, 8 -4 %)
+    // left 1-2 rows waiting on their latency (docs/history/benchmarks.md "... two kernel layouts ...")
     __m512 t[NB][M], u[NB][M];
     fill(t, _mm512_setzero_ps());
     fill(u, _mm512_setzero_ps());
@@ -260,7 +261,7 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
   // registers: 3 x rows x blocks accumulators <= 24 of 32. With the weights asked for ahead
   // (AHEAD), wide tiles stopped paying at 1-2 rows: one row takes 1 block a tile (was 2; a 1-token
   // int4 forward -0.30 ms), two rows 2 (was 4; the Q8_0 head 1.57 -> 1.31 ms, the int4 layers
-  // 3.35 -> 3.10 ms at 2 rows, cold) (docs/history/benchmarks.md, "Session 16")
+  // 3.35 -> 3.10 ms at 2 rows, cold) (docs/history/benchmarks.md, "weights asked for ahead of the tile")
   row_tiles<16, 1, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
     tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, D, L, xsum ? xsum + m0 * G : nullptr,
                                                      yp + m0 * N, N, cb);
@@ -329,7 +330,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
 // at a time. int4 and Q8_0 weights take 8-bit activations and integer sums (`tile_a8`,
-// docs/history/benchmarks.md "Session 17"), unless built with DSPARK_ACT8=0 (kernels.py, from
+// docs/history/benchmarks.md "8-bit activations ..."), unless built with DSPARK_ACT8=0 (kernels.py, from
 // DSPARK_INT8_ACTIVATIONS=0): then, as bf16 weights (a draft's) always, every row adds w * x in
 // fp32 in input order, one FMA a weight and row (`tile8`). A row's operations do not depend on M
 // or on which rows share the call (batch invariance).
@@ -419,7 +420,7 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
   return y;
 }
 
-// int4 and Q8_0 weights on this build take 8-bit activations (docs/history/benchmarks.md "Session 17"):
+// int4 and Q8_0 weights on this build take 8-bit activations (docs/history/benchmarks.md "8-bit activations ..."):
 // each row's group of 32 inputs becomes s * xq with s = max|x| / 127 and xq = round(x * 127 /
 // max|x|) in -127..127 (the rule llama.cpp uses against this file's Q4_1 and Q8_0 weights), so a
 // group's sum of q * x is an exact integer sum, four products a byte instruction (vpmaddubsw)
@@ -564,7 +565,7 @@ torch::Tensor matmul_a8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N,
   const Act8 a = act8(xp, M, K);
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // 1-2 rows take 2 half blocks a tile (1 row: 4 were ~10 % slower, "Session 17")
+  // 1-2 rows take 2 half blocks a tile (at 1 row 4 were slower: "8-bit activations ...")
   row_tiles<8, 2, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
     tile_a8<decltype(rows)::value, decltype(nb)::value, Q4>(a.q.data() + m0 * K, a.s.data() + m0 * G,
                                                             a.sum.data() + m0 * G, K, p, D, L, yp + m0 * N, N, hb);
@@ -584,7 +585,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
   return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()), Scales(D));
 }
-#else  // bf16 activations (DSPARK_INT8_ACTIVATIONS=0: closer to the model, ~1.5x slower here)
+#else  // bf16 activations (DSPARK_INT8_ACTIVATIONS=0: closer to the model, slower here)
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   const uint8_t* p = P.data_ptr<uint8_t>();

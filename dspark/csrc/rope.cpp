@@ -1,4 +1,4 @@
-// RoPE and the K/V cache write in one call, bf16 (docs/history/benchmarks.md, "Session 10"): in torch
+// RoPE and the K/V cache write in one call, bf16 (docs/history/benchmarks.md, "RoPE and the cache write"): in torch
 // they are ~20 small ops a layer (slices, a split, a negation, a concatenation, products, sums,
 // transposes, two cache copies), ~1-2 us each. Same rounding steps as torch's bf16 ops (each
 // product and the sum rounded to bf16), so the bits are torch's. Rows are independent.

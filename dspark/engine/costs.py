@@ -34,7 +34,8 @@ FLAT_RATIO = 1.10
 PROFILE_CONTEXT = 32  # committed tokens the scratch state holds (attention has something to read)
 # how profile_cost_curve samples (part of a cached curve's identity): 2 = the small points get their
 # repeats even where one pass of the large ones fills the budget; 3 = every point reads the
-# target's argmax alone, as greedy verification does since docs/history/benchmarks.md "Session 18";
+# target's argmax alone, as greedy verification does since docs/history/benchmarks.md "... greedy
+# verification without fp32 logits";
 # 4 = the points of up to SMALL_TOKENS tokens read SMALL_REPEATS samples
 PROFILER = 4
 # The 1- and 2-token points decide whether drafting pays at all (break-even is (phase + t2) / t1 - 1),

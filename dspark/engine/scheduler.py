@@ -36,7 +36,7 @@ REALISED_MIN = 16  # verified requests at a depth before its measured acceptance
 SKIP_PROBE_MAX = 256  # a probe that confirms skipping doubles the wait before the next, up to this
 # probes may cost at most this share of the time spent decoding plainly: a draft pass dearer than a
 # target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share)).
-# Measured on SmolLM2 (docs/history/benchmarks.md "Session 13"): a probe that confirms skipping costs ~6 ms
+# Measured on SmolLM2 (docs/history/benchmarks.md "what a draft that does not pay still costs ..."): a probe that confirms skipping costs ~6 ms
 # against a ~11 ms plain step; at 0.5 % and waits up to 128 steps probes took 0.4-0.8 % of decoding,
 # most of what a draft that never pays still cost against plain decoding.
 PROBE_SHARE = 0.0025
@@ -261,7 +261,7 @@ class AdaptiveScheduler(VerifyPolicy):
     def _step_time(self, tokens: int) -> float:
         """curve.step_time(tokens), looked up once per token count: the policy reads it before and
         after every step, skipped ones included, right after the forward evicted the interpreter's
-        working set (docs/history/benchmarks.md, "Session 16")."""
+        working set (docs/history/benchmarks.md, "... what a step that skips drafting still paid")."""
         t = self._step_times.get(tokens)
         if t is None:
             t = self._step_times[tokens] = self.curve.step_time(tokens)

@@ -315,8 +315,8 @@ def decode_step(
         nxt = best[:, 0]
     elif g and all(p.greedy for p in batch.params):
         # greedy verification reads the target's argmax alone, as a plain greedy step does: no fp32
-        # logits [B, 1+m, V] to make and scan (an 8-token verify 4-7 % cheaper, docs/history/benchmarks.md
-        # "Session 18"); the padding positions' tokens are never read
+        # logits [B, 1+m, V] to make and scan (docs/history/benchmarks.md, "... greedy verification
+        # without fp32 logits"); the padding positions' tokens are never read
         best, taps = target.forward(batch.target, tokens, 1 + n, logits="argmax")
         t3 = now(dev)
         accepted, nxt = greedy_accept_ids(best, prop.tokens[:, : tokens.shape[1] - 1], n)
