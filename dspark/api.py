@@ -46,7 +46,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto (bf16 where the hardware has it natively, else fp32) | bf16 | fp32, or torch's spellings
     device: str | None = None  # None: cuda when available, else cpu
     runtime: str = "auto"  # target runtime: native where supported (auto), "native", or "hf" (transformers)
-    weights: str = "auto"  # native weight format: auto (the model's own numbers; exact int4 where it is) | fp32 | bf16 | int8 | int4
+    # native weight format: auto (the model's own numbers; exact int4 where it is) | fp32 | bf16 | int8 | int4
+    weights: str = "auto"
     # the draft's matrices on dspark's CPU kernels: auto | q4 | q8 | bf16 (model/fast.py; auto: q4)
     draft_weights: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)
@@ -90,7 +91,9 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
         notes.append(why)
     parse_dtype(dtype, device)  # a bad name or fp16 on CPU fails here, before anything loads
     if config.draft_weights not in fast_draft.DRAFT_WEIGHTS:
-        raise DSparkError(f"draft weights must be one of {', '.join(fast_draft.DRAFT_WEIGHTS)}, got {config.draft_weights!r}")
+        raise DSparkError(
+            f"draft weights must be one of {', '.join(fast_draft.DRAFT_WEIGHTS)}, got {config.draft_weights!r}"
+        )
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
@@ -106,15 +109,18 @@ def build_engine(config: EngineConfig) -> Engine:
     config, notes = resolve(config)
     if config.threads:
         torch.set_num_threads(config.threads)
-    target, tokenizer, more = open_target(config.target, config.dtype, config.device, config.runtime, config.weights,
-                                          dtype_given=given_dtype)
+    target, tokenizer, more = open_target(
+        config.target, config.dtype, config.device, config.runtime, config.weights, dtype_given=given_dtype
+    )
     actual = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype).removeprefix("torch."))
     if not given_dtype and actual != config.dtype and notes and notes[0].startswith("dtype auto"):
         # the model's own int4 weights took bf16 activations where "auto" alone would say fp32: one
         # line that says what runs, not two that contradict each other
-        notes[0] = (f"dtype auto -> {actual}: the model's int4 weights run with bf16 activations"
-                    f"{kernels.q4_note().replace(', ', ' (') + ' in their matmuls)' if kernels.q4_note() else ''}; "
-                    f"other models would get {config.dtype} here ({notes[0].partition('(')[2].rstrip(')')})")
+        notes[0] = (
+            f"dtype auto -> {actual}: the model's int4 weights run with bf16 activations"
+            f"{kernels.q4_note().replace(', ', ' (') + ' in their matmuls)' if kernels.q4_note() else ''}; "
+            f"other models would get {config.dtype} here ({notes[0].partition('(')[2].rstrip(')')})"
+        )
         config = replace(config, dtype=actual)
     notes += more
     model = target.model
@@ -125,8 +131,16 @@ def build_engine(config: EngineConfig) -> Engine:
         notes.append(fast_draft.describe(draft))
         # taps on before the policy exists: an adaptive policy times verification as the engine runs it
         target.set_taps(draft.spec.hidden_state_indices)
-    policy = make_scheduler(config.verify, target, draft, threshold=config.threshold, calibration=config.calibration,
-                            curve=config.cost_curve, max_batch=config.max_batch, skip=not config.always_draft)
+    policy = make_scheduler(
+        config.verify,
+        target,
+        draft,
+        threshold=config.threshold,
+        calibration=config.calibration,
+        curve=config.cost_curve,
+        max_batch=config.max_batch,
+        skip=not config.always_draft,
+    )
     engine = Engine(target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch)
     engine.config, engine.notes = config, notes
     if config.check and draft is not None:

@@ -20,4 +20,3 @@ class NonFiniteError(DSparkError):
     def __init__(self, message: str, rows: list[int]):
         super().__init__(message)
         self.rows = rows
-

@@ -44,7 +44,6 @@ from dspark import envs
 log = logging.getLogger("dspark")
 
 
-
 # bf16 weights up to this many elements run on dspark's kernel (csrc/q4.cpp `bf16_mm`) where it is
 # built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
 # 2 threads: 576x576 at 7 rows 20 against 44 us). Larger ones (an LM head over the vocabulary) stay on
@@ -88,13 +87,18 @@ def into_huge_pages(holders) -> int:
     A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
     TLB misses a step, and the matmuls stream at ~75 % of the speed they reach in 2 MB pages
     (docs/history/benchmarks.md, "... huge pages, ..."). Only plain CPU tensors move (not oneDNN's packed ones)."""
+
     def held(obj, field):
         val = getattr(obj, field)
         return val if isinstance(val, tuple) else (val,)
 
     # each movable tensor once, however many holders share it
-    tensors = {id(t): t for obj, field in holders for t in held(obj, field)
-               if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0}
+    tensors = {
+        id(t): t
+        for obj, field in holders
+        for t in held(obj, field)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0
+    }
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values()]
     arena = _huge_buffer(sum(sizes)) if tensors else None
     if arena is None:
@@ -144,8 +148,12 @@ def fused_bias(*linears) -> torch.Tensor | None:
     bs = [m.bias for m in linears]
     if all(b is None for b in bs):
         return None
-    return torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype)
-                      for b, m in zip(bs, linears)])
+    return torch.cat(
+        [
+            b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype)
+            for b, m in zip(bs, linears)
+        ]
+    )
 
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -171,8 +179,14 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """x.argmax(dim), with half-precision logits compared as their fp32 values (module docstring);
     over the last dimension of fp32 or bf16 on dspark's AVX-512 build (csrc/markov.cpp
     `argmax_last`: torch's choice, ~7x faster, bf16 widened in place), elsewhere torch's."""
-    if (dim in (-1, x.dim() - 1) and x.dim() >= 1 and x.dtype in (torch.float32, torch.bfloat16)
-            and x.device.type == "cpu" and x.shape[-1] > 0 and extension_isa() == "avx512"):
+    if (
+        dim in (-1, x.dim() - 1)
+        and x.dim() >= 1
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.device.type == "cpu"
+        and x.shape[-1] > 0
+        and extension_isa() == "avx512"
+    ):
         return extension().argmax_last(x)
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
         x = x.float()
@@ -182,16 +196,44 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
 # switched off and forced to one ISA through dspark/envs.py (DSPARK_Q4_KERNEL, DSPARK_KERNEL_ISA)
 # one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
-SOURCES = ("q4.cpp", "norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp", "draft.cpp")  # the last two call the others
-FUNCTIONS = ("q4_mm", "q8_mm", "bf16_mm", "rms_bf16", "add_rms_bf16", "attn_bf16", "rope_cache_bf16", "markov_walk",
-             "argmax_last", "silu_mul_bf16", "layers_register", "layers_release", "layers_forward", "draft_register", "draft_release",
-             "draft_forward")
+SOURCES = (
+    "q4.cpp",
+    "norm.cpp",
+    "attn.cpp",
+    "rope.cpp",
+    "markov.cpp",
+    "layers.cpp",
+    "draft.cpp",
+)  # the last two call the others
+FUNCTIONS = (
+    "q4_mm",
+    "q8_mm",
+    "bf16_mm",
+    "rms_bf16",
+    "add_rms_bf16",
+    "attn_bf16",
+    "rope_cache_bf16",
+    "markov_walk",
+    "argmax_last",
+    "silu_mul_bf16",
+    "layers_register",
+    "layers_release",
+    "layers_forward",
+    "draft_register",
+    "draft_release",
+    "draft_forward",
+)
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
-    "avx512": (("avx512f", "avx512bw", "avx512_bf16"),
-               ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")),
-    "avx2": (("avx2", "fma", "f16c"), ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c")),  # 8-lane matmuls, norms, attention
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512_bf16"),
+        ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+    ),
+    "avx2": (
+        ("avx2", "fma", "f16c"),
+        ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
+    ),  # 8-lane matmuls, norms, attention
 }
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 
@@ -246,11 +288,19 @@ def extension():
             from torch.utils.cpp_extension import load_inline
 
             root.mkdir(parents=True, exist_ok=True)
-            _build["ext"] = load_inline(name, cpp_sources=[src], functions=list(FUNCTIONS), build_directory=str(root),
-                                     extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
+            _build["ext"] = load_inline(
+                name,
+                cpp_sources=[src],
+                functions=list(FUNCTIONS),
+                build_directory=str(root),
+                extra_cflags=list(cflags),
+                extra_ldflags=["-fopenmp"],
+            )
         except Exception as e:  # no compiler, no ninja, a failed build, no cache folder: torch's ops still work
-            _build.update(isa=None, why=f"dspark's kernels did not compile ({type(e).__name__}: "
-                                     f"{str(e).strip().splitlines()[-1][:200]})")
+            _build.update(
+                isa=None,
+                why=f"dspark's kernels did not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})",
+            )
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
@@ -283,7 +333,8 @@ def q4_activations() -> str | None:
     """What dspark's int4 and Q8_0 matmuls do with their bf16 activations here: 'bf16' (take them
     as they are) or 'int8' (quantise them per group of 32); None without the tile.
 
-    By build (docs/history/benchmarks.md "8-bit activations for the AVX2 build's int4 and Q8_0 matmuls"). AVX2: each row's groups of 32 inputs quantised to
+    By build (docs/history/benchmarks.md "8-bit activations for the AVX2 build's int4 and Q8_0
+    matmuls"). AVX2: each row's groups of 32 inputs quantised to
     8 bits (s = max|x| / 127, xq = round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0
     weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
     at 8 than on bf16 activations (FMAs, one broadcast each); DSPARK_INT8_ACTIVATIONS=0 builds it
@@ -364,7 +415,8 @@ def q8_groups(w: torch.Tensor, group: int = 32):
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor):
-    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout (D: `_group_scales`)."""
+    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout
+    (D: `_group_scales`)."""
     N, K = q.shape
     G = K // 32
     qb = q.to(torch.int8).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, G, pair, column, 2]
@@ -376,8 +428,9 @@ def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     return extension().q8_mm(x, *packed)
 
 
-def markov_walk(base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor, d2t: torch.Tensor | None,
-                anchors: torch.Tensor) -> torch.Tensor | None:
+def markov_walk(
+    base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor, d2t: torch.Tensor | None, anchors: torch.Tensor
+) -> torch.Tensor | None:
     """The vanilla Markov head's greedy walk in one call (csrc/markov.cpp): base [B, g, Vd] draft-head
     logits, w1 [V, r], w2t [r, Vd] (W2 transposed), all bf16 or all fp32, d2t [Vd] or None, anchors
     [B] -> target ids [B, g]; None where the extension does not run (a CPU without it, another

@@ -62,8 +62,9 @@ def read_prompt_file(path, limit: int | None = None) -> list[str | list[int]]:
             break
         prompt = rec if isinstance(rec, str) else _from_record(rec)
         if prompt is None:
-            raise DSparkError(f"{path}:{n}: expected a \"prompt_ids\" list of ints, or a non-empty "
-                              "\"turns\", \"prompt\" or \"text\"")
+            raise DSparkError(
+                f'{path}:{n}: expected a "prompt_ids" list of ints, or a non-empty "turns", "prompt" or "text"'
+            )
         out.append(prompt)
     if not out:
         raise DSparkError(f"prompt file {path} holds no prompts")

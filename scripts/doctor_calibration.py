@@ -4,7 +4,8 @@ Trains the tiny pattern target of tests/trained.py and eight drafts of it with d
 pieces (strong: 240 steps, weak: 90 steps; anchor-first and bonus-anchor; fc fitted to raw taps,
 and to RMS-scaled taps with the scale folded in as `dspark train` does), writes each healthy
 draft and its lying variants (layout flipped with block_size adjusted, taps shifted by -1 (+1 would
-name a layer the 2-layer target lacks: a static failure), wrong mask token) as speculators files, and runs the doctor's default check on several
+name a layer the 2-layer target lacks: a static failure), wrong mask token) as speculators files, and runs the
+doctor's default check on several
 prompt sets (seeded random prompts: the tiny target has no tokenizer). Prints one JSON line per
 run and a markdown table.
 
@@ -65,8 +66,10 @@ CONFIG_LIES = {
 def real_drafts(args) -> None:
     """Each speculators draft and its config-edited lies through `dspark doctor --json`."""
     root = Path(args.out or tempfile.mkdtemp(prefix="doctor-cal-"))
-    print("| draft | true tau | lie | verdict | exit | generated tokens / anchors | wall s | load-time check |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print(
+        "| draft | true tau | lie | verdict | exit | generated tokens / anchors | wall s | load-time check |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     for draft in map(Path, args.draft):
@@ -91,13 +94,17 @@ def real_drafts(args) -> None:
             load_time = "-"
             if not args.no_load_time:
                 t1 = time.perf_counter()
-                warned = quick_check(build_engine(EngineConfig(target=args.target, draft=str(path), check=False,
-                                                               threads=args.threads)))
+                warned = quick_check(
+                    build_engine(EngineConfig(target=args.target, draft=str(path), check=False, threads=args.threads))
+                )
                 load_time = f"{'warns' if warned else 'quiet'}, {time.perf_counter() - t1:.0f} s"
             try:
                 r = json.loads(proc.stdout)
             except json.JSONDecodeError:
-                print(f"| {draft.name} | ? | {lie} | failed: {proc.stderr.strip().splitlines()[-1:]} | {proc.returncode} | | |")
+                print(
+                    f"| {draft.name} | ? | {lie} | failed: {proc.stderr.strip().splitlines()[-1:]} "
+                    f"| {proc.returncode} | | |"
+                )
                 continue
             readings = r.get("readings") or []
             declared = readings[0]["accept_length"] if readings else None
@@ -106,16 +113,22 @@ def real_drafts(args) -> None:
             verdict = r["verdict"] + (f" -> {best}" if best and r["verdict"] == "misread" else "")
             if best and r.get("found_by") == "weights":
                 fits = r["fingerprint"]
-                verdict += (f" (by fc's weights: misfit {fits['declared']['misfit']:.3f} -> {fits[best]['misfit']:.3f}, "
-                            f"correlation {fits[best]['correlation']:.2f})")
+                verdict += (
+                    f" (by fc's weights: misfit {fits['declared']['misfit']:.3f} -> {fits[best]['misfit']:.3f}, "
+                    f"correlation {fits[best]['correlation']:.2f})"
+                )
             elif best and r["verdict"] == "misread":  # which statistic decided, and by how much
                 c = next(x["vs_declared"] for x in readings if x["name"] == best)
-                verdict += (f" ({c['gain']:+.0%}, z {c['z']:.1f}; {c['loglik_gain']:+.3f} nats, z {c['loglik_z']:.1f}; "
-                            f"by {c['by'] or 'the evidence reading'})")
+                verdict += (
+                    f" ({c['gain']:+.0%}, z {c['z']:.1f}; {c['loglik_gain']:+.3f} nats, z {c['loglik_z']:.1f}; "
+                    f"by {c['by'] or 'the evidence reading'})"
+                )
             t = r.get("text") or {}
-            print(f"| {draft.name} | {truth if truth is None else round(truth, 2)} | {lie} | {verdict} | "
-                  f"{proc.returncode} | {t.get('generated_tokens')} / {t.get('anchors')} | {wall:.0f} | {load_time} |",
-                  flush=True)
+            print(
+                f"| {draft.name} | {truth if truth is None else round(truth, 2)} | {lie} | {verdict} | "
+                f"{proc.returncode} | {t.get('generated_tokens')} / {t.get('anchors')} | {wall:.0f} | {load_time} |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -127,8 +140,11 @@ def main() -> None:
     ap.add_argument("--prompts", default=None, help="with --draft: a prompt file the doctor uses first")
     ap.add_argument("--threads", type=int, default=None, help="with --draft: the doctor's --threads")
     ap.add_argument("--no-load-time", action="store_true", help="with --draft: skip the load-time check")
-    ap.add_argument("--lies", default=None,
-                    help="with --draft: comma-separated subset of none,layoutflipped,taps-1,mask2 (default: all)")
+    ap.add_argument(
+        "--lies",
+        default=None,
+        help="with --draft: comma-separated subset of none,layoutflipped,taps-1,mask2 (default: all)",
+    )
     args = ap.parse_args()
     if args.draft:
         return real_drafts(args)
@@ -137,8 +153,12 @@ def main() -> None:
     model = _train_target()
     model.save_pretrained(root / "target")
     rows = []
-    plan = [(strength, steps, layout, scaled) for scaled in (False, True)
-            for strength, steps in (("strong", 240), ("weak", WEAK_STEPS)) for layout in ("anchor_first", "bonus_anchor")]
+    plan = [
+        (strength, steps, layout, scaled)
+        for scaled in (False, True)
+        for strength, steps in (("strong", 240), ("weak", WEAK_STEPS))
+        for layout in ("anchor_first", "bonus_anchor")
+    ]
     for strength, steps, layout, scaled in plan:
         # scaled: fc fitted to taps / RMS and the scale folded in, as `dspark train` does (its weight fingerprint)
         draft = _train_draft(model, steps=steps, layout=layout, scaled=scaled)
@@ -151,25 +171,42 @@ def main() -> None:
                 g = torch.Generator().manual_seed(seed)
                 prompts = [torch.randint(4, 64, (8,), generator=g).tolist() for _ in range(64)]
                 t0 = time.perf_counter()
-                r = diagnose(build_engine(EngineConfig(target=str(root / "target"), dtype="fp32", device="cpu",
-                                                     no_spec=True, check=False)), str(path), prompts=prompts)
-                row = {"draft": f"tiny {name} {layout}", "lie": lie, "set": seed,
-                       "true_tau": None, "declared_tau": round(r.readings[0].accept_length, 2) if r.readings else None,
-                       "verdict": r.verdict, "exit": r.exit_code(), "explained_by": r.best.name if r.best else None,
-                       "found_by": r.found_by,
-                       "anchors": r.texts.get("anchors"), "seconds": round(time.perf_counter() - t0, 1),
-                       "correct": (r.verdict == "healthy") if lie == "none" else (r.exit_code() == EXIT_UNHEALTHY)}
+                r = diagnose(
+                    build_engine(
+                        EngineConfig(target=str(root / "target"), dtype="fp32", device="cpu", no_spec=True, check=False)
+                    ),
+                    str(path),
+                    prompts=prompts,
+                )
+                row = {
+                    "draft": f"tiny {name} {layout}",
+                    "lie": lie,
+                    "set": seed,
+                    "true_tau": None,
+                    "declared_tau": round(r.readings[0].accept_length, 2) if r.readings else None,
+                    "verdict": r.verdict,
+                    "exit": r.exit_code(),
+                    "explained_by": r.best.name if r.best else None,
+                    "found_by": r.found_by,
+                    "anchors": r.texts.get("anchors"),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "correct": (r.verdict == "healthy") if lie == "none" else (r.exit_code() == EXIT_UNHEALTHY),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     truth = {(r["draft"], r["set"]): r["declared_tau"] for r in rows if r["lie"] == "none"}
-    print("\n| draft | true tau | lie | verdict (per prompt set) | anchors | seconds (max) |\n|---|---|---|---|---|---|")
+    print(
+        "\n| draft | true tau | lie | verdict (per prompt set) | anchors | seconds (max) |\n|---|---|---|---|---|---|"
+    )
     keys = sorted({(r["draft"], r["lie"]) for r in rows}, key=lambda k: (k[0], list(LIES).index(k[1])))
     for d, lie in keys:
         rs = [r for r in rows if r["draft"] == d and r["lie"] == lie]
         taus = [truth[(d, r["set"])] for r in rs]
         verdicts = ", ".join(r["verdict"] + (" (weights)" if r["found_by"] == "weights" else "") for r in rs)
-        print(f"| {d} | {min(taus):.2f}-{max(taus):.2f} | {lie} | {verdicts} | "
-              f"{'/'.join(str(r['anchors']) for r in rs)} | {max(r['seconds'] for r in rs):.1f} |")
+        print(
+            f"| {d} | {min(taus):.2f}-{max(taus):.2f} | {lie} | {verdicts} | "
+            f"{'/'.join(str(r['anchors']) for r in rs)} | {max(r['seconds'] for r in rs):.1f} |"
+        )
 
 
 if __name__ == "__main__":

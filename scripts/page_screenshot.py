@@ -33,13 +33,20 @@ def main() -> int:
         try:
             page = browser.page(args.url.rstrip("/") + "/")
             if args.api_key:
-                page.eval(f"document.getElementById('key').value = {args.api_key!r};"
-                          "document.getElementById('keyform').requestSubmit()")
-            page.eval(f"document.getElementById('max_tokens').value = '{args.max_tokens}';"
-                      f"document.getElementById('prompt').value = {args.prompt!r};"
-                      "document.getElementById('send').click()")
-            page.wait("(() => { const b = [...document.querySelectorAll('.msg.assistant')].pop();"
-                      " return b && b.dataset.done; })()", timeout=600)
+                page.eval(
+                    f"document.getElementById('key').value = {args.api_key!r};"
+                    "document.getElementById('keyform').requestSubmit()"
+                )
+            page.eval(
+                f"document.getElementById('max_tokens').value = '{args.max_tokens}';"
+                f"document.getElementById('prompt').value = {args.prompt!r};"
+                "document.getElementById('send').click()"
+            )
+            page.wait(
+                "(() => { const b = [...document.querySelectorAll('.msg.assistant')].pop();"
+                " return b && b.dataset.done; })()",
+                timeout=600,
+            )
             page.wait("document.getElementById('s_tokens').textContent !== '-'")
             page.screenshot(args.out)
         finally:

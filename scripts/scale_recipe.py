@@ -43,17 +43,48 @@ import torch  # noqa: E402
 
 from dspark.target.load import load_target  # noqa: E402
 from dspark.train.dataset import read_records  # noqa: E402
+
 SCALES = {
     # prompts, prompt batch, answer batch, answer cap, data seconds, fit seconds, fit batch, anchors, subsets
     # fit: 64 sequences x 32 anchors a step (2 048 blocks), not 64 x 256 (16 384): the second H200
     # session's fits stopped at ~120 steps, below CPU fits of 400 steps of 256 blocks; on the CPU
     # fresh fits gain far more per optimizer step than per block, and, at equal blocks a step, more
-    # per step from more sequences with fewer anchors each (docs/history/training.md: "optimizer steps, not blocks", "more sequences a step")
-    "full": dict(prompts=14000, prompt_batch=2048, gen_batch=1024, max_new=512, prompts_s=100, data_s=150, fit_s=330,
-                 batch=64, anchors=32, subsets=(300_000, 78_000), eval_every=100, lr=1e-3, procs=2, draft_vocab=16384,
-                 chunk=1024),
-    "tiny": dict(prompts=24, prompt_batch=16, gen_batch=8, max_new=24, prompts_s=60, data_s=60, fit_s=25,
-                 batch=4, anchors=16, subsets=(400,), eval_every=5, lr=3e-3, procs=1, draft_vocab=48, chunk=32),
+    # per step from more sequences with fewer anchors each (docs/history/training.md: "optimizer steps, not
+    # blocks", "more sequences a step")
+    "full": dict(
+        prompts=14000,
+        prompt_batch=2048,
+        gen_batch=1024,
+        max_new=512,
+        prompts_s=100,
+        data_s=150,
+        fit_s=330,
+        batch=64,
+        anchors=32,
+        subsets=(300_000, 78_000),
+        eval_every=100,
+        lr=1e-3,
+        procs=2,
+        draft_vocab=16384,
+        chunk=1024,
+    ),
+    "tiny": dict(
+        prompts=24,
+        prompt_batch=16,
+        gen_batch=8,
+        max_new=24,
+        prompts_s=60,
+        data_s=60,
+        fit_s=25,
+        batch=4,
+        anchors=16,
+        subsets=(400,),
+        eval_every=5,
+        lr=3e-3,
+        procs=1,
+        draft_vocab=48,
+        chunk=32,
+    ),
 }
 
 
@@ -111,24 +142,39 @@ def main() -> int:
     ap.add_argument("--scale", default="full", choices=tuple(SCALES))
     ap.add_argument("--protect", action="append", default=[], help="evaluation sets (folder of .jsonl) to keep out")
     ap.add_argument("--prompts-from", default=None, help="skip Magpie: answer this prompt file instead")
-    ap.add_argument("--data-from", default=None,
-                    help="skip prompts, answers and packing: train on this packed data set (e.g. data/smollm2/selfdistill-v1)")
+    ap.add_argument(
+        "--data-from",
+        default=None,
+        help="skip prompts, answers and packing: train on this packed data set (e.g. data/smollm2/selfdistill-v1)",
+    )
     ap.add_argument("--heldout-from", default=None, help="with --data-from: the held-out set to evaluate on")
     ap.add_argument("--runs", default="all", help="comma-separated names of the fits to run (default: all of them)")
     ap.add_argument("--chunk-anchors", type=int, default=None, help="blocks per draft forward (default: the scale's)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the scale's)")
     ap.add_argument("--anchors", type=int, default=None, help="anchors per sequence (default: the scale's)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the scale's)")
-    ap.add_argument("--init", default=None, metavar="DRAFT",
-                    help="warm start every fit from this draft (its architecture: use with --runs of the same layers and rank)")
+    ap.add_argument(
+        "--init",
+        default=None,
+        metavar="DRAFT",
+        help="warm start every fit from this draft (its architecture: use with --runs of the same layers and rank)",
+    )
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--data-s", type=float, default=None, help="override the scale's data-generation seconds")
     ap.add_argument("--fit-s", type=float, default=None, help="override the scale's training seconds")
     ap.add_argument("--probe-s", type=float, default=10.0, help="seconds of the step-rate probe")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="whole-run wall-clock budget: training is shortened so that everything ends inside it")
-    ap.add_argument("--restore", default=None, metavar="RETURN_DIR",
-                    help="instead of running: rebuild the drafts of a returned folder into --out")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="whole-run wall-clock budget: training is shortened so that everything ends inside it",
+    )
+    ap.add_argument(
+        "--restore",
+        default=None,
+        metavar="RETURN_DIR",
+        help="instead of running: rebuild the drafts of a returned folder into --out",
+    )
     args = ap.parse_args()
     if args.restore:
         for d in restore(Path(args.restore), args.target, Path(args.out)):
@@ -167,18 +213,68 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
             return 1
     # 4. fit -----------------------------------------------------------------------------------
     t = time.time()
-    fit = ["--data", str(data), "--heldout", str(held), "--features", "online", "--gamma", "7",
-           "--batch-size", str(c["batch"]), "--lr", str(c["lr"]), "--chunk-anchors", str(c["chunk"]),
-           "--draft-vocab", str(c["draft_vocab"]), "--eval-every", str(c["eval_every"]),
-           "--eval-max-anchors", "256", "--ckpt-every", "100000", "--warmup", "0.05",
-           "--feature-batch-tokens", "65536", *(["--init", args.init] if args.init else []),
-           "--time-budget", str(c["fit_s"])]
+    fit = [
+        "--data",
+        str(data),
+        "--heldout",
+        str(held),
+        "--features",
+        "online",
+        "--gamma",
+        "7",
+        "--batch-size",
+        str(c["batch"]),
+        "--lr",
+        str(c["lr"]),
+        "--chunk-anchors",
+        str(c["chunk"]),
+        "--draft-vocab",
+        str(c["draft_vocab"]),
+        "--eval-every",
+        str(c["eval_every"]),
+        "--eval-max-anchors",
+        "256",
+        "--ckpt-every",
+        "100000",
+        "--warmup",
+        "0.05",
+        "--feature-batch-tokens",
+        "65536",
+        *(["--init", args.init] if args.init else []),
+        "--time-budget",
+        str(c["fit_s"]),
+    ]
     # steps: the cosine schedule should end near the budget; a short probe measures the step rate
     probe = out / "runs" / "probe"
-    wait_all([sh(dspark("fit", *common, *fit[:-2], "--time-budget", str(args.probe_s), "--steps", "100000", "--layers", "1",
-                        "--max-anchors", str(c["anchors"]),
-                        "--eval-every", "100000", "--out", str(probe)), logs / "probe.log")])
-    recs = [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()] if (probe / "metrics.jsonl").exists() else []
+    wait_all(
+        [
+            sh(
+                dspark(
+                    "fit",
+                    *common,
+                    *fit[:-2],
+                    "--time-budget",
+                    str(args.probe_s),
+                    "--steps",
+                    "100000",
+                    "--layers",
+                    "1",
+                    "--max-anchors",
+                    str(c["anchors"]),
+                    "--eval-every",
+                    "100000",
+                    "--out",
+                    str(probe),
+                ),
+                logs / "probe.log",
+            )
+        ]
+    )
+    recs = (
+        [json.loads(x) for x in (probe / "metrics.jsonl").read_text().splitlines()]
+        if (probe / "metrics.jsonl").exists()
+        else []
+    )
     recs = [r for r in recs if "elapsed" in r]
     rate = (len(recs) - 3) / max(1e-6, recs[-1]["elapsed"] - recs[2]["elapsed"]) if len(recs) > 5 else 1.0
     if args.budget_s is not None:  # leave ~60 s for start-up of the runs, the last evaluation and collecting
@@ -190,9 +286,30 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
         # side by side the runs share one GPU; launch-bound processes overlap, so each gets more than 1/N
         steps = max(20, int(rate * min(1.0, 1.6 / len(runs)) * c["fit_s"]))
         extra = ["--data-tokens", str(subset)] if subset else []
-        procs.append(sh(dspark("fit", *common, *fit, "--layers", str(layers), "--markov-rank", str(rank),
-                               "--layout", layout, "--max-anchors", str(anchors), "--steps", str(steps), *extra,
-                               "--out", str(out / "runs" / name)), logs / f"fit.{name}.log", len(runs)))
+        procs.append(
+            sh(
+                dspark(
+                    "fit",
+                    *common,
+                    *fit,
+                    "--layers",
+                    str(layers),
+                    "--markov-rank",
+                    str(rank),
+                    "--layout",
+                    layout,
+                    "--max-anchors",
+                    str(anchors),
+                    "--steps",
+                    str(steps),
+                    *extra,
+                    "--out",
+                    str(out / "runs" / name),
+                ),
+                logs / f"fit.{name}.log",
+                len(runs),
+            )
+        )
     deadline = time.time() + c["fit_s"] + 120  # start-up (loading the target) and the last evaluation
     if args.budget_s is not None:
         deadline = min(deadline, t_start + args.budget_s - 20)
@@ -203,8 +320,12 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
         metrics = out / "runs" / name / "metrics.jsonl"
         steps_done = sum(1 for x in metrics.read_text().splitlines() if '"loss"' in x) if metrics.exists() else 0
         results[name] = {"best": json.loads(best.read_text()) if best.exists() else None, "steps": steps_done}
-    summary["stages"]["fit"] = {"seconds": round(time.time() - t, 1), "probe_steps_per_s": round(rate, 3),
-                                "exit_codes": codes, "runs": results}
+    summary["stages"]["fit"] = {
+        "seconds": round(time.time() - t, 1),
+        "probe_steps_per_s": round(rate, 3),
+        "exit_codes": codes,
+        "runs": results,
+    }
     for name, r in results.items():
         print(f"[fit] {name}: {r['steps']} steps, best {r['best']}", flush=True)
 
@@ -234,9 +355,25 @@ def make_data(args, c: dict, out: Path, logs: Path, summary: dict, common: list[
         shutil.copy(args.prompts_from, prompts)
     else:
         protect = [x for p in args.protect for x in ("--protect", p)]
-        code = wait_all([sh(dspark("prompts", *common, "--n", str(c["prompts"]), "--out", str(prompts),
-                                   "--gen-batch-size", str(c["prompt_batch"]), *protect), logs / "prompts.log")],
-                        time.time() + c["prompts_s"])[0]
+        code = wait_all(
+            [
+                sh(
+                    dspark(
+                        "prompts",
+                        *common,
+                        "--n",
+                        str(c["prompts"]),
+                        "--out",
+                        str(prompts),
+                        "--gen-batch-size",
+                        str(c["prompt_batch"]),
+                        *protect,
+                    ),
+                    logs / "prompts.log",
+                )
+            ],
+            time.time() + c["prompts_s"],
+        )[0]
         if not prompts.exists():
             print((logs / "prompts.log").read_text()[-3000:])
             return None, None
@@ -258,23 +395,39 @@ def make_data(args, c: dict, out: Path, logs: Path, summary: dict, common: list[
     procs, shards = [], []
     held = out / "heldout.jsonl"
     n_data = 1 + 2 * c["procs"]
-    procs.append(sh(dspark("data", *common, "--prompts", "heldout", "--out", str(held), *gen), logs / "heldout.log",
-                    n_data))
+    procs.append(
+        sh(dspark("data", *common, "--prompts", "heldout", "--out", str(held), *gen), logs / "heldout.log", n_data)
+    )
     for i, part in enumerate(parts):
         for kind, extra in (("greedy", []), ("sampled", sampled)):
             shard = out / f"data.{kind}.{i}.jsonl"
             shards.append(shard)
-            procs.append(sh(dspark("data", *common, "--prompts", str(part), "--out", str(shard), "--seed", str(i),
-                                   *gen, *extra), logs / f"data.{kind}.{i}.log", n_data))
+            procs.append(
+                sh(
+                    dspark(
+                        "data", *common, "--prompts", str(part), "--out", str(shard), "--seed", str(i), *gen, *extra
+                    ),
+                    logs / f"data.{kind}.{i}.log",
+                    n_data,
+                )
+            )
     codes = wait_all(procs, deadline)
     counts = {s.name: count_answer_tokens(s) for s in shards}
     answer_tokens = sum(tok for _, tok in counts.values())
     secs = time.time() - t
-    summary["stages"]["data"] = {"seconds": round(secs, 1), "exit_codes": codes, "shards": counts,
-                                 "answer_tokens": answer_tokens, "answer_tokens_per_s": round(answer_tokens / secs, 1),
-                                 "heldout": count_answer_tokens(held)}
-    print(f"[data] {answer_tokens} answer tokens in {secs:.0f} s ({answer_tokens / secs:.0f}/s), "
-          f"held-out {count_answer_tokens(held)}", flush=True)
+    summary["stages"]["data"] = {
+        "seconds": round(secs, 1),
+        "exit_codes": codes,
+        "shards": counts,
+        "answer_tokens": answer_tokens,
+        "answer_tokens_per_s": round(answer_tokens / secs, 1),
+        "heldout": count_answer_tokens(held),
+    }
+    print(
+        f"[data] {answer_tokens} answer tokens in {secs:.0f} s ({answer_tokens / secs:.0f}/s), "
+        f"held-out {count_answer_tokens(held)}",
+        flush=True,
+    )
     if not held.exists() or answer_tokens == 0:
         for log in sorted(logs.glob("*.log")):
             print(log.name, log.read_text()[-2000:])
@@ -284,13 +437,30 @@ def make_data(args, c: dict, out: Path, logs: Path, summary: dict, common: list[
     t = time.time()
     data = out / "data"
     live = [s for s in shards if count_answer_tokens(s)[0] > 0]
-    code = wait_all([sh(dspark("pack", *map(str, live), "--out", str(data), "--target", args.target,
-                               "--note", f"scale_recipe.py --scale {args.scale}"), logs / "pack.log")])[0]
+    code = wait_all(
+        [
+            sh(
+                dspark(
+                    "pack",
+                    *map(str, live),
+                    "--out",
+                    str(data),
+                    "--target",
+                    args.target,
+                    "--note",
+                    f"scale_recipe.py --scale {args.scale}",
+                ),
+                logs / "pack.log",
+            )
+        ]
+    )[0]
     if code != 0:
         print((logs / "pack.log").read_text()[-3000:])
         return None, None
-    summary["stages"]["pack"] = {"seconds": round(time.time() - t, 1),
-                                 "bytes": sum(f.stat().st_size for f in data.iterdir())}
+    summary["stages"]["pack"] = {
+        "seconds": round(time.time() - t, 1),
+        "bytes": sum(f.stat().st_size for f in data.iterdir()),
+    }
 
     return data, held
 

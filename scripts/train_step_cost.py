@@ -36,9 +36,19 @@ def main() -> None:
     if args.kv_heads:
         opts["kv_heads"] = args.kv_heads
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(target="smollm2", data=args.data, out=out, features=args.features, data_tokens=args.data_tokens,
-                          seed=args.seed, max_seq_len=640, draft=DraftOptions(**opts), batch_size=8, max_anchors=32,
-                          steps=1000)
+        cfg = TrainConfig(
+            target="smollm2",
+            data=args.data,
+            out=out,
+            features=args.features,
+            data_tokens=args.data_tokens,
+            seed=args.seed,
+            max_seq_len=640,
+            draft=DraftOptions(**opts),
+            batch_size=8,
+            max_anchors=32,
+            steps=1000,
+        )
         cfg.check()
         run = trainer.Run(cfg, distributed.setup(), False)
         for i in range(2):

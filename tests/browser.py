@@ -30,11 +30,23 @@ class Browser:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        args = [CHROMIUM, "--headless=new", "--remote-debugging-pipe", f"--user-data-dir={profile}", "--no-sandbox",
-                "--disable-gpu", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-                "--disable-background-networking", "--window-size=1280,900", "about:blank"]
-        self.proc = subprocess.Popen(args, preexec_fn=fds, close_fds=False, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        args = [
+            CHROMIUM,
+            "--headless=new",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            "--disable-background-networking",
+            "--window-size=1280,900",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            args, preexec_fn=fds, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         os.close(cmd_r)
         os.close(out_w)
         self._next = 0
@@ -108,8 +120,9 @@ class Page:
         self.browser, self.session = browser, session
 
     def eval(self, expression: str):
-        r = self.browser.call("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
-                                                   "returnByValue": True}, self.session)
+        r = self.browser.call(
+            "Runtime.evaluate", {"expression": expression, "awaitPromise": True, "returnByValue": True}, self.session
+        )
         if "exceptionDetails" in r:
             raise RuntimeError(f"page script failed: {r['exceptionDetails']}")
         return r["result"].get("value")

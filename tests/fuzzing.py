@@ -11,8 +11,10 @@ SLOW_EXAMPLES = 2000
 
 def budgets(fast: settings) -> list:
     """pytest params: `fast` as it is, and `fast` at SLOW_EXAMPLES in the slow suite."""
-    return [pytest.param(fast, id="fast"),
-            pytest.param(settings(fast, max_examples=SLOW_EXAMPLES), id="slow", marks=pytest.mark.slow)]
+    return [
+        pytest.param(fast, id="fast"),
+        pytest.param(settings(fast, max_examples=SLOW_EXAMPLES), id="slow", marks=pytest.mark.slow),
+    ]
 
 
 def holds(budget: settings, strategy, check) -> None:

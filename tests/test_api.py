@@ -92,12 +92,16 @@ def test_the_start_up_lines_agree_on_what_runs(tmp_path, monkeypatch):
 
 def test_build_engine_assembles_everything_from_the_config(saved):
     target, draft, model = saved
-    eng = build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu", verify="threshold",
-                                    threshold=0.3, max_batch=3))
+    eng = build_engine(
+        EngineConfig(
+            target=target, draft=draft, dtype="fp32", device="cpu", verify="threshold", threshold=0.3, max_batch=3
+        )
+    )
     assert eng.config.draft == draft and eng.config.device == "cpu"
-    assert eng.notes == [f"runtime auto -> {eng.target.describe()}",
-                         fast_draft.describe(eng.draft)]
-    assert eng.notes[1].startswith("draft decodes through its modules (a matrix of (75, 64) shape")  # a vocabulary of 75
+    assert eng.notes == [f"runtime auto -> {eng.target.describe()}", fast_draft.describe(eng.draft)]
+    assert eng.notes[1].startswith(
+        "draft decodes through its modules (a matrix of (75, 64) shape"
+    )  # a vocabulary of 75
     assert isinstance(eng.target, NativeTarget)
     assert eng.draft.fc.weight.dtype == eng.target.dtype
     assert isinstance(eng.policy, ThresholdScheduler) and eng.policy.threshold == 0.3 and eng.max_batch == 3
@@ -135,8 +139,18 @@ def test_build_engine_refuses_bad_settings_before_loading(saved, tmp_path):
     from dspark.engine.costs import CostCurve
 
     CostCurve((1, 16), (0.01, 0.02)).save(curve)
-    eng = build_engine(EngineConfig(target=target, draft=draft, dtype="fp32", device="cpu", verify="adaptive",
-                                    cost_curve=str(curve), always_draft=True, check=False))
+    eng = build_engine(
+        EngineConfig(
+            target=target,
+            draft=draft,
+            dtype="fp32",
+            device="cpu",
+            verify="adaptive",
+            cost_curve=str(curve),
+            always_draft=True,
+            check=False,
+        )
+    )
     assert isinstance(eng.policy, AdaptiveScheduler) and not eng.policy.skip and eng.policy.curve.tokens == (1, 16)
 
 

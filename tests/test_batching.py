@@ -22,8 +22,14 @@ from tests.tiny import bigram_draft, engine_for, hf_greedy, tiny_target
 
 V = 96
 PROMPTS = [
-    [5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
-    [50, 50, 50], [60, 61, 62, 63, 64], [70], [80, 81, 82, 83, 84, 85, 86, 87, 88],
+    [5, 6, 7, 8],
+    [9, 10, 11, 12, 13, 14, 15],
+    [20, 21],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
+    [50, 50, 50],
+    [60, 61, 62, 63, 64],
+    [70],
+    [80, 81, 82, 83, 84, 85, 86, 87, 88],
 ]
 MAX_NEW = 40
 # (prompt index, max_new_tokens, step at which the request arrives)
@@ -104,8 +110,9 @@ class VerifyNothing(VerifyPolicy):
 
 POLICIES = {
     "full": lambda eng: make_scheduler("full", eng.target, eng.draft),
-    "threshold": lambda eng: make_scheduler("threshold", eng.target, eng.draft, threshold=0.45,
-                                            calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
+    "threshold": lambda eng: make_scheduler(
+        "threshold", eng.target, eng.draft, threshold=0.45, calibration=Calibration((0.7, 1.5, 1.0, 3.0))
+    ),
     "adaptive-padded": lambda eng: make_scheduler("adaptive", eng.target, eng.draft, curve=STEEP, learn=False),
     # probes at the SKIP_PROBE floor: with the default probe budget this draft, dear next to a tiny target,
     # would draft too rarely in these short requests for the test to see accepts
@@ -185,8 +192,15 @@ def test_bench_batching_function(models):
     from dspark.bench.batching import ARMS, bench_batching
 
     model, draft = models
-    rows = bench_batching(engine_for(model, draft), PROMPTS[:3], concurrency=(1, 2), max_new_tokens=6, requests_per_level=2, curve=STEEP,
-                          repeats=3)
+    rows = bench_batching(
+        engine_for(model, draft),
+        PROMPTS[:3],
+        concurrency=(1, 2),
+        max_new_tokens=6,
+        requests_per_level=2,
+        curve=STEEP,
+        repeats=3,
+    )
     assert [(r["concurrency"], r["arm"]) for r in rows] == [(c, a) for c in (1, 2) for a in ARMS]
     for r in rows:
         assert r["output_tokens"] == r["concurrency"] * 2 * 6 and r["repeats"] == 3
@@ -209,10 +223,31 @@ def test_bench_batch_cli(models, tmp_path, capsys):
     write_deepspec(draft.spec, draft.own_state_dict(), tmp_path / "draft")
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt_ids": p}) for p in PROMPTS[:2]))
     STEEP.save(tmp_path / "curve.json")
-    rc = main(["bench-batch", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "fp32",
-               "--device", "cpu", "--prompts", str(tmp_path / "prompts.jsonl"), "--concurrency", "2",
-               "--max-new-tokens", "4", "--requests-per-level", "1", "--cost-curve", str(tmp_path / "curve.json"),
-               "--json", str(tmp_path / "rows.json")])
+    rc = main(
+        [
+            "bench-batch",
+            "--target",
+            str(tmp_path / "target"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--concurrency",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--requests-per-level",
+            "1",
+            "--cost-curve",
+            str(tmp_path / "curve.json"),
+            "--json",
+            str(tmp_path / "rows.json"),
+        ]
+    )
     assert rc == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["arm"] for r in rows] == ["plain", "full", "threshold", "adaptive"]

@@ -40,8 +40,10 @@ def setup(tmp_path_factory):
     write_deepspec(draft.spec, draft.own_state_dict(), root / "draft")
     data = root / "datasets"
     data.mkdir()
-    for name, rows in {"gsm8k": ["What is 12 plus 30?", "Tom has 3 apples and buys 4 more. How many?", "unused"],
-                       "humaneval": ["def add(a, b):", "Write a function that reverses a list."]}.items():
+    for name, rows in {
+        "gsm8k": ["What is 12 plus 30?", "Tom has 3 apples and buys 4 more. How many?", "unused"],
+        "humaneval": ["def add(a, b):", "Write a function that reverses a list."],
+    }.items():
         (data / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [r, "second turn"]}) + "\n" for r in rows))
     (root / "mine.txt").write_text("Say hello.\nCount to five.\n")
     return root
@@ -50,12 +52,40 @@ def setup(tmp_path_factory):
 def test_bench_end_to_end_writes_every_output(setup, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))  # the adaptive arm's cost curve
     out = tmp_path / "out"
-    rc = main(["bench", "--target", str(setup / "target"), "--draft", str(setup / "draft"), "--dtype", "fp32",
-               "--device", "cpu", "--dataset-dir", str(setup / "datasets"), "--prompts", str(setup / "mine.txt"),
-               "--limit", "2", "--max-new-tokens", "12", "--ignore-eos",
-               "--arms", "hf,lookup,plain,full,adaptive,full@2", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            str(setup / "target"),
+            "--draft",
+            str(setup / "draft"),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--dataset-dir",
+            str(setup / "datasets"),
+            "--prompts",
+            str(setup / "mine.txt"),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--arms",
+            "hf,lookup,plain,full,adaptive,full@2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
-    for name in ("results.json", "results.md", "speculation_profile.json", "acceptance_per_position.png", "speedup.png"):
+    for name in (
+        "results.json",
+        "results.md",
+        "speculation_profile.json",
+        "acceptance_per_position.png",
+        "speedup.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     for png in ("acceptance_per_position.png", "speedup.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -114,10 +144,16 @@ def test_arms_are_interleaved_per_prompt_with_rotating_order():
     with ForwardTimer(torch.nn.Identity(), "cpu") as timer:  # it wraps NativeTarget.forward until closed
         chunks = interleaved(arms, runners, sets, encoded, lambda i: None, timer, "cpu")
     assert calls == [
-        ("hf", (10,)), ("plain", (10,)), ("full", (10,)),  # prompt 0
-        ("plain", (11,)), ("full", (11,)), ("hf", (11,)),  # prompt 1: order rotated
+        ("hf", (10,)),
+        ("plain", (10,)),
+        ("full", (10,)),  # prompt 0
+        ("plain", (11,)),
+        ("full", (11,)),
+        ("hf", (11,)),  # prompt 1: order rotated
         ("adaptive@2", (10, 11)),  # the batched arm decodes the group together
-        ("full", (12,)), ("hf", (12,)), ("plain", (12,)),
+        ("full", (12,)),
+        ("hf", (12,)),
+        ("plain", (12,)),
         ("adaptive@2", (12,)),
     ]
     assert [c.indices for c in chunks if c.arm == "adaptive@2"] == [[0, 1], [2]]
@@ -163,18 +199,40 @@ def test_engine_arms_step_side_by_side_on_each_prompt():
     timer = ForwardTimer(torch.nn.Identity(), "cpu")
     chunks = interleaved(arms, runners, [Set("a", 2)], {"a": [[10], [11]]}, lambda i: None, timer, "cpu")
     timer.close()
-    assert log == ["hf", "plain", "full", "full", "plain", "full",  # prompt 0: hf, then the engines in turn
-                   "full", "plain", "plain", "full", "full", "hf"]  # prompt 1: order rotated
+    assert log == [
+        "hf",
+        "plain",
+        "full",
+        "full",
+        "plain",
+        "full",  # prompt 0: hf, then the engines in turn
+        "full",
+        "plain",
+        "plain",
+        "full",
+        "full",
+        "hf",
+    ]  # prompt 1: order rotated
     assert [(c.arm, c.indices, c.outputs) for c in chunks] == [
-        ("hf", [0], [[1]]), ("plain", [0], [[10, 10]]), ("full", [0], [[10, 10, 10]]),
-        ("plain", [1], [[11, 11]]), ("full", [1], [[11, 11, 11]]), ("hf", [1], [[1]])]
+        ("hf", [0], [[1]]),
+        ("plain", [0], [[10, 10]]),
+        ("full", [0], [[10, 10, 10]]),
+        ("plain", [1], [[11, 11]]),
+        ("full", [1], [[11, 11, 11]]),
+        ("hf", [1], [[1]]),
+    ]
     assert all(c.wall_s > 0 for c in chunks)
 
 
 def test_arm_parsing_and_prompt_set_errors(setup, tmp_path):
     assert parse_arms("hf, lookup,adaptive@4") == [Arm("hf"), Arm("lookup"), Arm("adaptive", 4)]
-    for bad, match in (("magic", "unknown bench arm"), ("hf@2", "one request at a time"), ("full@x", "integer"),
-                       ("full,full", "twice"), ("full@0", ">= 1")):
+    for bad, match in (
+        ("magic", "unknown bench arm"),
+        ("hf@2", "one request at a time"),
+        ("full@x", "integer"),
+        ("full,full", "twice"),
+        ("full@0", ">= 1"),
+    ):
         with pytest.raises(DSparkError, match=match):
             parse_arms(bad)
     sets = load_sets(str(setup / "datasets"), None, [], 5)
@@ -186,8 +244,9 @@ def test_arm_parsing_and_prompt_set_errors(setup, tmp_path):
     bad.write_text('{"turns": []}\n')
     with pytest.raises(DSparkError, match="bad.jsonl:1"):
         load_sets(None, ["bad"], [str(bad)], 5)
-    rc = main(["bench", "--target", str(setup / "target"), "--arms", "hf", "--baseline", "full",
-               "--out", str(tmp_path / "o")])
+    rc = main(
+        ["bench", "--target", str(setup / "target"), "--arms", "hf", "--baseline", "full", "--out", str(tmp_path / "o")]
+    )
     assert rc == 2  # a baseline that is not an arm: one-line error before any model loads
 
 
@@ -195,10 +254,35 @@ def test_bench_measures_target_runtimes_side_by_side(setup, tmp_path, capsys):
     """`--runtimes`: transformers generate and the native runtime's weight formats in the same run,
     each with tokens/s, the 8-token verify cost against a 1-token step and the engine's overhead."""
     out = tmp_path / "out"
-    rc = main(["bench", "--target", str(setup / "target"), "--no-spec", "--dtype", "fp32", "--device", "cpu",
-               "--prompts", str(setup / "mine.txt"), "--sets", "mine", "--limit", "1", "--max-new-tokens", "8",
-               "--ignore-eos", "--arms", "hf,plain", "--runtimes", "hf-fp32,native-fp32,native-int8",
-               "--runtime-rounds", "1", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            str(setup / "target"),
+            "--no-spec",
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--prompts",
+            str(setup / "mine.txt"),
+            "--sets",
+            "mine",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--arms",
+            "hf,plain",
+            "--runtimes",
+            "hf-fp32,native-fp32,native-int8",
+            "--runtime-rounds",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rt = json.loads((out / "results.json").read_text())["runtimes"]
     rows = {r["arm"]: r for r in rt["rows"]}
@@ -209,19 +293,65 @@ def test_bench_measures_target_runtimes_side_by_side(setup, tmp_path, capsys):
     assert all(0 <= rows[n]["engine_overhead"] < 1 for n in ("native-fp32", "native-int8"))
     assert (rows["native-fp32"]["format"], rows["native-int8"]["format"]) == ("fp32", "int8")
     md = (out / "results.md").read_text()
-    assert "## Target runtimes" in md and "| native-int8 | int8" in md and "--runtimes hf-fp32,native-fp32,native-int8" in md
+    assert (
+        "## Target runtimes" in md
+        and "| native-int8 | int8" in md
+        and "--runtimes hf-fp32,native-fp32,native-int8" in md
+    )
     assert "--no-spec" in md  # the reproduce line repeats the run
     capsys.readouterr()
-    assert main(["bench", "--target", str(setup / "target"), "--no-spec", "--dtype", "fp32", "--device", "cpu",
-                 "--sets", "chat", "--limit", "1", "--max-new-tokens", "4", "--arms", "hf", "--runtimes", "native-int3",
-                 "--out", str(tmp_path / "bad")]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--target",
+                str(setup / "target"),
+                "--no-spec",
+                "--dtype",
+                "fp32",
+                "--device",
+                "cpu",
+                "--sets",
+                "chat",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--arms",
+                "hf",
+                "--runtimes",
+                "native-int3",
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     assert "unknown runtime arm 'native-int3'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # refused before anything ran
 
 
 def test_bench_runtime_command_on_any_supported_target(setup, capsys):
-    assert main(["bench-runtime", "--target", str(setup / "target"), "--arms", "hf-fp32,native-fp32",
-                 "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "bench-runtime",
+                "--target",
+                str(setup / "target"),
+                "--arms",
+                "hf-fp32,native-fp32",
+                "--tokens",
+                "6",
+                "--rounds",
+                "1",
+                "--context",
+                "16",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| native-fp32 | fp32 |" in out and "8-token verify / 1-token step" in out and "weights='auto' picks" in out
     assert "Draft phase" not in out  # a target other than smollm2 has no draft by default
@@ -234,7 +364,9 @@ def test_bench_runtime_command_on_any_supported_target(setup, capsys):
     assert all(v > 0 for v in native["draft_ms"].values()) and native["draft_over_step"] > 0
     table = runtime.table(rows, 1, 6, 16, str(setup / "target"))
     assert "Draft phase after a target step (draft " in table and "| native-fp32 | " in table.split("Draft phase")[1]
-    assert main(["bench-runtime", "--target", str(setup / "target"), "--draft", str(setup / "draft"), "--no-draft"]) == 2
+    assert (
+        main(["bench-runtime", "--target", str(setup / "target"), "--draft", str(setup / "draft"), "--no-draft"]) == 2
+    )
 
 
 def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
@@ -243,8 +375,26 @@ def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
     from dspark.bench import runtime
     from dspark.errors import DSparkError
 
-    assert main(["bench-runtime", "--target", str(setup / "target"), "--arms", "native-int4,native-int4@torch",
-                 "--tokens", "6", "--rounds", "1", "--context", "16", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "bench-runtime",
+                "--target",
+                str(setup / "target"),
+                "--arms",
+                "native-int4,native-int4@torch",
+                "--tokens",
+                "6",
+                "--rounds",
+                "1",
+                "--context",
+                "16",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     ours = "dspark" if kernels.extension() is not None else "torch"
     assert f"| native-int4 | int4, {ours} kernel" in out and "| native-int4@torch | int4, torch kernel" in out

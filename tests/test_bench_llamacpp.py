@@ -75,8 +75,26 @@ def test_llamacpp_arm_is_refused_by_name_when_not_installed(monkeypatch, target_
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec answers None: not installed
     with pytest.raises(DSparkError, match="needs llama-cpp-python.*dspark\\[llamacpp\\]"):
         runtime.parse_arms("native-auto,llamacpp")
-    assert main(["bench-runtime", "--target", str(target_dir), "--arms", "hf-fp32,llamacpp", "--tokens", "4",
-                 "--rounds", "1", "--context", "8", "--threads", "1"]) == 2
+    assert (
+        main(
+            [
+                "bench-runtime",
+                "--target",
+                str(target_dir),
+                "--arms",
+                "hf-fp32,llamacpp",
+                "--tokens",
+                "4",
+                "--rounds",
+                "1",
+                "--context",
+                "8",
+                "--threads",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "needs llama-cpp-python" in capsys.readouterr().err
 
 
@@ -118,7 +136,23 @@ def test_llamacpp_arm_measures_decoding_and_verify_forwards_with_llama_cpps_loop
 @pytest.mark.slow
 def test_llamacpp_arm_on_smollm2s_shipped_file(capsys):
     pytest.importorskip("llama_cpp")
-    assert main(["bench-runtime", "--arms", "native-auto,llamacpp", "--tokens", "8", "--rounds", "1",
-                 "--context", "32", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "bench-runtime",
+                "--arms",
+                "native-auto,llamacpp",
+                "--tokens",
+                "8",
+                "--rounds",
+                "1",
+                "--context",
+                "32",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| llamacpp | gguf Q4_1 |" in out and "| native-auto |" in out

@@ -135,9 +135,25 @@ def test_calibrate_cli(tmp_path, capsys):
     prompts = [[5 + i, 6 + 2 * i, 7] for i in range(8)]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt_ids": p}) for p in prompts))
     out = tmp_path / "cal.json"
-    args = ["calibrate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "fp32",
-            "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--max-new-tokens", "12",
-            "--concurrency", "4"]
+    args = [
+        "calibrate",
+        "--target",
+        str(tmp_path / "target"),
+        "--draft",
+        str(tmp_path / "draft"),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "12",
+        "--concurrency",
+        "4",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "ECE before" in text and "Brier after" in text and "wrote" in text
@@ -145,7 +161,9 @@ def test_calibrate_cli(tmp_path, capsys):
     assert data["gamma"] == draft.spec.gamma and data["records"]["eval"] > 0
     assert len(data["metrics"]["before"]) == len(data["metrics"]["after"]) == draft.spec.gamma
     eng = engine_for(model, draft)
-    assert make_scheduler("threshold", eng.target, eng.draft, calibration=out).calibration.temperatures == tuple(data["temperatures"])
+    assert make_scheduler("threshold", eng.target, eng.draft, calibration=out).calibration.temperatures == tuple(
+        data["temperatures"]
+    )
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     assert main(args[:-6] + ["--prompts", str(tmp_path / "bad.jsonl"), "--out", str(out)]) == 2
-    assert "expected a \"prompt_ids\"" in capsys.readouterr().err
+    assert 'expected a "prompt_ids"' in capsys.readouterr().err

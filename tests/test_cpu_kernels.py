@@ -74,10 +74,10 @@ def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
         ref = _q4_reference(x, q, d, lo)
         scale = x.double().abs() @ w.double().abs().T
         # the result's own bf16 rounding (unit roundoff 2^-8: 8 significant bits) plus fp32 sums
-        assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all(), M
+        assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-5 * scale).all(), M
         if kernels.q4_activations() == "int8":  # within the 8-bit rounding of x of the bf16 product
             exact = x.double() @ w.double().T
-            assert ((y.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -7 * scale).all(), M
+            assert ((y.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2.0**-7 * scale).all(), M
     if kernels.q4_activations() == "int8":
         # a group's NaN or infinity makes its row NaN (never a clamped finite number); zeros give 0
         x = torch.randn(3, K).to(torch.bfloat16)
@@ -94,7 +94,7 @@ def test_rows_get_the_same_bits_in_any_batch(q4):
     x = torch.randn(19, 192, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     full = kernels.q4_linear(x, packed)
     for i in range(19):
-        assert torch.equal(kernels.q4_linear(x[i:i + 1], packed), full[i:i + 1])
+        assert torch.equal(kernels.q4_linear(x[i : i + 1], packed), full[i : i + 1])
     perm = torch.randperm(19, generator=torch.Generator().manual_seed(3))
     assert torch.equal(kernels.q4_linear(x[perm], packed), full[perm])
     # the kernel takes x's own shape [..., K] (the runtime's [B, S, K] activations, a single row)
@@ -134,8 +134,10 @@ def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(q4):
     plain = Engine(target, None)
     spec = Engine(NativeTarget(model, act_dtype=torch.bfloat16), bigram_draft(plain))
     for prompt in ([5, 17, 33, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7] * 23 + [3, 88]):
-        assert plain.generate(prompt, SamplingParams(max_new_tokens=40)).output_ids == \
-            spec.generate(prompt, SamplingParams(max_new_tokens=40)).output_ids
+        assert (
+            plain.generate(prompt, SamplingParams(max_new_tokens=40)).output_ids
+            == spec.generate(prompt, SamplingParams(max_new_tokens=40)).output_ids
+        )
     assert 0 < spec.metrics.accepted < spec.metrics.verified
 
 
@@ -223,12 +225,15 @@ def test_a_verify_gives_each_position_a_single_steps_bits(q4):
         assert t._ext is not None
         prompt, new = torch.tensor([[5, 17, 33, 8, 9, 60, 2]]), torch.tensor([[11, 12, 40, 3, 77, 6]])
         a = t.new_state(1)
-        t.forward(a, prompt); t.commit(a, torch.tensor([7]))
+        t.forward(a, prompt)
+        t.commit(a, torch.tensor([7]))
         block, taps = t.forward(a, new)
         b = t.new_state(1)
-        t.forward(b, prompt); t.commit(b, torch.tensor([7]))
+        t.forward(b, prompt)
+        t.commit(b, torch.tensor([7]))
         for i in range(6):
-            one, tap = t.forward(b, new[:, i:i + 1]); t.commit(b, torch.tensor([1]))
+            one, tap = t.forward(b, new[:, i : i + 1])
+            t.commit(b, torch.tensor([1]))
             assert torch.equal(one[0, 0], block[0, i]) and torch.equal(tap[0, 0], taps[0, i]), (t.weights, i)
         # a ragged batch: row 1 is shorter and padded; each row's valid logits are its solo run's
         rows = [[5, 17, 33, 8, 9], [40, 41, 42]]
@@ -237,7 +242,7 @@ def test_a_verify_gives_each_position_a_single_steps_bits(q4):
         lg, _ = t.forward(st, ids, counts=torch.tensor([5, 3]))
         for r, row in enumerate(rows):
             solo, _ = t.forward(t.new_state(1), torch.tensor([row]))
-            assert torch.equal(lg[r, :len(row)], solo[0]), (t.weights, r)
+            assert torch.equal(lg[r, : len(row)], solo[0]), (t.weights, r)
 
 
 def test_the_extensions_forward_stays_near_torchs(ext):
@@ -253,7 +258,9 @@ def test_the_extensions_forward_stays_near_torchs(ext):
     for kw in ({}, {"logits": "last"}, {"logits": "final"}):
         a, ta = ours.forward(ours.new_state(1), ids, **kw)
         b, tb = theirs.forward(theirs.new_state(1), ids, **kw)
-        assert (a - b).abs().max() <= 0.05 * b.abs().max() and (ta.float() - tb.float()).abs().max() <= 0.05 * tb.abs().max(), kw
+        assert (a - b).abs().max() <= 0.05 * b.abs().max() and (
+            ta.float() - tb.float()
+        ).abs().max() <= 0.05 * tb.abs().max(), kw
         assert ta.shape == (1, 7, 4 * H) and torch.equal(ta[..., :H], model.get_input_embeddings()(ids))
         assert torch.equal(ta[..., H : 2 * H], ta[..., 2 * H : 3 * H])
     final, ta = ours.forward(ours.new_state(1), ids, logits="final")
@@ -275,7 +282,6 @@ def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
     assert t._ext is None and "int4 kernel: torch (dspark's kernels did not compile" in t.describe()
 
 
-
 def _attention_reference(q, k, v, pos):
     B, S, Hq, D = q.shape
     G = Hq // k.shape[1]
@@ -285,7 +291,7 @@ def _attention_reference(q, k, v, pos):
             n = int(pos[b, s]) + 1
             for h in range(Hq):
                 kk, vv = k[b, h // G, :n].double(), v[b, h // G, :n].double()
-                out[b, s, h] = torch.softmax((kk @ q[b, s, h].double()) * D ** -0.5, 0) @ vv
+                out[b, s, h] = torch.softmax((kk @ q[b, s, h].double()) * D**-0.5, 0) @ vv
     return out.reshape(B, S, Hq * D)
 
 
@@ -293,20 +299,24 @@ def _check_attention(mod):
     """Heads sharing a KV head 1-7 at a time (the kernel takes up to 4 together), heads of 32,
     64 and 128 values, key counts on and off the vector width."""
     g = torch.Generator().manual_seed(5)
-    for B, S, Hq, Hkv, D, C, first in [(2, 5, 6, 2, 32, 40, (20, 13)), (2, 4, 7, 1, 64, 80, (15, 60)),
-                                       (1, 3, 14, 2, 64, 60, (33,)), (2, 2, 8, 4, 128, 50, (0, 47))]:
+    for B, S, Hq, Hkv, D, C, first in [
+        (2, 5, 6, 2, 32, 40, (20, 13)),
+        (2, 4, 7, 1, 64, 80, (15, 60)),
+        (1, 3, 14, 2, 64, 60, (33,)),
+        (2, 2, 8, 4, 128, 50, (0, 47)),
+    ]:
         q = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
         kv = (torch.randn(2, B, Hkv, C, D, generator=g) * 2).to(torch.bfloat16)
         pos = (torch.tensor(first)[:, None] + torch.arange(S)[None]).clamp(max=C - 1)
-        o = mod.attn_bf16(q, kv[0], kv[1], pos, D ** -0.5)
+        o = mod.attn_bf16(q, kv[0], kv[1], pos, D**-0.5)
         ref = _attention_reference(q, kv[0], kv[1], pos)
-        assert ((o.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-4).all(), (Hq, Hkv, D)
+        assert ((o.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-4).all(), (Hq, Hkv, D)
         # a row alone, or with other rows around it, gets the same bits
         b, s = B - 1, S // 2
-        alone = mod.attn_bf16(q[b:, s : s + 1], kv[0][b:], kv[1][b:], pos[b:, s : s + 1], D ** -0.5)
+        alone = mod.attn_bf16(q[b:, s : s + 1], kv[0][b:], kv[1][b:], pos[b:, s : s + 1], D**-0.5)
         assert torch.equal(alone[0, 0], o[b, s]), (Hq, Hkv, D)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        mod.attn_bf16(q, kv[0], kv[1], pos + C, D ** -0.5)
+        mod.attn_bf16(q, kv[0], kv[1], pos + C, D**-0.5)
 
 
 def test_attention_is_softmax_attention_by_position(ext):
@@ -352,8 +362,10 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     for dtype in (torch.bfloat16, torch.float32):  # the Markov walk's generic loops
         base, w1, w2t = (torch.randn(*s, generator=gen).to(dtype) for s in ((2, 4, 300), (300, 16), (16, 300)))
         anchors = torch.tensor([3, 299])
-        assert torch.equal(mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
-                           _walk_reference(base, w1, w2t, None, anchors))
+        assert torch.equal(
+            mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
+            _walk_reference(base, w1, w2t, None, anchors),
+        )
     for x in _argmax_cases():  # the argmax's generic loop (kernels.argmax keeps torch's on this build)
         assert torch.equal(mod.argmax_last(x), x.argmax(-1))
         assert torch.equal(mod.argmax_last(x.to(torch.bfloat16)), x.to(torch.bfloat16).float().argmax(-1))
@@ -372,7 +384,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     for f, t in zip(fctx.layers, tctx.layers):
         for b, n in enumerate(fctx.lengths.tolist()):
             assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
-    assert (fh.float() - th.float()).abs().max() <= 2 ** -5 * th.float().abs().max()
+    assert (fh.float() - th.float()).abs().max() <= 2**-5 * th.float().abs().max()
 
 
 def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
@@ -391,9 +403,9 @@ def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
     y = kernels.q8_linear(x, packed)
     qx = x.double() if kernels.q4_activations() == "bf16" else _act8(x)
     ref, scale = qx @ w.double().T, x.double().abs() @ w.double().abs().T
-    assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * scale).all()
+    assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-5 * scale).all()
     for i in range(11):
-        assert torch.equal(kernels.q8_linear(x[i:i + 1], packed), y[i:i + 1])
+        assert torch.equal(kernels.q8_linear(x[i : i + 1], packed), y[i : i + 1])
 
 
 def test_fp16_group_scales_give_the_fp32_scales_bits(q4):
@@ -442,7 +454,8 @@ def test_an_exact_q8_0_head_runs_as_shipped(q4):
     block, _ = t.forward(st, ids)
     st2 = t.new_state(1)
     for i in range(ids.shape[1]):
-        one, _ = t.forward(st2, ids[:, i:i + 1]); t.commit(st2, torch.tensor([1]))
+        one, _ = t.forward(st2, ids[:, i : i + 1])
+        t.commit(st2, torch.tensor([1]))
         assert torch.equal(one[0, 0], block[0, i])
     assert NativeTarget(model, act_dtype=torch.bfloat16, ops="torch").head_format == "bf16"
 
@@ -474,7 +487,10 @@ def test_rope_and_the_cache_write_give_torchs_bits(ext, D):
     # the whole q/k/v projection with no v: the value heads read from its last Hkv heads
     from dspark.target.native import NO_TENSOR
 
-    kc3, vc3 = torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16), torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16)
+    kc3, vc3 = (
+        torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16),
+        torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16),
+    )
     k3, v3 = kc3.clone(), vc3.clone()
     k3[bidx, :, pos], v3[bidx, :, pos] = ref[:, :, Hq:], v
     assert torch.equal(ext.rope_cache_bf16(torch.cat([qk, v], 2), NO_TENSOR, cos, sin, kc3, vc3, pos), q)
@@ -501,8 +517,10 @@ def _walk_reference(base, w1, w2t, d2t, anchors):
     return out
 
 
-@pytest.mark.parametrize("V,r,reduced,dtype", [(1000, 8, False, torch.bfloat16), (4096, 64, True, torch.bfloat16),
-                                                (1000, 16, True, torch.float32)])
+@pytest.mark.parametrize(
+    "V,r,reduced,dtype",
+    [(1000, 8, False, torch.bfloat16), (4096, 64, True, torch.bfloat16), (1000, 16, True, torch.float32)],
+)
 def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced, dtype):
     """The vanilla Markov head's greedy walk in one call: each slot's token is the first largest of
     T(base + T(W2 W1[previous token])) in the draft's dtype T, the previous token of slot 0 being
@@ -541,7 +559,7 @@ def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
     x = torch.randn(11, 96, generator=gen).to(torch.bfloat16)
     y = kernels.packed_linear(x, packed, None, 48)
     ref = x.double() @ w.double().T
-    assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
+    assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
     for M in (1, 2, 3, 7, 8):
         assert torch.equal(kernels.packed_linear(x[:M], packed, None, 48), y[:M])
     assert torch.equal(kernels.packed_linear(x[None, :3], packed, bias, 48)[0], y[:3] + bias)
@@ -576,7 +594,7 @@ def _contexts(draft, taps, steps, force_torch, monkeypatch):
         ctx = draft.new_context_cache(taps.shape[0], "cpu", torch.bfloat16)
         draft.extend_context(ctx, taps[:, :9], torch.tensor([9, 6, 3]))
         for n, counts in steps:
-            draft.extend_context(ctx, taps[:, 9:9 + n], torch.tensor(counts))
+            draft.extend_context(ctx, taps[:, 9 : 9 + n], torch.tensor(counts))
         with torch.inference_mode():
             h = draft.block_states(torch.tensor([5, 17, 40]), ctx)
     return ctx, h
@@ -612,7 +630,7 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
         for b, n in enumerate(fctx.lengths.tolist()):
             assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
     # bf16 rounding in another order (fp32 softmax, fused adds): a few units of the last place
-    assert (fh.float() - th.float()).abs().max() <= 2 ** -5 * th.float().abs().max()
+    assert (fh.float() - th.float()).abs().max() <= 2**-5 * th.float().abs().max()
     # rows are independent: row 1 alone gets the bits it got in the batch
     one = fctx.select(torch.tensor([1]))
     with torch.inference_mode():
@@ -672,9 +690,9 @@ def test_the_draft_head_runs_in_q8_0_where_the_tile_runs(q4):
         got, ref = draft.head_logits(h).float(), draft.lm_head(h).float()
     assert got.shape == ref.shape == (4, 7, draft.spec.draft_vocab_size)
     scale = h.float().abs() @ draft.lm_head.weight.float().abs().T  # what the per-group rounding can move
-    assert ((got - ref).abs() <= 2 ** -7 * scale + 2 ** -7 * ref.abs()).all()
+    assert ((got - ref).abs() <= 2**-7 * scale + 2**-7 * ref.abs()).all()
     top2 = ref.topk(2, -1).values
-    clear = (top2[..., 0] - top2[..., 1]) > 2 ** -5 * scale.amax(-1)
+    clear = (top2[..., 0] - top2[..., 1]) > 2**-5 * scale.amax(-1)
     assert clear.any() and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
     assert not fast.head_applies(draft.float())
 
@@ -683,12 +701,21 @@ def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
     from dspark.model import fast
 
     draft = tiny_draft(tiny_target())
-    assert fast.describe(draft.double()) == "draft decodes through its modules (float64 weights; the kernels take bf16 or fp32 ones)"
+    assert (
+        fast.describe(draft.double())
+        == "draft decodes through its modules (float64 weights; the kernels take bf16 or fp32 ones)"
+    )
     acts = "8-bit activations in its matmuls" if kernels.q4_activations() == "int8" else "bf16 activations"
     for dtype in (torch.float32, torch.bfloat16):  # an fp32 draft (a CPU without native bf16) runs on them too
-        assert fast.describe(draft.to(dtype)) == f"draft phase: one call into dspark's CPU kernels (Q4_1 matrices, head Q4_1, {acts})"
+        assert (
+            fast.describe(draft.to(dtype))
+            == f"draft phase: one call into dspark's CPU kernels (Q4_1 matrices, head Q4_1, {acts})"
+        )
     fast.set_weights(draft, "bf16")
-    assert fast.describe(draft) == "draft phase: one call into dspark's CPU kernels (bf16 matrices, head Q8_0, bf16 activations)"
+    assert (
+        fast.describe(draft)
+        == "draft phase: one call into dspark's CPU kernels (bf16 matrices, head Q8_0, bf16 activations)"
+    )
     monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
     assert fast.describe(draft) == "draft decodes through its modules (DSPARK_Q4_KERNEL=0)"
 
@@ -769,7 +796,7 @@ def _check_silu_mul(mod):
     same = out[keep] == ref[keep]
     # its exp is not torch's: the rare value on a rounding boundary may land one bf16 step away
     assert same.float().mean() >= 0.9999
-    assert ((out[keep].float() - ref[keep].float()).abs() <= 2 ** -7 * ref[keep].float().abs()).all()
+    assert ((out[keep].float() - ref[keep].float()).abs() <= 2**-7 * ref[keep].float().abs()).all()
     assert torch.equal(out[0, 0, :5], ref[0, 0, :5])  # zeros (signed), saturation, past exp's floor
     assert torch.equal(mod.silu_mul_bf16(gu[2:3]), out[2:3])  # a row alone: its bits in the batch
     with pytest.raises(RuntimeError, match="multiple of"):
@@ -789,9 +816,12 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
     kernels: prefill, a verify block, a ragged batch."""
     from tests.test_native import _mk
 
-    model = {"llama-int4": lambda: q4_exact(tiny_target()), "llama-bf16": lambda: tiny_target(dtype=torch.bfloat16),
-             "qwen2-bias": lambda: _mk("qwen2-bias").to(torch.bfloat16),
-             "qwen3-qknorm": lambda: _mk("qwen3-qknorm").to(torch.bfloat16)}[family]()
+    model = {
+        "llama-int4": lambda: q4_exact(tiny_target()),
+        "llama-bf16": lambda: tiny_target(dtype=torch.bfloat16),
+        "qwen2-bias": lambda: _mk("qwen2-bias").to(torch.bfloat16),
+        "qwen3-qknorm": lambda: _mk("qwen3-qknorm").to(torch.bfloat16),
+    }[family]()
     L = model.config.num_hidden_layers
     one = NativeTarget(model, (0, 1, L), act_dtype=torch.bfloat16)
     loop = one.view((0, 1, L))
@@ -848,7 +878,10 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     g = torch.Generator().manual_seed(3)
     a, b = Holder(), Holder()
     a.w = torch.randn(40, 33, generator=g)
-    a.packed = (torch.randint(0, 255, (3, 7), dtype=torch.uint8, generator=g), torch.randn(5, generator=g).to(torch.bfloat16))
+    a.packed = (
+        torch.randint(0, 255, (3, 7), dtype=torch.uint8, generator=g),
+        torch.randn(5, generator=g).to(torch.bfloat16),
+    )
     b.w, b.other = None, "not a tensor"
     before = (a.w.clone(), tuple(t.clone() for t in a.packed))
     moved = kernels.into_huge_pages([(a, "w"), (a, "packed"), (b, "w"), (b, "other")])
@@ -872,6 +905,7 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     plain = NativeTarget(model, act_dtype=torch.bfloat16)
     monkeypatch.setenv("DSPARK_HUGE_PAGES", "1")
     huge = NativeTarget(model, act_dtype=torch.bfloat16)
+
     def first(t):
         lin = t.layers[0].wqkv
         return (lin.q4 or lin.q8 or (lin.w,))[0].untyped_storage().data_ptr()

@@ -56,17 +56,31 @@ def _spec(trained, strength):
 # The lies of issue 14: the layout flipped with block_size adjusted (the file stays consistent),
 # the layout flag alone flipped (block_size kept), taps shifted by one, a wrong mask token.
 LIES = {
-    "flipped": (write_speculators, lambda s: layout_readings(s)[1][0],
-                "the file says bonus-anchor (gamma 4, block_size 5) but the weights behave like anchor-first "
-                "(gamma 4, block_size 4)", "set sample_from_anchor: true, block_size: 4 and speculative_tokens: 4"),
-    "flag": (write_speculators, lambda s: force_layout(s, "bonus_anchor"),
-             "the file says bonus-anchor (gamma 3, block_size 4) but the weights behave like anchor-first",
-             "set sample_from_anchor: true"),
-    "taps": (write_deepspec, lambda s: replace(s, hidden_state_indices=tuple(i - 1 for i in TAPS)),
-             "the file says target_layer_ids [-1, 0] but the weights behave like [0, 1]", "set target_layer_ids: [0, 1]"),
-    "mask": (write_deepspec, lambda s: replace(s, mask_token_id=2),
-             f"the file says mask_token_id 2 but the weights behave like mask_token_id {MASK}",
-             f"set mask_token_id: {MASK}"),
+    "flipped": (
+        write_speculators,
+        lambda s: layout_readings(s)[1][0],
+        "the file says bonus-anchor (gamma 4, block_size 5) but the weights behave like anchor-first "
+        "(gamma 4, block_size 4)",
+        "set sample_from_anchor: true, block_size: 4 and speculative_tokens: 4",
+    ),
+    "flag": (
+        write_speculators,
+        lambda s: force_layout(s, "bonus_anchor"),
+        "the file says bonus-anchor (gamma 3, block_size 4) but the weights behave like anchor-first",
+        "set sample_from_anchor: true",
+    ),
+    "taps": (
+        write_deepspec,
+        lambda s: replace(s, hidden_state_indices=tuple(i - 1 for i in TAPS)),
+        "the file says target_layer_ids [-1, 0] but the weights behave like [0, 1]",
+        "set target_layer_ids: [0, 1]",
+    ),
+    "mask": (
+        write_deepspec,
+        lambda s: replace(s, mask_token_id=2),
+        f"the file says mask_token_id 2 but the weights behave like mask_token_id {MASK}",
+        f"set mask_token_id: {MASK}",
+    ),
 }
 
 
@@ -76,10 +90,18 @@ def test_correct_checkpoint_is_healthy(trained, strength):
     assert report.verdict == "healthy" and report.exit_code() == 0 and not report.diagnoses, report.to_json()
     declared = report.readings[0]
     tau = declared.accept_length
-    assert declared.name == "declared" and (tau > 1.6 if strength == "healthy" else 1.2 <= tau <= 1.65), tau  # the issue's weak drafts: tau about 1.3-1.6
+    assert declared.name == "declared" and (tau > 1.6 if strength == "healthy" else 1.2 <= tau <= 1.65), (
+        tau
+    )  # the issue's weak drafts: tau about 1.3-1.6
     names = {r.name for r in report.readings}
-    assert {"bonus-anchor", "bonus-anchor(block_size 4)", "taps-1", "mask=0", "mask=2",
-            "bonus-anchor taps-1 mask=2"} <= names
+    assert {
+        "bonus-anchor",
+        "bonus-anchor(block_size 4)",
+        "taps-1",
+        "mask=0",
+        "mask=2",
+        "bonus-anchor taps-1 mask=2",
+    } <= names
     # every alternative reading was measured and excluded from being MIN_GAIN better
     assert all(c.status == "not better" for c in report.comparisons.values())
     assert all(c.status == "ok" for c in report.checks), report.checks
@@ -119,8 +141,25 @@ def test_too_little_text_is_undecided_never_healthy(trained, capsys):
     report = _run(trained, trained["weak"], budget=Budget(prompts=1, tokens=16, max_tokens=16))
     assert report.verdict == "undecided" and report.exit_code() == EXIT_UNDECIDED and report.undecided
     assert not report.diagnoses
-    rc = main(["doctor", "--target", trained["target"], "--draft", trained["weak"], "--dtype", "fp32", "--device",
-               "cpu", "--prompts-first", "1", "--tokens", "16", "--max-tokens", "16"])
+    rc = main(
+        [
+            "doctor",
+            "--target",
+            trained["target"],
+            "--draft",
+            trained["weak"],
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--prompts-first",
+            "1",
+            "--tokens",
+            "16",
+            "--max-tokens",
+            "16",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == EXIT_UNDECIDED and "undecided after" in text and "healthy" not in text
     # the same draft with the default budget is decided healthy
@@ -129,8 +168,9 @@ def test_too_little_text_is_undecided_never_healthy(trained, capsys):
 
 def test_cli_json_and_table(trained, capsys):
     flipped = _variant(trained, "flipped", write_speculators, LIES["flipped"][1](trained["spec"]))
-    rc = main(["doctor", "--target", trained["target"], "--draft", flipped, "--dtype", "fp32", "--device", "cpu",
-               "--json"])
+    rc = main(
+        ["doctor", "--target", trained["target"], "--draft", flipped, "--dtype", "fp32", "--device", "cpu", "--json"]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == EXIT_UNHEALTHY and out["exit_code"] == rc and out["verdict"] == "misread"
     assert out["declared"]["layout"] == "bonus_anchor" and out["explained_by"] == "anchor-first"
@@ -139,8 +179,9 @@ def test_cli_json_and_table(trained, capsys):
     assert out["rounds"] and out["thresholds"]["min_gain"] == 0.03
     assert out["found_by"] == "behaviour" and set(out["fingerprint"]) == {"declared", "taps-1"}
     assert out["fingerprint"]["declared"]["taps"] == list(TAPS)
-    rc = main(["doctor", "--target", trained["target"], "--draft", trained["healthy"], "--dtype", "fp32",
-               "--device", "cpu"])
+    rc = main(
+        ["doctor", "--target", trained["target"], "--draft", trained["healthy"], "--dtype", "fp32", "--device", "cpu"]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and "healthy: no other reading gives 3% more tokens per step" in text and "taps-1" in text
     assert "misfit" in text  # the taps readings' fc fingerprint column
@@ -153,8 +194,10 @@ def test_cli_json_and_table(trained, capsys):
 def test_nan_and_quantised_weights_fail_the_static_checks(trained):
     from safetensors.torch import load_file, save_file
 
-    for name, edit in (("nan", lambda t: t.float().index_fill_(0, torch.tensor([0]), float("nan"))),
-                       ("int8", lambda t: t.to(torch.int8))):
+    for name, edit in (
+        ("nan", lambda t: t.float().index_fill_(0, torch.tensor([0]), float("nan"))),
+        ("int8", lambda t: t.to(torch.int8)),
+    ):
         path = trained["root"] / f"broken-{name}-{os.getpid()}"
         if not path.exists():
             shutil.copytree(trained["healthy"], path)
@@ -180,7 +223,10 @@ def test_quick_check_warns_on_a_layout_lie_and_restores_the_engine(trained, stre
     check = quick_check(healthy)
     assert check.warnings == []
     # what the adaptive policy starts from: the declared reading's greedy acceptance per anchor
-    assert check.accepted.numel() > 0 and 0 <= int(check.accepted.min()) <= int(check.accepted.max()) <= healthy.draft.spec.gamma
+    assert (
+        check.accepted.numel() > 0
+        and 0 <= int(check.accepted.min()) <= int(check.accepted.max()) <= healthy.draft.spec.gamma
+    )
     assert quick_check(engine_for(model, None)).warnings == []  # no draft: nothing to check
 
 
@@ -191,6 +237,7 @@ def test_measured_acceptance_is_the_engines(trained):
     draft = build_draft(trained["weak_spec"], model, trained["weak_tensors"])
     engine = engine_for(model, draft, eos_token_ids=(2,))
     steps = []
+
     class Recorder:  # a StepObserver
         def observe(self, res, running):
             steps.append(int(res.accepted[0]))
@@ -199,7 +246,7 @@ def test_measured_acceptance_is_the_engines(trained):
     prompt = torch.randint(4, 64, (8,), generator=torch.Generator().manual_seed(5)).tolist()
     req = engine.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
     text = generate_texts(engine.target, None, (), [prompt], 48, TAPS)[0]
-    assert text.ids[len(prompt):].tolist() == req.output_ids  # the engine's plain decoding, same text
+    assert text.ids[len(prompt) :].tolist() == req.output_ids  # the engine's plain decoding, same text
     L, _ = score_anchors(draft, draft.spec, text, draft.spec.gamma, context_for(draft, draft.spec, text))
     pos, measured = 0, []  # anchor index of each engine step: the first generated token, then after each commit
     for a in steps:
@@ -258,6 +305,7 @@ def test_likelihood_decides_where_acceptance_cannot_and_never_against_it():
     # acceptance alone still decides as before
     more = (acc + 1).clamp(max=4)
     assert compare(acc, more, segs, 4, ll=(declared_ll, declared_ll), **kw).by == "acceptance"
+
     # a healthy file on noisy text (docs/BENCHMARKS.md, "Checking a draft"): acceptance leaves a reading open a
     # little ahead of the declared one, while the draft's objective clearly prefers the declared reading
     def swapped(down: int, up: int) -> torch.Tensor:  # acc with `down` ones cleared and `up` zeros set
@@ -302,8 +350,9 @@ def test_weights_name_taps_that_behaviour_cannot_tell_apart(trained):
         readings = readings_for(spec, 2, [])
         report = Report("", "", spec)
         for r in readings[1:]:
-            report.comparisons[r.name] = Comparison(600, 4, 1.2, 1.2, 0.0, 0.0, 0.5, 4.0, "not better", -3.0,
-                                                    -3.0 + ll_gain, 0.0, 4.0)
+            report.comparisons[r.name] = Comparison(
+                600, 4, 1.2, 1.2, 0.0, 0.0, 0.5, 4.0, "not better", -3.0, -3.0 + ll_gain, 0.0, 4.0
+            )
         weights_finding(report, readings, fc_of, texts)
         return report
 

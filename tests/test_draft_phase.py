@@ -60,8 +60,19 @@ def _reference(draft, fmt: str):
     ref = copy.deepcopy(draft).float()
     draft._fast = held
     with torch.no_grad():
-        mats = [ref.fc] + [m for ly in ref.layers for m in (ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj,
-                                                            ly.self_attn.o_proj, ly.mlp.gate_proj, ly.mlp.up_proj, ly.mlp.down_proj)]
+        mats = [ref.fc] + [
+            m
+            for ly in ref.layers
+            for m in (
+                ly.self_attn.q_proj,
+                ly.self_attn.k_proj,
+                ly.self_attn.v_proj,
+                ly.self_attn.o_proj,
+                ly.mlp.gate_proj,
+                ly.mlp.up_proj,
+                ly.mlp.down_proj,
+            )
+        ]
         for m in mats:
             m.weight.copy_(_rounded(m.weight, fmt))
         head_fmt = "q4" if fmt == "q4" else "q8"
@@ -110,15 +121,17 @@ def test_one_call_drafts_what_the_modules_would(fmt, kv, monkeypatch):
         _, base = fast.for_draft(draft).call(draft.spec, fresh.ctx, None, None, anchors, 0, 5)
     ref_base = h @ ref.lm_head.weight.double().T
     err = float((base.double() - ref_base).abs().max())
-    assert err <= 2 ** -5 * float(ref_base.abs().max())
+    assert err <= 2**-5 * float(ref_base.abs().max())
     top2 = logits.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 4 * err
     assert clear[:, 0].any() and clear.float().mean() > 0.5
     assert torch.equal(prop.tokens[clear], logits.argmax(-1)[clear])
     ch = ref.confidence_head.proj
-    feats = torch.cat([h, ref.markov_head.markov_w1.weight.double()[torch.cat([anchors[:, None], prop.tokens[:, :-1]], 1)]], -1)
+    feats = torch.cat(
+        [h, ref.markov_head.markov_w1.weight.double()[torch.cat([anchors[:, None], prop.tokens[:, :-1]], 1)]], -1
+    )
     conf = feats @ ch.weight.double()[0] + ch.bias.double()
-    assert (prop.conf_logits.double() - conf).abs().max() <= 0.02 + 2 ** -5 * conf.abs().max()
+    assert (prop.conf_logits.double() - conf).abs().max() <= 0.02 + 2**-5 * conf.abs().max()
 
 
 def test_waiting_taps_join_the_same_call(monkeypatch):
@@ -186,8 +199,14 @@ def test_bad_input_to_the_call_is_named(monkeypatch):
     model = tiny_target()
     draft = tiny_draft(model).to(torch.bfloat16)
     k = fast.for_draft(draft)
-    batch = _batch(draft, torch.zeros(1, 3, draft.fc.weight.shape[1], dtype=torch.bfloat16), torch.tensor([3]),
-                   torch.tensor([5]), modules=False, monkeypatch=monkeypatch)
+    batch = _batch(
+        draft,
+        torch.zeros(1, 3, draft.fc.weight.shape[1], dtype=torch.bfloat16),
+        torch.tensor([3]),
+        torch.tensor([5]),
+        modules=False,
+        monkeypatch=monkeypatch,
+    )
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="anchor 96 outside the vocabulary of 96"):
             k.call(draft.spec, batch.ctx, None, None, torch.tensor([96]), 0, 1, walk=True)
@@ -200,7 +219,8 @@ def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(mo
     """SmolLM2 and the bundled draft over held-out answers (contexts from the target's own taps,
     64 anchors): the one call's first-slot tokens are the modules' (bf16, the draft's own numbers)
     at >= 95 % of anchors in q8 and >= 80 % in q4 (84 % measured: a 4-bit head moves near-ties;
-    the engine measured first-slot acceptance 0.311 against 0.320 in q8 and bf16), and its head logits (bf16 matrices) are the
+    the engine measured first-slot acceptance 0.311 against 0.320 in q8 and bf16), and its head logits (bf16
+    matrices) are the
     modules' within 2^-4 of their largest."""
     from pathlib import Path
 
@@ -241,4 +261,4 @@ def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(mo
         assert (got == ref).float().mean() >= floor, fmt
     _, bf16_logits = first_slots("bf16")
     for a, b in zip(bf16_logits, ref_logits):
-        assert (a - b).abs().max() <= 2 ** -4 * b.abs().max()
+        assert (a - b).abs().max() <= 2**-4 * b.abs().max()

@@ -100,10 +100,14 @@ def test_sampling_is_lossless_chi_square(temperature, top_p, draft_vocab, runtim
     order = torch.argsort(exp)
     e, o, acc_e, acc_o = [], [], 0.0, 0.0
     for i in order.tolist():
-        acc_e += float(exp[i]); acc_o += float(obs[i])
+        acc_e += float(exp[i])
+        acc_o += float(obs[i])
         if acc_e >= 5:
-            e.append(acc_e); o.append(acc_o); acc_e = acc_o = 0.0
-    e[-1] += acc_e; o[-1] += acc_o
+            e.append(acc_e)
+            o.append(acc_o)
+            acc_e = acc_o = 0.0
+    e[-1] += acc_e
+    o[-1] += acc_o
     assert engine.metrics.accepted > 0 and engine.metrics.accepted < engine.metrics.verified  # both branches ran
     e = [x * sum(o) / sum(e) for x in e]  # float rounding of the exact law
     assert chisquare(o, e).pvalue > 1e-3
@@ -178,7 +182,13 @@ def test_bad_requests_are_refused(target):
         engine.add_request([1] * 500, SamplingParams(max_new_tokens=100))
     with pytest.raises(RequestError, match="vocabulary|token ids"):
         engine.add_request([10_000], SamplingParams())
-    for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_k": -2}, {"max_new_tokens": 0}):
+    for bad in (
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_k": -2},
+        {"max_new_tokens": 0},
+    ):
         with pytest.raises(RequestError):
             SamplingParams(**bad)
 
@@ -304,7 +314,12 @@ def test_the_draft_context_cache_keeps_exactly_the_committed_entries():
     empty = torch.zeros(B, kv, 0, D)
     cache = ContextCache([LayerKV(empty, empty)], torch.zeros(B, dtype=torch.long))
     rows = [[] for _ in range(B)]  # the committed entries, as a reference
-    for n, counts in [(5, [5, 3, 1]), (2, [1, 2, 0]), (CONTEXT_CHUNK, [CONTEXT_CHUNK, 7, CONTEXT_CHUNK - 1]), (1, [1, 1, 1])]:
+    for n, counts in [
+        (5, [5, 3, 1]),
+        (2, [1, 2, 0]),
+        (CONTEXT_CHUNK, [CONTEXT_CHUNK, 7, CONTEXT_CHUNK - 1]),
+        (1, [1, 1, 1]),
+    ]:
         k = torch.randn(B, kv, n, D, generator=gen)
         cache.append([LayerKV(k, -k)], torch.tensor(counts))
         for b, c in enumerate(counts):

@@ -18,8 +18,12 @@ from dspark.errors import DSparkError, NonFiniteError
 from tests.tiny import engine_for, tiny_draft, tiny_target
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
-PARAMS = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24),
-          SamplingParams(max_new_tokens=24, temperature=1.0, seed=7), SamplingParams(max_new_tokens=24)]
+PARAMS = [
+    SamplingParams(max_new_tokens=24),
+    SamplingParams(max_new_tokens=24),
+    SamplingParams(max_new_tokens=24, temperature=1.0, seed=7),
+    SamplingParams(max_new_tokens=24),
+]
 VICTIM = 1
 
 
@@ -38,7 +42,9 @@ def alone(weights):
 
 
 def run_batch(eng, on_tokens=None):
-    reqs = [eng.add_request(p, sp, on_tokens if i == VICTIM else None) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
+    reqs = [
+        eng.add_request(p, sp, on_tokens if i == VICTIM else None) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))
+    ]
     eng.run_until_done()
     return reqs
 
@@ -191,7 +197,9 @@ def test_through_the_server_a_failing_request_gets_its_error_and_the_others_thei
 
         def ask(i):
             try:
-                r = c.completions.create(model=MODEL, prompt=TEXTS[i], max_tokens=23 if i == VICTIM else 16, temperature=0)
+                r = c.completions.create(
+                    model=MODEL, prompt=TEXTS[i], max_tokens=23 if i == VICTIM else 16, temperature=0
+                )
                 return r.choices[0].text
             except openai.InternalServerError as e:
                 return e
@@ -209,7 +217,9 @@ def test_through_the_server_a_failing_request_gets_its_error_and_the_others_thei
         assert engine.running == [] and engine.waiting == [] and engine.batch is None
         assert worker._in_flight == 0 and worker._jobs == {}
         assert srv.http.get("/health").status_code == 200
-        assert c.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=16, temperature=0).choices[0].text == \
-            expect(ref, TEXTS[0])[0]
+        assert (
+            c.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=16, temperature=0).choices[0].text
+            == expect(ref, TEXTS[0])[0]
+        )
     finally:
         srv.close()

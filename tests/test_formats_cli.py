@@ -45,7 +45,10 @@ def _without(key):
 
 
 CONFIG_ERRORS = {
-    "contradictory_layout": (tiny_speculators(flag=False, tokens=4), "sample_from_anchor=false contradicts speculators_config.proposal_methods[0].speculative_tokens=4"),
+    "contradictory_layout": (
+        tiny_speculators(flag=False, tokens=4),
+        "sample_from_anchor=false contradicts speculators_config.proposal_methods[0].speculative_tokens=4",
+    ),
     "flag_not_boolean": (_spec_cfg(sample_from_anchor="true"), "sample_from_anchor must be true or false"),
     "tokens_fit_no_layout": (tiny_speculators(flag=None, tokens=2), "speculative_tokens=2 fits neither layout"),
     "model_type_not_string": (_spec_cfg(speculators_model_type=["dspark"]), "speculators_model_type must be a string"),
@@ -55,12 +58,30 @@ CONFIG_ERRORS = {
     "rank_not_integer": (tiny_deepspec(markov_rank=2.5), "markov_rank must be an integer"),
     "mask_missing": (_without("mask_token_id"), "mask_token_id is missing"),
     "mask_negative": (tiny_deepspec(mask_token_id=-3), "mask_token_id must be >= 0"),
-    "mask_outside_vocab": (tiny_deepspec(mask_token_id=64), "mask_token_id=64 is outside the vocabulary (vocab_size 64)"),
-    "layer_ids_not_increasing": (tiny_deepspec(target_layer_ids=[3, 1]), "target_layer_ids must be strictly increasing"),
-    "aux_ids_repeated": (_spec_cfg(aux_hidden_state_layer_ids=[2, 2]), "aux_hidden_state_layer_ids must be strictly increasing"),
-    "confidence_with_markov_rank0": (tiny_deepspec(markov_rank=0), "confidence_head_with_markov is true but markov_rank is 0"),
-    "unknown_default_proposal_method": (_with_default_method("sampling"), "default_proposal_method 'sampling' matches no proposal_type"),
-    "speculative_tokens_zero": (_with_tokens(0), "speculators_config.proposal_methods[0].speculative_tokens must be >= 1"),
+    "mask_outside_vocab": (
+        tiny_deepspec(mask_token_id=64),
+        "mask_token_id=64 is outside the vocabulary (vocab_size 64)",
+    ),
+    "layer_ids_not_increasing": (
+        tiny_deepspec(target_layer_ids=[3, 1]),
+        "target_layer_ids must be strictly increasing",
+    ),
+    "aux_ids_repeated": (
+        _spec_cfg(aux_hidden_state_layer_ids=[2, 2]),
+        "aux_hidden_state_layer_ids must be strictly increasing",
+    ),
+    "confidence_with_markov_rank0": (
+        tiny_deepspec(markov_rank=0),
+        "confidence_head_with_markov is true but markov_rank is 0",
+    ),
+    "unknown_default_proposal_method": (
+        _with_default_method("sampling"),
+        "default_proposal_method 'sampling' matches no proposal_type",
+    ),
+    "speculative_tokens_zero": (
+        _with_tokens(0),
+        "speculators_config.proposal_methods[0].speculative_tokens must be >= 1",
+    ),
     "speculative_tokens_not_integer": (_with_tokens("7"), "speculative_tokens must be an integer"),
     "block_size_missing": (_without("block_size"), "block_size is missing"),
     "sliding_without_window": (
@@ -120,16 +141,49 @@ def _poison(name, value):
 
 WEIGHT_ERRORS = {
     # H=16, 2 taps, V=64, r=4
-    "fc_width": (tiny_deepspec(), _reshape("fc.weight", 16, 48), "tensor fc.weight has shape [16, 48], expected [16, 32]: [hidden_size, taps x target hidden] = [16, 2 x 16]"),
-    "markov_w1_rows": (tiny_deepspec(), _reshape("markov_head.markov_w1.weight", 60, 4), "tensor markov_head.markov_w1.weight has shape [60, 4], expected [64, 4]"),
-    "markov_w2_rows": (tiny_deepspec(), _reshape("markov_head.markov_w2.weight", 60, 4), "tensor markov_head.markov_w2.weight has shape [60, 4], expected [64, 4]: rows = draft_vocab_size 64"),
-    "lm_head_rows": (tiny_deepspec(), _reshape("lm_head.weight", 32, 16), "tensor lm_head.weight has shape [32, 16], expected [64, 16]"),
-    "confidence_width": (tiny_deepspec(), _reshape("confidence_head.proj.weight", 1, 16), "tensor confidence_head.proj.weight has shape [1, 16], expected [1, 20]: width = hidden_size 16 + markov_rank 4"),
+    "fc_width": (
+        tiny_deepspec(),
+        _reshape("fc.weight", 16, 48),
+        "tensor fc.weight has shape [16, 48], expected [16, 32]: [hidden_size, taps x target hidden] = [16, 2 x 16]",
+    ),
+    "markov_w1_rows": (
+        tiny_deepspec(),
+        _reshape("markov_head.markov_w1.weight", 60, 4),
+        "tensor markov_head.markov_w1.weight has shape [60, 4], expected [64, 4]",
+    ),
+    "markov_w2_rows": (
+        tiny_deepspec(),
+        _reshape("markov_head.markov_w2.weight", 60, 4),
+        "tensor markov_head.markov_w2.weight has shape [60, 4], expected [64, 4]: rows = draft_vocab_size 64",
+    ),
+    "lm_head_rows": (
+        tiny_deepspec(),
+        _reshape("lm_head.weight", 32, 16),
+        "tensor lm_head.weight has shape [32, 16], expected [64, 16]",
+    ),
+    "confidence_width": (
+        tiny_deepspec(),
+        _reshape("confidence_head.proj.weight", 1, 16),
+        "tensor confidence_head.proj.weight has shape [1, 16], expected [1, 20]: "
+        "width = hidden_size 16 + markov_rank 4",
+    ),
     "d2t_missing": (_spec_cfg(draft_vocab_size=32), lambda t: t.pop("d2t"), "tensor d2t is missing"),
-    "nan": (tiny_deepspec(), _poison("layers.1.mlp.up_proj.weight", float("nan")), "tensor layers.1.mlp.up_proj.weight holds 1 NaN/inf value(s)"),
+    "nan": (
+        tiny_deepspec(),
+        _poison("layers.1.mlp.up_proj.weight", float("nan")),
+        "tensor layers.1.mlp.up_proj.weight holds 1 NaN/inf value(s)",
+    ),
     "inf": (tiny_deepspec(), _poison("norm.weight", float("inf")), "tensor norm.weight holds 1 NaN/inf value(s)"),
-    "unexpected_head": (tiny_deepspec(markov_rank=0, enable_confidence_head=False), lambda t: t.update({"markov_head.markov_w1.weight": torch.zeros(64, 4)}), "unexpected tensor markov_head.markov_w1.weight"),
-    "missing_layer_tensor": (tiny_deepspec(), lambda t: t.pop("layers.0.self_attn.k_proj.weight"), "tensor layers.0.self_attn.k_proj.weight is missing"),
+    "unexpected_head": (
+        tiny_deepspec(markov_rank=0, enable_confidence_head=False),
+        lambda t: t.update({"markov_head.markov_w1.weight": torch.zeros(64, 4)}),
+        "unexpected tensor markov_head.markov_w1.weight",
+    ),
+    "missing_layer_tensor": (
+        tiny_deepspec(),
+        lambda t: t.pop("layers.0.self_attn.k_proj.weight"),
+        "tensor layers.0.self_attn.k_proj.weight is missing",
+    ),
 }
 
 
@@ -178,7 +232,11 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-m", "dspark", "inspect", str(tmp_path)],
-        capture_output=True, text=True, cwd=repo, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        env=env,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

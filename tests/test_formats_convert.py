@@ -20,9 +20,24 @@ from tests.formats_fixtures import (
 )
 
 # What must survive a conversion (warnings and layout_source legitimately change).
-KEPT = ("layout", "gamma", "query_slots", "block_size", "hidden_state_indices", "mask_token_id", "vocab_size",
-        "draft_vocab_size", "has_d2t", "markov_rank", "markov_head_type", "confidence_head",
-        "confidence_head_with_markov", "num_layers", "hidden_size", "layer_attention")
+KEPT = (
+    "layout",
+    "gamma",
+    "query_slots",
+    "block_size",
+    "hidden_state_indices",
+    "mask_token_id",
+    "vocab_size",
+    "draft_vocab_size",
+    "has_d2t",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_head_with_markov",
+    "num_layers",
+    "hidden_size",
+    "layer_attention",
+)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -33,7 +48,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def bf16_checkpoint(directory, config):
     write_config(directory, config)
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in random_tensors(load_spec(directory)).items()}
+    tensors = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+        for k, v in random_tensors(load_spec(directory)).items()
+    }
     tensors["norm.weight"][0] = -0.0  # a sign bit that value comparison would miss
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
@@ -63,7 +81,11 @@ def test_deepspec_speculators_round_trip_is_bit_exact(tmp_path):
     for key in a:
         assert same_bits(a[key], b[key]), key
     assert back.backbone == original.backbone
-    assert original.backbone.rope_scaling == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    assert original.backbone.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 64,
+    }
 
 
 def test_speculators_round_trip_keeps_bonus_anchor_and_maps(tmp_path):
@@ -124,7 +146,11 @@ def test_llama_layers_without_qk_norm(tmp_path):
     cfg = tiny_speculators(flag=True)
     cfg["transformer_layer_config"]["model_type"] = "llama"
     write_config(tmp_path / "src", cfg)
-    tensors = {k: v for k, v in random_tensors(load_spec(tmp_path / "src")).items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+    tensors = {
+        k: v
+        for k, v in random_tensors(load_spec(tmp_path / "src")).items()
+        if not k.endswith(("q_norm.weight", "k_norm.weight"))
+    }
     save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
     spec = load_spec(tmp_path / "src")
     assert (spec.backbone.family, spec.backbone.qk_norm) == ("llama", False)

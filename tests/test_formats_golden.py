@@ -20,10 +20,26 @@ from dspark.errors import FormatError
 from dspark.formats.load import load_spec
 
 JSON_KEYS = {
-    "format", "layout", "layout_source", "gamma", "query_slots", "block_size", "hidden_state_indices",
-    "mask_token_id", "vocab_size", "draft_vocab_size", "has_d2t", "markov_rank", "markov_head_type",
-    "confidence_head", "confidence_head_with_markov", "num_layers", "hidden_size", "layer_attention",
-    "verifier", "warnings",
+    "format",
+    "layout",
+    "layout_source",
+    "gamma",
+    "query_slots",
+    "block_size",
+    "hidden_state_indices",
+    "mask_token_id",
+    "vocab_size",
+    "draft_vocab_size",
+    "has_d2t",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_head_with_markov",
+    "num_layers",
+    "hidden_size",
+    "layer_attention",
+    "verifier",
+    "warnings",
 }
 
 

@@ -15,7 +15,9 @@ ABSENT = object()
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
-junk = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=False), st.lists(st.integers(), max_size=2))
+junk = st.one_of(
+    st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=False), st.lists(st.integers(), max_size=2)
+)
 maybe_int = st.one_of(st.integers(-2, 12), junk)
 
 

@@ -20,8 +20,14 @@ def _speculators_model(*, sample_from_anchor: bool, draft_vocab: int, head_type:
 
     torch.manual_seed(seed)
     layer = Qwen3Config(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, vocab_size=64, max_position_embeddings=128,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=64,
+        max_position_embeddings=128,
         rope_parameters={"rope_theta": 50000.0, "rope_type": "default"},
     )
     layer._attn_implementation = "sdpa"  # flex attention has no CPU path
@@ -92,7 +98,11 @@ def test_library_files_are_read_correctly(saved, name):
     spec = load_spec(directory)
     layout, source, gamma, slots = EXPECTED[name]
     assert (spec.format, spec.layout, spec.layout_source, spec.gamma, spec.query_slots) == (
-        "speculators", layout, source, gamma, slots
+        "speculators",
+        layout,
+        source,
+        gamma,
+        slots,
     )
     assert spec.hidden_state_indices == (1, 3, 5)
     assert spec.markov_head_type == CASES[name][3] and spec.markov_rank == 4

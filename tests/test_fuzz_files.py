@@ -38,8 +38,12 @@ from tests.formats_fixtures import tiny_deepspec, tiny_specforge, tiny_speculato
 from tests.fuzzing import budgets, holds
 from tests.tiny import engine_for
 
-FAST = settings(max_examples=60, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 BUDGETS = budgets(FAST)
 FAMILIES = {"deepspec": tiny_deepspec, "speculators": tiny_speculators, "specforge": tiny_specforge}
 
@@ -48,9 +52,20 @@ FAMILIES = {"deepspec": tiny_deepspec, "speculators": tiny_speculators, "specfor
 def tiny_llama(vocab: int = 64, hidden: int = 16, layers: int = 6, seed: int = 0):
     """A target every tiny draft of formats_fixtures fits (vocab 64, hidden 16, taps up to layer 4)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=128,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden // 2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -100,26 +115,76 @@ def test_every_base_checkpoint_loads_and_decodes():
 # ---- config.json -----------------------------------------------------------------------------------
 # Values a config key could be given by mistake: JSON of every type (NaN and Infinity included,
 # which Python's json reads), and the strings and objects that mean something somewhere in a config.
-PLAUSIBLE = st.sampled_from([
-    "full_attention", "sliding_attention", "yarn", "linear", "dynamic", "llama3", "longrope", "default",
-    "proportional", "gated", "rnn", "vanilla", "llama", "qwen3", "gelu", "relu2", "nope", "dspark", "greedy",
-    {"rope_type": "yarn"}, {"rope_type": "yarn", "factor": "2"}, {"rope_type": "linear", "factor": 0.5},
-    {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}, {"type": "dynamic", "factor": 2},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
-    {"full_attention": {"rope_theta": 10000.0}}, {"projector_type": "dspark"}, ["full_attention"],
-    [{"proposal_type": "greedy", "speculative_tokens": 3}], [1, 3], [-1, 0], [3, 1],
-])
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.integers(), st.floats(),
-                    st.text(max_size=8))
+PLAUSIBLE = st.sampled_from(
+    [
+        "full_attention",
+        "sliding_attention",
+        "yarn",
+        "linear",
+        "dynamic",
+        "llama3",
+        "longrope",
+        "default",
+        "proportional",
+        "gated",
+        "rnn",
+        "vanilla",
+        "llama",
+        "qwen3",
+        "gelu",
+        "relu2",
+        "nope",
+        "dspark",
+        "greedy",
+        {"rope_type": "yarn"},
+        {"rope_type": "yarn", "factor": "2"},
+        {"rope_type": "linear", "factor": 0.5},
+        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+        {"type": "dynamic", "factor": 2},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        {"full_attention": {"rope_theta": 10000.0}},
+        {"projector_type": "dspark"},
+        ["full_attention"],
+        [{"proposal_type": "greedy", "speculative_tokens": 3}],
+        [1, 3],
+        [-1, 0],
+        [3, 1],
+    ]
+)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.integers(), st.floats(), st.text(max_size=8))
 # copied: a later edit may write into a drawn object, and sampled_from hands out the same one each time
-JSON_VALUES = st.one_of(PLAUSIBLE, st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=8)).map(
-    copy.deepcopy)
+JSON_VALUES = st.one_of(
+    PLAUSIBLE,
+    st.recursive(
+        SCALARS,
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+        max_leaves=8,
+    ),
+).map(copy.deepcopy)
 # Keys a reader looks up that the tiny configs do not all carry
-OPTIONAL_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "head_dim", "layer_types", "use_sliding_window",
-                 "sliding_window", "max_window_layers", "draft_vocab_size", "target_hidden_size", "num_target_layers",
-                 "hidden_activation", "attention_bias", "model_type", "sample_from_anchor", "speculators_config",
-                 "dflash_config", "architectures", "speculators_model_type", "dspark_block_size", "rms_norm_eps")
+OPTIONAL_KEYS = (
+    "rope_scaling",
+    "rope_parameters",
+    "rope_theta",
+    "head_dim",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "num_target_layers",
+    "hidden_activation",
+    "attention_bias",
+    "model_type",
+    "sample_from_anchor",
+    "speculators_config",
+    "dflash_config",
+    "architectures",
+    "speculators_model_type",
+    "dspark_block_size",
+    "rms_norm_eps",
+)
 
 
 def key_paths(obj, prefix=()):
@@ -209,7 +274,7 @@ def test_truncated_or_corrupted_config(family, budget):
 # ---- model.safetensors -------------------------------------------------------------------------------
 def split(raw: bytes) -> tuple[dict, bytes]:
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def join(header: dict, data: bytes) -> bytes:
@@ -217,8 +282,27 @@ def join(header: dict, data: bytes) -> bytes:
     return struct.pack("<Q", len(h)) + h + data
 
 
-DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64",
-          "BOOL", "C64", "f32", "", "F31")
+DTYPES = (
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "U16",
+    "U32",
+    "U64",
+    "BOOL",
+    "C64",
+    "f32",
+    "",
+    "F31",
+)
 # Same byte count as F32: a header whose only lie is the dtype still reads
 SAME_SIZE = ("I32", "U32")
 
@@ -231,8 +315,23 @@ def lying_files(draw, family: str):
     names = sorted(k for k in header if k != "__metadata__")
     name = draw(st.sampled_from(names))
     info = header[name]
-    lie = draw(st.sampled_from(["truncate", "header_length", "offsets", "dtype", "same_size_dtype", "shape",
-                                "header_byte", "drop", "duplicate", "metadata", "trailing"]))
+    lie = draw(
+        st.sampled_from(
+            [
+                "truncate",
+                "header_length",
+                "offsets",
+                "dtype",
+                "same_size_dtype",
+                "shape",
+                "header_byte",
+                "drop",
+                "duplicate",
+                "metadata",
+                "trailing",
+            ]
+        )
+    )
     if lie == "truncate":
         return raw[: draw(st.integers(0, len(raw) - 1))], lie, None
     if lie == "header_length":
@@ -240,9 +339,13 @@ def lying_files(draw, family: str):
         return struct.pack("<Q", n) + raw[8:], lie, None
     if lie == "offsets":
         end = len(data) + 64
-        info["data_offsets"] = draw(st.one_of(
-            st.lists(st.integers(-2, end), min_size=2, max_size=2), st.lists(st.integers(), min_size=0, max_size=3),
-            JSON_VALUES))
+        info["data_offsets"] = draw(
+            st.one_of(
+                st.lists(st.integers(-2, end), min_size=2, max_size=2),
+                st.lists(st.integers(), min_size=0, max_size=3),
+                JSON_VALUES,
+            )
+        )
     elif lie == "dtype":
         info["dtype"] = draw(st.one_of(st.sampled_from(DTYPES), st.text(max_size=5), JSON_VALUES))
     elif lie == "same_size_dtype":
@@ -250,8 +353,9 @@ def lying_files(draw, family: str):
             return raw, "none", None
         info["dtype"] = draw(st.sampled_from(SAME_SIZE))
     elif lie == "shape":
-        info["shape"] = draw(st.one_of(st.lists(st.integers(0, 80), max_size=3), st.lists(st.integers(), max_size=2),
-                                       JSON_VALUES))
+        info["shape"] = draw(
+            st.one_of(st.lists(st.integers(0, 80), max_size=3), st.lists(st.integers(), max_size=2), JSON_VALUES)
+        )
     elif lie == "header_byte":
         n = struct.unpack("<Q", raw[:8])[0]
         out = bytearray(raw)
@@ -364,6 +468,7 @@ def _with_config(tmp_path, family: str, change) -> str:
 @pytest.mark.parametrize("rope_type", [False, 7, 0, "gated"])
 def test_found_an_unknown_rope_type_is_named(tmp_path, rope_type):
     """Was a KeyError from transformers' ROPE_INIT_FUNCTIONS when the draft was built."""
+
     def change(cfg):
         cfg["transformer_layer_config"]["rope_parameters"]["rope_type"] = rope_type
 
@@ -377,13 +482,20 @@ def test_found_yarn_without_its_factor_is_named(tmp_path):
     assert result == "rope_scaling.factor is missing (rope_type 'yarn' needs it)", result
 
 
-@pytest.mark.parametrize("rope,message", [
-    ({"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"}, "rope_scaling.beta_fast must be a finite number"),
-    ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4},
-     "rope_scaling.short_factor has 3 entries, expected head_dim / 2 = 4"),
-    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
-     "partial_rotary_factor 0.5 is not supported"),
-])
+@pytest.mark.parametrize(
+    "rope,message",
+    [
+        ({"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"}, "rope_scaling.beta_fast must be a finite number"),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4},
+            "rope_scaling.short_factor has 3 entries, expected head_dim / 2 = 4",
+        ),
+        (
+            {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+            "partial_rotary_factor 0.5 is not supported",
+        ),
+    ],
+)
 def test_found_rope_parameters_transformers_cannot_build(tmp_path, rope, message):
     """Were a TypeError inside transformers' validation, a RuntimeError building longrope's
     frequencies, and a partly rotated head the draft's layers do not implement."""
@@ -400,13 +512,16 @@ def test_found_an_unknown_activation_is_named(tmp_path):
 def test_found_a_tiny_rope_theta_is_named(tmp_path):
     """Was a draft that loaded and then failed every sampled request: RoPE's frequencies
     1 / theta^(2i/d) overflow to inf, and torch.multinomial refuses the NaN probabilities."""
+
     def change(cfg):
         cfg["transformer_layer_config"]["rope_parameters"]["rope_theta"] = 5.2681720838978515e-235
 
     result = _with_config(tmp_path, "speculators", change)
     assert result == "transformer_layer_config.rope_parameters.rope_theta must be >= 1, got 5.2681720838978515e-235"
-    assert _with_config(tmp_path / "zero", "deepspec", lambda cfg: cfg.update(rope_theta=0)) == \
-        "rope_theta must be >= 1, got 0.0"
+    assert (
+        _with_config(tmp_path / "zero", "deepspec", lambda cfg: cfg.update(rope_theta=0))
+        == "rope_theta must be >= 1, got 0.0"
+    )
 
 
 @pytest.mark.parametrize("eps", [0, -1e-6])
@@ -427,11 +542,17 @@ def _with_tensor(tmp_path, family: str, name: str, make) -> Path:
 def test_found_float8_weights_are_refused_not_a_crash(tmp_path):
     """Was NotImplementedError: "isfinite" not implemented for 'Float8_e4m3fn' (load_spec and load_draft)."""
     d = _with_tensor(tmp_path, "speculators", "fc.weight", lambda t: t.to(torch.float8_e4m3fn))
-    assert outcome(d) == (f"tensor fc.weight in {d} is stored as F8_E4M3: it must be F32, F16, BF16 or F64 "
-                          "(integers and float8 are quantised storage, without its scales)")
+    assert outcome(d) == (
+        f"tensor fc.weight in {d} is stored as F8_E4M3: it must be F32, F16, BF16 or F64 "
+        "(integers and float8 are quantised storage, without its scales)"
+    )
     # loading it for decoding refuses the storage too, before any value is cast (a NaN in it or not)
-    d2 = _with_tensor(tmp_path / "nan", "speculators", "fc.weight",
-                      lambda t: t.index_fill(0, torch.tensor([0]), math.nan).to(torch.float8_e4m3fn))
+    d2 = _with_tensor(
+        tmp_path / "nan",
+        "speculators",
+        "fc.weight",
+        lambda t: t.index_fill(0, torch.tensor([0]), math.nan).to(torch.float8_e4m3fn),
+    )
     for path in (d, d2):
         with pytest.raises(DSparkError, match=r"tensor fc.weight in .* is stored as F8_E4M3: it must be F32"):
             load_draft(str(path), TARGET)

@@ -37,28 +37,43 @@ from tests.test_serve_limits import Records
 from tests.tiny import tiny_draft
 
 MODEL, CONTEXT = "tiny", 128
-FAST = settings(max_examples=80, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=80,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 BUDGETS = budgets(FAST)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 # ---- bodies ---------------------------------------------------------------------------------------
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-3, 40), st.floats(),
-                    st.text(max_size=12))
-ANY_JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                        max_leaves=12)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-3, 40), st.floats(), st.text(max_size=12))
+ANY_JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["Hello", "Once upon a time", "\ud800", "a\x00b", "😀", ""]))
-MESSAGE = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), ANY_JSON),
-                                 "content": st.one_of(TEXT, st.lists(st.one_of(
-                                     st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), ANY_JSON),
-                                     max_size=3), ANY_JSON)})
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), ANY_JSON),
+        "content": st.one_of(
+            TEXT,
+            st.lists(st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), ANY_JSON), max_size=3),
+            ANY_JSON,
+        ),
+    }
+)
 # each field the server reads: a value of the right kind (edges included), or anything
 FIELDS = {
     "model": st.one_of(st.just(MODEL), TEXT),
-    "prompt": st.one_of(TEXT, st.lists(TEXT, max_size=2), st.lists(st.integers(-2, 50000), max_size=6),
-                        st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=2)),
+    "prompt": st.one_of(
+        TEXT,
+        st.lists(TEXT, max_size=2),
+        st.lists(st.integers(-2, 50000), max_size=6),
+        st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=2),
+    ),
     "messages": st.lists(MESSAGE, max_size=3),
     "max_tokens": st.one_of(st.integers(-1, 6), st.integers(), st.floats(0, 8)),
     "max_completion_tokens": st.one_of(st.integers(-1, 6), st.integers()),
@@ -71,12 +86,17 @@ FIELDS = {
     "stream": st.booleans(),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), ANY_JSON),
     "logprobs": st.one_of(st.booleans(), st.integers(0, 3)),
-    "echo": st.booleans(), "suffix": TEXT, "best_of": st.integers(0, 3),
-    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "echo": st.booleans(),
+    "suffix": TEXT,
+    "best_of": st.integers(0, 3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.dictionaries(st.text(max_size=4), st.integers(-100, 100), max_size=2),
-    "tools": st.lists(ANY_JSON, max_size=2), "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), ANY_JSON),
+    "tools": st.lists(ANY_JSON, max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), ANY_JSON),
     "response_format": st.one_of(st.just({"type": "text"}), ANY_JSON),
-    "top_logprobs": st.integers(0, 3), "user": TEXT,
+    "top_logprobs": st.integers(0, 3),
+    "user": TEXT,
     "dspark": st.one_of(st.fixed_dictionaries({"marks": st.booleans()}), ANY_JSON),
 }
 
@@ -109,8 +129,9 @@ def encoded(body) -> bytes:
     return json.dumps(body).encode()
 
 
-RAW_BYTES = st.one_of(st.binary(max_size=64), st.builds(lambda b, n: b * n, st.sampled_from([b"[", b"{\"a\":", b"-"]),
-                                                        st.integers(1, 5000)))
+RAW_BYTES = st.one_of(
+    st.binary(max_size=64), st.builds(lambda b, n: b * n, st.sampled_from([b"[", b'{"a":', b"-"]), st.integers(1, 5000))
+)
 
 
 # ---- the parse functions alone ----------------------------------------------------------------------
@@ -133,8 +154,11 @@ def parse_outcome(raw: bytes, route: str) -> str:
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_parse_any_body(budget):
-    holds(budget, st.one_of(requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)),
-          lambda case: parse_outcome(encoded(case[1]), case[0]))
+    holds(
+        budget,
+        st.one_of(requests(), st.tuples(st.sampled_from(ROUTES), ANY_JSON)),
+        lambda case: parse_outcome(encoded(case[1]), case[0]),
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -146,9 +170,19 @@ def test_parse_any_bytes(budget):
 def small_engine() -> Engine:
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg).eval()
     return Engine(HFTarget(model), tiny_draft(model, gamma=3), tok, eos_ids(model, tok), max_batch=4)
 
@@ -195,7 +229,7 @@ def served_outcome(s: LiveServer, raw: bytes, route: str, content_type: str | No
             event(f"HTTP {r.status_code}")
             return r.status_code
         if r.headers["content-type"].startswith("text/event-stream"):
-            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+            events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
             assert events and events[-1] == "[DONE]", events[-3:]
             for e in events[:-1]:
                 assert "error" not in json.loads(e), e  # an engine failure after the headers
@@ -225,12 +259,24 @@ def test_the_server_answers_any_body(live, records, budget):
 
 
 @FAST
-@given(raw=RAW_BYTES, route=st.sampled_from(ROUTES + ("/v1/models", "/v1/nothing", "/health")),
-       content_type=st.one_of(st.none(), st.sampled_from(["application/json", "application/json; charset=utf-8",
-                                                          "text/plain", "APPLICATION/JSON", "multipart/form-data"]),
-                              # a header value has no space at either end (HTTP trims it; httpx refuses it)
-                              st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(
-                                  str.strip)))
+@given(
+    raw=RAW_BYTES,
+    route=st.sampled_from(ROUTES + ("/v1/models", "/v1/nothing", "/health")),
+    content_type=st.one_of(
+        st.none(),
+        st.sampled_from(
+            [
+                "application/json",
+                "application/json; charset=utf-8",
+                "text/plain",
+                "APPLICATION/JSON",
+                "multipart/form-data",
+            ]
+        ),
+        # a header value has no space at either end (HTTP trims it; httpx refuses it)
+        st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip),
+    ),
+)
 def test_the_server_answers_any_bytes(live, records, raw, route, content_type):
     status = served_outcome(live, raw, route, content_type)
     if route in ("/v1/models", "/health"):
@@ -266,8 +312,11 @@ def test_found_a_top_p_below_float32s_range_keeps_the_top_token(live, records, r
     Any top_p below 1 / vocabulary keeps the top token alone: the answer is the greedy one."""
     body = {"model": MODEL, "max_tokens": 3, "top_p": top_p, "seed": 5, "temperature": 1.3}
     prompt = "Once upon a time"
-    body.update({"messages": [{"role": "user", "content": prompt}]} if route.endswith("chat/completions")
-                else {"prompt": prompt})
+    body.update(
+        {"messages": [{"role": "user", "content": prompt}]}
+        if route.endswith("chat/completions")
+        else {"prompt": prompt}
+    )
     r = live.http.post(route, json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

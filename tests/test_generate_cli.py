@@ -18,8 +18,25 @@ from tests.tiny import tiny_target
 
 def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsys):  # noqa: F811
     target, draft = saved
-    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-            "--prompt", "Name three rivers.", "--chat", "--max-new-tokens", "12", "--compare", "--json", "--no-check"]
+    args = [
+        "generate",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Name three rivers.",
+        "--chat",
+        "--max-new-tokens",
+        "12",
+        "--compare",
+        "--json",
+        "--no-check",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["speculative"] and out["dtype"] == "fp32" and out["generated_tokens"] >= 1
@@ -44,8 +61,30 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
 
 def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F811
     target, draft = saved
-    assert main(["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                 "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--dtype",
+                "fp32",
+                "--device",
+                "cpu",
+                "--prompt",
+                "Hello",
+                "--max-new-tokens",
+                "6",
+                "--compare",
+                "--no-check",
+                "--verify",
+                "full",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for row in ("mean acceptance length", "speedup over plain decoding", "same output as plain"):
         assert row in text
@@ -61,8 +100,25 @@ def test_no_speedup_is_claimed_when_no_step_drafted(saved, capsys, monkeypatch):
 
     monkeypatch.setattr(FullScheduler, "should_draft", lambda self, batch: False)
     target, draft = saved
-    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]
+    args = [
+        "generate",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "6",
+        "--compare",
+        "--no-check",
+        "--verify",
+        "full",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "none: the timed rounds drafted no step (0 of" in text and "both decoded plainly" in text
@@ -93,8 +149,25 @@ def test_a_streamed_run_that_drafted_does_not_stand_for_the_timed_rounds(saved, 
     monkeypatch.setattr(generate, "side_by_side", rounds)
     monkeypatch.setattr(FullScheduler, "should_draft", lambda self, batch: not timed["on"])
     target, draft = saved
-    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]
+    args = [
+        "generate",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "6",
+        "--compare",
+        "--no-check",
+        "--verify",
+        "full",
+    ]
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["metrics"]["verify_steps"] >= 1 and out["drafted_steps"] == 0 and out["speedup"] is None
@@ -107,8 +180,9 @@ def test_compare_rounds_step_the_two_arms_in_turn(saved):  # noqa: F811
     """--compare's measurement: both requests advance one engine step each in turn, which arm steps
     first alternating, and each arm is charged only its own steps."""
     target, draft = saved
-    eng = build_engine(EngineConfig(target=str(target), draft=str(draft), dtype="fp32", device="cpu", verify="full",
-                                    check=False))
+    eng = build_engine(
+        EngineConfig(target=str(target), draft=str(draft), dtype="fp32", device="cpu", verify="full", check=False)
+    )
     plain = eng.derive(speculative=False)
     order = []
     for name, e in (("spec", eng), ("plain", plain)):

@@ -71,8 +71,13 @@ def test_a_stop_inside_the_accepted_drafts_counts_what_the_request_got(trained):
     ref = engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=60), marks=True)
     ids, marks = ref.output_ids, ref.marks
     # an accepted draft followed by another accepted one of its step, at the token's first occurrence
-    cut = [i for i in range(len(marks) - 1) if marks[i].kind == marks[i + 1].kind == "accepted"
-           and marks[i].step == marks[i + 1].step and ids.index(ids[i]) == i]
+    cut = [
+        i
+        for i in range(len(marks) - 1)
+        if marks[i].kind == marks[i + 1].kind == "accepted"
+        and marks[i].step == marks[i + 1].step
+        and ids.index(ids[i]) == i
+    ]
     assert cut, "the trained draft accepts two slots of a step somewhere"
     i = cut[0]
     req = engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=60, stop_token_ids=(ids[i],)), marks=True)
@@ -138,8 +143,13 @@ def _stream(server, body):
 
 
 def test_the_stream_carries_marks_only_when_asked(server):
-    base = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 30,
-            "temperature": 0, "stream": True}
+    base = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 30,
+        "temperature": 0,
+        "stream": True,
+    }
     text, marks, spec, chunks = _stream(server, {**base, "dspark": {"marks": True}})
     assert "".join(m["text"] for m in marks) == text and len(marks) == 30
     for c in chunks:  # each chunk's marks are exactly its text
@@ -152,32 +162,51 @@ def test_the_stream_carries_marks_only_when_asked(server):
     plain_text, plain_marks, _, plain_chunks = _stream(server, base)
     assert plain_text == text and plain_marks == [] and not any("dspark" in c for c in plain_chunks)
     # the whole body too, without streaming
-    r = server.http.post("/v1/chat/completions", json={**base, "stream": False, "dspark": {"marks": True}},
-                         headers={"Authorization": "Bearer k"}).json()
+    r = server.http.post(
+        "/v1/chat/completions",
+        json={**base, "stream": False, "dspark": {"marks": True}},
+        headers={"Authorization": "Bearer k"},
+    ).json()
     assert "".join(m["text"] for m in r["dspark"]["tokens"]) == r["choices"][0]["message"]["content"] == text
 
 
 def test_openai_clients_see_what_they_saw_before(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert all("dspark" not in (c.model_extra or {}) for c in chunks)
-    marked = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
-                                            temperature=0, extra_body={"dspark": {"marks": True}})
+    marked = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"dspark": {"marks": True}},
+    )
     tokens = marked.model_extra["dspark"]["tokens"]
     assert "".join(t["text"] for t in tokens) == marked.choices[0].message.content
     assert marked.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     client.close()
 
 
-@pytest.mark.parametrize("value, says", [
-    ("yes", "must be an object"), ({"marks": 1}, "must be true or false"), ({"mark": True}, "not a dspark option"),
-])
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("yes", "must be an object"),
+        ({"marks": 1}, "must be true or false"),
+        ({"mark": True}, "not a dspark option"),
+    ],
+)
 def test_a_malformed_marks_option_is_a_400_naming_it(server, value, says):
-    r = server.http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "dspark": value},
-                         headers={"Authorization": "Bearer k"})
-    assert r.status_code == 400 and says in r.json()["error"]["message"] and r.json()["error"]["param"].startswith("dspark")
+    r = server.http.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "x", "dspark": value}, headers={"Authorization": "Bearer k"}
+    )
+    assert (
+        r.status_code == 400
+        and says in r.json()["error"]["message"]
+        and r.json()["error"]["param"].startswith("dspark")
+    )
 
 
 def test_the_page_and_its_stats_respect_the_key(server):
@@ -195,8 +224,25 @@ def test_the_page_and_its_stats_respect_the_key(server):
 # ---- the terminal ---------------------------------------------------------------------------
 def test_generate_show_drafts(saved, capsys, monkeypatch):  # noqa: F811
     target, draft = saved
-    args = ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-            "--prompt", "Name three rivers.", "--chat", "--max-new-tokens", "16", "--no-check", "--verify", "full"]
+    args = [
+        "generate",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Name three rivers.",
+        "--chat",
+        "--max-new-tokens",
+        "16",
+        "--no-check",
+        "--verify",
+        "full",
+    ]
     assert main(args + ["--json"]) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main(args + ["--json", "--show-drafts"]) == 0

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from dspark import kernels
 from dspark.engine.sampling import SamplingParams
@@ -17,8 +27,15 @@ from dspark.target.load import make_target
 from dspark.target.native import NativeTarget, is_int4_exact, supports
 from tests.tiny import bigram_draft, engine_for, hf_greedy, q4_exact, tiny_target
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def _llama(tied=False, kv=2, rope=None):
@@ -31,9 +48,16 @@ def _mk(name):
     model = {
         "llama-untied-gqa": lambda: _llama(),
         "llama-tied-mha": lambda: _llama(tied=True, kv=4),
-        "llama3-rope": lambda: _llama(rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 64}),
+        "llama3-rope": lambda: _llama(
+            rope={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
         "linear-rope": lambda: _llama(rope={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
         "qwen2-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=False)),
         "qwen3-qknorm": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)),
@@ -66,7 +90,9 @@ def test_logits_and_taps_equal_hf(name):
     for n in (30, 1, 1, 1, 2, 5):  # prompt, three decode steps, two verify blocks
         lg, tp = native.forward(st, ids[:, at : at + n])
         native.commit(st, torch.tensor([n]))
-        pieces.append(lg); taps.append(tp); at += n
+        pieces.append(lg)
+        taps.append(tp)
+        at += n
     assert (torch.cat(pieces, 1) - out.logits).abs().max() <= 1e-4
     taps = torch.cat(taps, 1)
     H = model.config.hidden_size
@@ -99,11 +125,14 @@ def test_commit_overwrites_rejected_entries_and_last_logits():
     t = NativeTarget(model, (1,), weights="fp32")
     ids = torch.randint(4, 96, (1, 30), generator=torch.Generator().manual_seed(2))
     st = t.new_state(1)
-    t.forward(st, ids[:, :20]); t.commit(st, torch.tensor([20]))
-    t.forward(st, torch.randint(4, 96, (1, 6))); t.commit(st, torch.tensor([1]))  # 5 "rejected" garbage entries stay
+    t.forward(st, ids[:, :20])
+    t.commit(st, torch.tensor([20]))
+    t.forward(st, torch.randint(4, 96, (1, 6)))
+    t.commit(st, torch.tensor([1]))  # 5 "rejected" garbage entries stay
     assert int(st.lengths[0]) == 21 and st.pending == 0
     st.lengths -= 1  # back to 20 committed: the real continuation overwrites the slot too
-    lg, tp = t.forward(st, ids[:, 20:]); t.commit(st, torch.tensor([10]))
+    lg, tp = t.forward(st, ids[:, 20:])
+    t.commit(st, torch.tensor([10]))
     clean = t.new_state(1)
     ref, ref_tp = t.forward(clean, ids)
     assert torch.allclose(lg, ref[:, 20:], atol=1e-5) and torch.allclose(tp, ref_tp[:, 20:], atol=1e-5)
@@ -125,13 +154,16 @@ def test_ragged_batch_select_merge_equal_single_rows():
     singles = []
     for p, blk, c in zip(prompts, blocks, counts):
         s = t.new_state(1)
-        t.forward(s, p); t.commit(s, torch.tensor([p.shape[1]]))
-        lg, tp = t.forward(s, blk[None, :c]); t.commit(s, torch.tensor([c]))
+        t.forward(s, p)
+        t.commit(s, torch.tensor([p.shape[1]]))
+        lg, tp = t.forward(s, blk[None, :c])
+        t.commit(s, torch.tensor([c]))
         singles.append((lg[0], tp[0]))
     states = []
     for p in prompts:
         s = t.new_state(1)
-        t.forward(s, p); t.commit(s, torch.tensor([p.shape[1]]))
+        t.forward(s, p)
+        t.commit(s, torch.tensor([p.shape[1]]))
         states.append(s)
     batch = t.merge(states)
     assert batch.lengths.tolist() == [7, 19, 3]
@@ -143,7 +175,8 @@ def test_ragged_batch_select_merge_equal_single_rows():
         assert (lg[b, c:] == 0).all()  # padding positions: no head run
     sub = t.select(batch, torch.tensor([2, 0]))
     x = torch.tensor([[11], [12]])
-    lg2, _ = t.forward(sub, x); t.commit(sub, torch.tensor([1, 1]))
+    lg2, _ = t.forward(sub, x)
+    t.commit(sub, torch.tensor([1, 1]))
     for row, b in ((0, 2), (1, 0)):
         s = t.new_state(1)
         full = torch.cat([prompts[b], blocks[b : b + 1, : counts[b]], x[row : row + 1]], 1)
@@ -171,7 +204,13 @@ def test_batched_ragged_requests_equal_their_solo_runs():
 
     model = _mk("qwen2-bias")
     draft = bigram_draft(engine_for(model, runtime="native"))
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [50]]
+    prompts = [
+        [5, 6, 7, 8],
+        [9, 10, 11, 12, 13, 14, 15],
+        [20, 21],
+        [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
+        [50],
+    ]
     lens = [30, 11, 25, 7, 18]
     solo = [hf_greedy(model, p, n) for p, n in zip(prompts, lens)]
     curve = CostCurve((1, 4, 16, 64), (0.010, 0.012, 0.030, 0.100))
@@ -179,8 +218,9 @@ def test_batched_ragged_requests_equal_their_solo_runs():
 
     policies = {
         "full": lambda eng: make_scheduler("full", eng.target, eng.draft),
-        "threshold": lambda eng: make_scheduler("threshold", eng.target, eng.draft, threshold=0.45,
-                                                calibration=Calibration((0.7, 1.5, 1.0, 3.0))),
+        "threshold": lambda eng: make_scheduler(
+            "threshold", eng.target, eng.draft, threshold=0.45, calibration=Calibration((0.7, 1.5, 1.0, 3.0))
+        ),
         # drafting every step: whether a step drafts depends on measured timings (skipped steps in
         # ragged batches: tests/test_batching.py), and this test needs accepts to mean anything
         "adaptive": lambda eng: make_scheduler("adaptive", eng.target, eng.draft, curve=curve, skip=False),
@@ -224,8 +264,12 @@ def test_auto_keeps_the_model_or_repacks_exact_int4():
     assert NativeTarget(model).weights == "fp32"
     assert NativeTarget(tiny_target(dtype=torch.bfloat16)).weights == "bf16"
     q4_exact(model)  # every decoder linear exactly Q4_1-like
-    assert all(is_int4_exact(m.weight) for layer in model.model.layers
-               for m in (*layer.self_attn.children(), *layer.mlp.children()) if isinstance(m, torch.nn.Linear))
+    assert all(
+        is_int4_exact(m.weight)
+        for layer in model.model.layers
+        for m in (*layer.self_attn.children(), *layer.mlp.children())
+        if isinstance(m, torch.nn.Linear)
+    )
     t = NativeTarget(model, act_dtype=torch.float32)
     assert t.weights == "int4" and t.head_format == "fp32"  # a head that is not 4-bit is not quantised
     ids = torch.tensor([[5, 17, 33, 8, 9]])
@@ -252,7 +296,8 @@ def test_smollm2_native_equals_hf_and_auto_is_int4():
     ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Italy is")])
     st = t.new_state(1)
     n = ids.shape[1] - 3
-    a, ta = t.forward(st, ids[:, :n]); t.commit(st, torch.tensor([n]))
+    a, ta = t.forward(st, ids[:, :n])
+    t.commit(st, torch.tensor([n]))
     b, tb = t.forward(st, ids[:, n:])
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)

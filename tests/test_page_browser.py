@@ -40,8 +40,13 @@ def ask(page, prompt: str, max_tokens: int) -> None:
 
 def reference(server, prompt: str, max_tokens: int) -> dict:
     """The same request the page sends, through the API without streaming."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "dspark": {"marks": True}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "dspark": {"marks": True},
+    }
     return server.http.post("/v1/chat/completions", json=body, headers=AUTH).raise_for_status().json()
 
 
@@ -81,8 +86,10 @@ def test_the_page_streams_marked_tokens_that_join_to_the_completion(server, brow
     assert [t["kind"] for t in ref["dspark"]["tokens"]] == kinds
     # hovering a token names its step and slot (and, drafted, the draft's confidence)
     drafted = [t for t in got["tokens"] if t["kind"] in ("accepted", "corrected")]
-    assert drafted and all(f"step {t['step']}" in t["title"] and f"slot {t['slot']}" in t["title"]
-                           and "draft confidence" in t["title"] for t in drafted)
+    assert drafted and all(
+        f"step {t['step']}" in t["title"] and f"slot {t['slot']}" in t["title"] and "draft confidence" in t["title"]
+        for t in drafted
+    )
     # the live panel reads the server's own counters
     page.wait("Number(document.getElementById('s_tokens').textContent) >= " + str(2 * n))
     assert page.eval("document.querySelectorAll('#s_positions .bar').length") == 4  # gamma
@@ -110,8 +117,15 @@ class HTMLTokenizer:
     """SmolLM2's tokenizer for prompts, but every output token decodes to a piece of HTML: what a
     model may write, and the page must show as text."""
 
-    PIECES = ("<script>window.pwned = 1</script>", '<img src=x onerror="window.pwned = 2">', "<b>bold</b>",
-              " &amp; &lt;i&gt;", "\"'`", "<style>body{display:none}</style>", " plain")
+    PIECES = (
+        "<script>window.pwned = 1</script>",
+        '<img src=x onerror="window.pwned = 2">',
+        "<b>bold</b>",
+        " &amp; &lt;i&gt;",
+        "\"'`",
+        "<style>body{display:none}</style>",
+        " plain",
+    )
 
     def __init__(self, tok):
         self._tok = tok

@@ -30,7 +30,9 @@ def _metrics(steps_per_request, gamma=3):
 def _profile(steps=STEPS):
     total, reqs = _metrics(steps)
     return build_profile(
-        total, per_request=reqs, block_size=3,
+        total,
+        per_request=reqs,
+        block_size=3,
         draft_checkpoint={"id": checkpoint_id("/home/me/ckpts/org/my-draft")},
         target_model={"id": "org/target", "dtype": "bf16"},
         per_category={"a": (reqs[0], 1), "b": _merged(reqs[1:])},
@@ -59,10 +61,22 @@ def test_consistent_profile_is_built_written_and_read_back(tmp_path):
     assert p["draft_checkpoint"]["id"] == "org/my-draft"  # no local path in a published file
     assert p["validation"]["passed"] and p["validation"]["mean_consistency"]["passed"]
     assert set(p["per_category"]) == {"a", "b"} and p["per_category"]["b"]["num_requests"] == 2
-    for key in ("method", "draft_checkpoint", "target_model", "num_speculative_tokens", "block_size",
-                "verification_method", "conditional_accept_rates", "marginal_accept_rates", "mean_accept_length",
-                "mean_accept_length_per_request", "acceptance_length_histogram", "per_category",
-                "measurement_conditions", "validation"):
+    for key in (
+        "method",
+        "draft_checkpoint",
+        "target_model",
+        "num_speculative_tokens",
+        "block_size",
+        "verification_method",
+        "conditional_accept_rates",
+        "marginal_accept_rates",
+        "mean_accept_length",
+        "mean_accept_length_per_request",
+        "acceptance_length_histogram",
+        "per_category",
+        "measurement_conditions",
+        "validation",
+    ):
         assert key in p
     path = write_profile(p, tmp_path)
     assert path.name == "speculation_profile.json"

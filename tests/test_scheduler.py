@@ -260,7 +260,9 @@ def test_policy_errors_are_clear():
     with pytest.raises(DSparkError, match="threshold"):
         ThresholdScheduler(1.5)
     with pytest.raises(DSparkError, match="temperatures"):
-        ThresholdScheduler(0.5, Calibration((1.0, 1.0, 1.0))).verify_lengths(_proposal([[0.0, 0.0, 0.0, 0.0]]), _Batch())
+        ThresholdScheduler(0.5, Calibration((1.0, 1.0, 1.0))).verify_lengths(
+            _proposal([[0.0, 0.0, 0.0, 0.0]]), _Batch()
+        )
 
 
 def test_make_scheduler(tmp_path):
@@ -299,9 +301,14 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
     curve = CostCurve((1, 64), (0.010, 0.010))  # verification cost does not grow with tokens
 
     def res(drafted, t_draft, t_other=0.001, t_verify=0.010, accepted=0):
-        return SimpleNamespace(drafted=torch.tensor([drafted] * 2), verified=torch.tensor([drafted] * 2),
-                               accepted=torch.tensor([accepted] * 2), t_draft=t_draft, t_other=t_other,
-                               t_verify=t_verify)
+        return SimpleNamespace(
+            drafted=torch.tensor([drafted] * 2),
+            verified=torch.tensor([drafted] * 2),
+            accepted=torch.tensor([accepted] * 2),
+            t_draft=t_draft,
+            t_other=t_other,
+            t_verify=t_verify,
+        )
 
     batch = SimpleNamespace(anchors=torch.zeros(2, dtype=torch.long))
     sched = AdaptiveScheduler(curve)
@@ -379,8 +386,17 @@ def test_a_prior_from_the_load_time_check_decides_the_first_step():
     # the prior's acceptance counts as evidence: one drafting step that accepted everything only nudges
     # it; its draft phase is replaced by the first drafting step's cost (a probe also pays the context
     # update of the skipped steps)
-    sched.observe(SimpleNamespace(drafted=torch.tensor([3]), verified=torch.tensor([3]), accepted=torch.tensor([3]),
-                                  t_draft=0.030, t_other=0.0, t_verify=0.010), [])
+    sched.observe(
+        SimpleNamespace(
+            drafted=torch.tensor([3]),
+            verified=torch.tensor([3]),
+            accepted=torch.tensor([3]),
+            t_draft=0.030,
+            t_other=0.0,
+            t_verify=0.010,
+        ),
+        [],
+    )
     assert sched.realised[0] == pytest.approx(0.9 * 0.25 + 0.1) and sched.overhead == pytest.approx(0.030)
     strong = AdaptiveScheduler(curve, prior=DraftPrior(np.full(32, 3), gamma=3, draft_seconds=0.002))
     assert strong.should_draft(batch) and strong.summary().endswith("so it drafts")
@@ -408,8 +424,9 @@ def test_each_drafted_slot_is_priced_so_a_shallow_step_is_not_charged_for_deep_o
     assert sched.break_even() == pytest.approx(0.2) and "+2.0 ms a slot" in sched.summary()
     flat = AdaptiveScheduler(curve, prior=DraftPrior(prior.accepted, gamma=3, draft_seconds=0.006, depth=3))
     assert flat.break_even() == pytest.approx(0.6)  # the same phase, every depth charged the whole of it
-    sched.observe(SimpleNamespace(drafted=[2], verified=[2], accepted=[1], t_draft=0.005, t_other=0.0,
-                                  t_verify=0.010), [])
+    sched.observe(
+        SimpleNamespace(drafted=[2], verified=[2], accepted=[1], t_draft=0.005, t_other=0.0, t_verify=0.010), []
+    )
     assert sched.overhead == pytest.approx(0.003)  # 5 ms at depth 2, less one slot
     with pytest.raises(DSparkError, match="slot_seconds"):
         DraftPrior(np.array([0, 1]), gamma=3, draft_seconds=0.001, slot_seconds=-1.0)
@@ -427,8 +444,10 @@ def test_adaptive_drafts_only_as_deep_as_it_could_verify():
     assert sched.draft_depth(batch) == 4  # best depth 3, plus one a confident step may verify
     with pytest.raises(DSparkError, match="depth"):
         DraftPrior(np.array([0, 1]), gamma=5, draft_seconds=0.001, depth=6)
-    assert "draft phase 1.0 ms at 2 slots" in AdaptiveScheduler(
-        curve, prior=DraftPrior(np.array([0, 1]), gamma=5, draft_seconds=0.001, depth=2)).summary()
+    assert (
+        "draft phase 1.0 ms at 2 slots"
+        in AdaptiveScheduler(curve, prior=DraftPrior(np.array([0, 1]), gamma=5, draft_seconds=0.001, depth=2)).summary()
+    )
     assert sched.should_draft(batch)
     assert sched._best_depth == 3 and sched.draft_depth(batch) == 4
     before = sched.survival.copy()

@@ -87,8 +87,13 @@ def test_cache_round_trip_and_key(tmp_path, monkeypatch):
     with pytest.raises(AssertionError):
         cost_curve_for(target, 16, refresh=True)
     ident = curve_identity(target, default_grid(16))
-    for key, value in [("threads", ident["threads"] + 1), ("dtype", "bfloat16"), ("device", "cuda:0"),
-                       ("config_sha256", "0" * 64), ("grid", [1, 2])]:
+    for key, value in [
+        ("threads", ident["threads"] + 1),
+        ("dtype", "bfloat16"),
+        ("device", "cuda:0"),
+        ("config_sha256", "0" * 64),
+        ("grid", [1, 2]),
+    ]:
         assert cache_path({**ident, key: value}) != cache_path(ident), key
     bf16 = HFTarget(tiny_target(dtype=torch.bfloat16))
     assert curve_identity(bf16, default_grid(16))["dtype"] == "bfloat16"

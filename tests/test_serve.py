@@ -43,9 +43,17 @@ def tiny_engine(max_batch: int = 8) -> Engine:
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=tok.eos_token_id, pad_token_id=0,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
     )
     model = LlamaForCausalLM(cfg).eval()
     return Engine(HFTarget(model), tiny_draft(model, gamma=GAMMA), tok, eos_ids(model, tok), max_batch=max_batch)
@@ -70,14 +78,19 @@ class LiveServer:
 
     def client(self, api_key: str = "unused") -> openai.OpenAI:
         if api_key not in self._clients:
-            self._clients[api_key] = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+            self._clients[api_key] = openai.OpenAI(
+                base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60
+            )
         return self._clients[api_key]
 
     def scrape(self, headers=None) -> dict:
         """/metrics parsed by prometheus_client's own parser: {(sample name, labels): value}."""
         text = self.http.get("/metrics", headers=headers).raise_for_status().text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
     def close(self) -> None:
         self.http.close()
@@ -106,8 +119,9 @@ def ref() -> Engine:
 
 def expect(ref: Engine, prompt, *, chat=False, max_tokens=16, temperature=0.0, seed=None, stop=(), **kw):
     ids = ref.encode(prompt, chat=chat)
-    r = ref.generate(ids, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed,
-                                         stop=tuple(stop), **kw))
+    r = ref.generate(
+        ids, SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop), **kw)
+    )
     return r.text, len(ids), len(r.output_ids), r.finish_reason
 
 
@@ -127,7 +141,11 @@ def test_completion_matches_engine(server, ref):
     text, n_prompt, n_out, finish = expect(ref, PROMPTS[0], max_tokens=20)
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert r.choices[0].text == text and r.choices[0].finish_reason == finish
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, n_out, n_prompt + n_out)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        n_prompt,
+        n_out,
+        n_prompt + n_out,
+    )
 
 
 def test_completion_default_max_tokens_is_16(server):
@@ -175,7 +193,9 @@ def test_streaming_equals_non_streaming(server, kind):
     last = chunks[-1]  # include_usage: no choices, usage and statistics
     assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
     assert ext(last) == ext(finals[0])
-    assert {k: v for k, v in ext(last).items() if k != "time_s"} == {k: v for k, v in ext(whole).items() if k != "time_s"}
+    assert {k: v for k, v in ext(last).items() if k != "time_s"} == {
+        k: v for k, v in ext(whole).items() if k != "time_s"
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -187,8 +207,9 @@ def test_stop_string_cuts_text(server, ref, stream):
     stop = f"{a[-2:]} {b[:2]}"
     want, *_ = expect(ref, PROMPTS[2], max_tokens=40, stop=[stop])
     assert want == full[: full.find(stop)]
-    r = server.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0,
-                                           stop=[stop, "never appears \x00"], stream=stream)
+    r = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop, "never appears \x00"], stream=stream
+    )
     if stream:
         chunks = list(r)
         text, finish = "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
@@ -215,10 +236,16 @@ def test_speculative_statistics_are_consistent(server, temperature):
     max_tokens or a stop), dropping at most gamma tokens. So, with S steps and A accepted:
       completion_tokens = 1 + S + A - d,  0 <= d <= gamma
       mean_accept_length = (S + A) / S = (completion_tokens - 1 + d) / S  (4 decimals)."""
-    r = server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60,
-                                           temperature=temperature, seed=5)
+    r = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=temperature, seed=5
+    )
     s, n = ext(r), r.usage.completion_tokens
-    steps, drafted, verified, accepted = s["verify_steps"], s["drafted_tokens"], s["verified_tokens"], s["accepted_tokens"]
+    steps, drafted, verified, accepted = (
+        s["verify_steps"],
+        s["drafted_tokens"],
+        s["verified_tokens"],
+        s["accepted_tokens"],
+    )
     assert s["gamma"] == GAMMA and steps >= 1
     assert 0 <= accepted <= verified <= drafted == GAMMA * steps  # full verification: every draft is verified
     assert 0 <= 1 + steps + accepted - n <= GAMMA
@@ -295,10 +322,19 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("chat/completions", {"messages": [{"role": "user", "content": WORDS}]}, 400, "messages"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
-     "max_completion_tokens"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+    ),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
 ]
 
 
@@ -313,7 +349,10 @@ def test_bad_input_is_refused_and_the_server_keeps_serving(server, path, body, s
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
     after = server.scrape()
-    assert metric(after, "dspark_requests_total", status="invalid") == metric(before, "dspark_requests_total", status="invalid") + 1
+    assert (
+        metric(after, "dspark_requests_total", status="invalid")
+        == metric(before, "dspark_requests_total", status="invalid") + 1
+    )
     ok = server.client().completions.create(model=MODEL, prompt="still there?", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
 
@@ -365,8 +404,10 @@ def test_queue_limit_429_and_disconnect_frees_the_slot(small):
     text = "".join(ch.choices[0].text for ch in waiting)
     after = small.scrape(auth)
     assert first.choices[0].text and text
-    d = {s: metric(after, "dspark_requests_total", status=s) - metric(before, "dspark_requests_total", status=s)
-         for s in ("aborted", "queue_full", "length", "stop")}
+    d = {
+        s: metric(after, "dspark_requests_total", status=s) - metric(before, "dspark_requests_total", status=s)
+        for s in ("aborted", "queue_full", "length", "stop")
+    }
     assert d["aborted"] == 1 and d["queue_full"] == 1 and d["length"] + d["stop"] == 1
     # the aborted request stopped decoding: far fewer tokens than its 400 were generated
     generated = metric(after, "dspark_generation_tokens_total") - metric(before, "dspark_generation_tokens_total")
@@ -416,7 +457,9 @@ def test_engine_failure_fails_its_requests_and_the_server_recovers(small, caplog
     errors = metric(small.scrape(auth), "dspark_requests_total", status="error")
     assert errors == metric(before, "dspark_requests_total", status="error") + 2
     assert small.http.get("/health", headers=auth).status_code == 200
-    assert c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0).usage.completion_tokens == 5
+    assert (
+        c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0).usage.completion_tokens == 5
+    )
 
 
 def test_a_draining_server_refuses_new_requests_with_a_503(small):
@@ -424,8 +467,11 @@ def test_a_draining_server_refuses_new_requests_with_a_503(small):
     worker = small.app.state.worker
     worker.drain()
     try:
-        r = small.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                            headers={"Authorization": f"Bearer {KEY}"})
+        r = small.http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
     finally:
         worker.draining = False
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -503,13 +549,18 @@ def test_bounded_load_has_no_errors_and_metrics_match(server):
         assert delta("dspark_requests_total", status=status) == 0
     assert delta("dspark_prompt_tokens_total") == sum(u.prompt_tokens for u, _ in results)
     assert delta("dspark_generation_tokens_total") == sum(u.completion_tokens for u, _ in results)
-    for name, key in [("dspark_spec_verify_steps_total", "verify_steps"), ("dspark_spec_draft_tokens_total", "drafted_tokens"),
-                      ("dspark_spec_plain_steps_total", "plain_steps")]:
+    for name, key in [
+        ("dspark_spec_verify_steps_total", "verify_steps"),
+        ("dspark_spec_draft_tokens_total", "drafted_tokens"),
+        ("dspark_spec_plain_steps_total", "plain_steps"),
+    ]:
         assert delta(name) == sum(s[key] for _, s in results), name
     # /metrics counts the engine's work, a request what it received: they differ only by the drafts
     # a request's last step verified past its cut (max_tokens or a stop), at most gamma a request
-    for name, key in [("dspark_spec_verified_tokens_total", "verified_tokens"),
-                      ("dspark_spec_accepted_tokens_total", "accepted_tokens")]:
+    for name, key in [
+        ("dspark_spec_verified_tokens_total", "verified_tokens"),
+        ("dspark_spec_accepted_tokens_total", "accepted_tokens"),
+    ]:
         assert 0 <= delta(name) - sum(s[key] for _, s in results) <= GAMMA * n_requests, name
     per_pos = [delta("dspark_spec_accepted_per_position_total", position=str(i)) for i in range(GAMMA)]
     assert sum(per_pos) == delta("dspark_spec_accepted_tokens_total")

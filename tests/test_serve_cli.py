@@ -34,9 +34,17 @@ def saved(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=tok.eos_token_id, pad_token_id=0,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
     )
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(root / "tiny-target")
@@ -55,8 +63,23 @@ def _free_port() -> int:
 def _start(port: int, *flags: str) -> subprocess.Popen:
     """`dspark serve` as a process, once its /health answers."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "dspark", "serve", "--dtype", "fp32", "--device", "cpu", "--threads", "1",
-           "--port", str(port), "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspark",
+        "serve",
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 80
     while True:
@@ -86,8 +109,23 @@ def _stop(proc: subprocess.Popen, sig: int) -> None:
 def test_serve_command_end_to_end(saved):
     target, draft = saved
     port = _free_port()
-    proc = _start(port, "--target", str(target), "--draft", str(draft), "--api-key", KEY, "--max-batch", "2",
-                  "--max-queue", "2", "--verify", "threshold", "--threshold", "0.5")
+    proc = _start(
+        port,
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--api-key",
+        KEY,
+        "--max-batch",
+        "2",
+        "--max-queue",
+        "2",
+        "--verify",
+        "threshold",
+        "--threshold",
+        "0.5",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -115,8 +153,9 @@ def test_sigterm_drains_and_exits_0(saved):
     proc = _start(port, "--target", str(target), "--no-spec", "--max-batch", "1")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = iter(c.completions.create(model="tiny-target", prompt="Once", max_tokens=60, temperature=0,
-                                           stream=True))
+        stream = iter(
+            c.completions.create(model="tiny-target", prompt="Once", max_tokens=60, temperature=0, stream=True)
+        )
         first = next(stream)
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
@@ -136,8 +175,9 @@ def test_sigterm_past_the_drain_timeout_ends_what_is_in_flight_with_a_503_and_ex
     proc = _start(port, "--target", str(target), "--no-spec", "--max-batch", "2", "--drain-timeout", "0")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = iter(c.completions.create(model="tiny-target", prompt="Once", max_tokens=230, temperature=0,
-                                           stream=True))
+        stream = iter(
+            c.completions.create(model="tiny-target", prompt="Once", max_tokens=230, temperature=0, stream=True)
+        )
         next(stream)
         proc.send_signal(signal.SIGTERM)
         with pytest.raises(openai.APIError, match=r"shutting down \(its drain timeout passed\)"):
@@ -151,8 +191,16 @@ def test_sigterm_past_the_drain_timeout_ends_what_is_in_flight_with_a_503_and_ex
     assert "Traceback" not in out
 
 
-@pytest.mark.parametrize("flag,value", [("--max-batch", "0"), ("--max-queue", "-1"), ("--port", "70000"),
-                                        ("--max-body-bytes", "0"), ("--drain-timeout", "-1")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-batch", "0"),
+        ("--max-queue", "-1"),
+        ("--port", "70000"),
+        ("--max-body-bytes", "0"),
+        ("--drain-timeout", "-1"),
+    ],
+)
 def test_serve_refuses_bad_flags_before_loading(flag, value, capsys):
     assert main(["serve", "--target", "/nonexistent", "--no-spec", flag, value]) == 2
     assert flag in capsys.readouterr().err

@@ -75,12 +75,19 @@ def still_serving(s: LiveServer) -> None:
 
 # ---- lone surrogates ------------------------------------------------------------------------------
 SURROGATES = [
-    ("chat/completions", rb'{"model":"smollm2","messages":[{"role":"user","content":"\ud800"}],"max_tokens":8}',
-     "messages[0].content"),
+    (
+        "chat/completions",
+        rb'{"model":"smollm2","messages":[{"role":"user","content":"\ud800"}],"max_tokens":8}',
+        "messages[0].content",
+    ),
     ("completions", rb'{"model":"smollm2","prompt":"\udfff"}', "prompt"),
     ("completions", rb'{"model":"smollm2","prompt":["ok \udfff"]}', "prompt"),
-    ("chat/completions", rb'{"model":"smollm2","messages":[{"role":"user","content":"hi"},{"role":"user",'
-     rb'"content":[{"type":"text","text":"a\udc00b"}]}],"max_tokens":8}', "messages[1].content[0].text"),
+    (
+        "chat/completions",
+        rb'{"model":"smollm2","messages":[{"role":"user","content":"hi"},{"role":"user",'
+        rb'"content":[{"type":"text","text":"a\udc00b"}]}],"max_tokens":8}',
+        "messages[1].content[0].text",
+    ),
     ("completions", rb'{"model":"smollm2","prompt":"hi","stop":"\ud800"}', "stop"),
     ("completions", rb'{"model":"smollm2","prompt":"hi","stop":["ok","\ud800x"]}', "stop[1]"),
     ("completions", rb'{"model":"\ud800","prompt":"hi"}', "model"),
@@ -148,8 +155,11 @@ def test_content_length_over_the_limit_is_refused_unread(srv):
     """The header alone decides: the 413 comes back though not one byte of the body was sent."""
     n0 = submitted(srv)
     declared = srv.app.state.max_body_bytes + 1
-    status, body = _raw_http(srv.url, f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                                      f"\r\nContent-Length: {declared}")
+    status, body = _raw_http(
+        srv.url,
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {declared}",
+    )
     assert status == 413 and body["error"]["code"] == "request_too_large"
     assert str(declared) in body["error"]["message"] and "--max-body-bytes" in body["error"]["message"]
     assert submitted(srv) == n0
@@ -175,11 +185,14 @@ def test_chunked_upload_is_cut_at_the_limit_while_others_are_served(srv):
         yield b'"}'
 
     big: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: big.append(
-        httpx.post(srv.url + "/v1/completions", content=upload(), headers=JSON, timeout=60)))
+    t = threading.Thread(
+        target=lambda: big.append(httpx.post(srv.url + "/v1/completions", content=upload(), headers=JSON, timeout=60))
+    )
     t.start()
-    small = srv.http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
-                                                        "max_tokens": 8, "temperature": 0})
+    small = srv.http.post(
+        "/v1/chat/completions",
+        json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+    )
     small_done.set()
     t.join(60)
     assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] >= 1
@@ -230,8 +243,11 @@ def test_slow_tokenization_does_not_hold_up_other_requests(srv, monkeypatch):
 
     monkeypatch.setattr(prompts, "encode_prompt", slow)
     slow_result: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: slow_result.append(srv.http.post(
-        "/v1/completions", json={"model": NAME, "prompt": "the slow one", "max_tokens": 2})))
+    t = threading.Thread(
+        target=lambda: slow_result.append(
+            srv.http.post("/v1/completions", json={"model": NAME, "prompt": "the slow one", "max_tokens": 2})
+        )
+    )
     t.start()
     try:
         assert entered.wait(30)
@@ -244,11 +260,14 @@ def test_slow_tokenization_does_not_hold_up_other_requests(srv, monkeypatch):
     assert slow_result[0].status_code == 200
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "temperature": 10**400}, "temperature"),  # an int too long for a float is still a number
-    ({"prompt": "hi", "top_p": -(10**400)}, "top_p"),
-    ({"prompt": [1, 10**400]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "temperature": 10**400}, "temperature"),  # an int too long for a float is still a number
+        ({"prompt": "hi", "top_p": -(10**400)}, "top_p"),
+        ({"prompt": [1, 10**400]}, "prompt"),
+    ],
+)
 def test_huge_numbers_are_a_400(srv, body, param):
     err = error_of(srv.http.post("/v1/completions", json={"model": NAME, **body}), 400)
     assert err["param"] == param and "... (40" in err["message"]
@@ -273,8 +292,10 @@ def test_echoed_values_are_capped(srv, path, body, status, param, tail):
 
 
 # ---- Content-Type ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x", "application/jsonx"])
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"],
+)
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_post_needs_a_json_content_type(srv, path, content_type):
     n0, before = submitted(srv), srv.scrape()
@@ -299,8 +320,12 @@ def test_health_answers_without_the_key_and_nothing_else_does():
     s = LiveServer(create_app(tiny_engine(max_batch=1), model_name=NAME, api_key=KEY))
     try:
         assert s.http.get("/health").json() == {"status": "ok"}
-        for method, path in [("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
-                             ("POST", "/v1/chat/completions")]:
+        for method, path in [
+            ("GET", "/metrics"),
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+        ]:
             err = error_of(s.http.request(method, path, json={"model": NAME, "prompt": "hi"}), 401)
             assert err["code"] == "invalid_api_key"
         # the key comes first: an unauthenticated client learns nothing about its body

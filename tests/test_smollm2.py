@@ -16,7 +16,7 @@ PROMPTS = [
 
 def _hf_greedy(model, ids, n):
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")

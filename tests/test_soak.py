@@ -43,8 +43,9 @@ def _port(s: LiveServer) -> int:
 # ---- the mix -----------------------------------------------------------------------------------
 def test_the_mix_is_a_function_of_seed_and_index():
     assert make_call(MIX, 17) == make_call(MIX, 17)
-    assert [make_call(MIX, i).body for i in range(20)] != [make_call(MixSettings(**{**MIX.__dict__, "seed": 4}), i).body
-                                                          for i in range(20)]
+    assert [make_call(MIX, i).body for i in range(20)] != [
+        make_call(MixSettings(**{**MIX.__dict__, "seed": 4}), i).body for i in range(20)
+    ]
 
 
 def test_the_mix_has_every_kind_in_its_shares():
@@ -117,9 +118,13 @@ def test_a_well_formed_request_is_served_and_a_greedy_one_compared(live):
 
 def test_an_unexpected_answer_is_counted_with_its_status():
     report = soak.SoakReport({}, "m", 1, wall_s=2.0)
-    outs = [soak.Outcome("a", 200, 200, tokens=5, latency=1.0), soak.Outcome("b", 200, 500, problem="HTTP 500"),
-            soak.Outcome("malformed:x", 400, 400), soak.Outcome("c", None, 200),
-            soak.Outcome("d", 200, None, problem="TimeoutError: timed out")]
+    outs = [
+        soak.Outcome("a", 200, 200, tokens=5, latency=1.0),
+        soak.Outcome("b", 200, 500, problem="HTTP 500"),
+        soak.Outcome("malformed:x", 400, 400),
+        soak.Outcome("c", None, 200),
+        soak.Outcome("d", 200, None, problem="TimeoutError: timed out"),
+    ]
     soak.summarize(report, outs)
     assert (report.served, report.disconnected, report.refused_as_expected) == (1, 1, {"400": 1})
     assert report.unexpected == {"HTTP 500": 1, "TimeoutError": 1} and report.tokens_per_s == 2.5
@@ -128,8 +133,26 @@ def test_an_unexpected_answer_is_counted_with_its_status():
 
 # ---- the command ---------------------------------------------------------------------------------
 def test_the_engine_flags_reach_the_server_unchanged():
-    flags = ["--target", "T", "--draft", "D", "--dtype", "fp32", "--device", "cpu", "--threads", "1",
-             "--verify", "threshold", "--threshold", "0.3", "--max-batch", "3", "--no-check", "--always-draft"]
+    flags = [
+        "--target",
+        "T",
+        "--draft",
+        "D",
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--verify",
+        "threshold",
+        "--threshold",
+        "0.3",
+        "--max-batch",
+        "3",
+        "--no-check",
+        "--always-draft",
+    ]
     args = build_parser("bench-serve").parse_args(["bench-serve", *flags, "--concurrency", "2", "--max-queue", "5"])
     forwarded = serve_args(args)
     served = build_parser("serve").parse_args(["serve", *forwarded])
@@ -140,9 +163,15 @@ def test_the_engine_flags_reach_the_server_unchanged():
     assert serve_args(build_parser("bench-serve").parse_args(["bench-serve"])) == ["--log-level", "warning"]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--concurrency", "0"], "--concurrency"), (["--requests", "0"], "--requests"), (["--max-tokens", "2"], "--max-tokens"),
-    (["--malformed", "0.7", "--disconnect", "0.5"], "shares")])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--requests", "0"], "--requests"),
+        (["--max-tokens", "2"], "--max-tokens"),
+        (["--malformed", "0.7", "--disconnect", "0.5"], "shares"),
+    ],
+)
 def test_bad_soak_settings_are_refused_before_the_server_starts(flags, message, capsys):
     assert main(["bench-serve", "--target", "/nonexistent", *flags]) == 2
     assert message in capsys.readouterr().err
@@ -150,9 +179,29 @@ def test_bad_soak_settings_are_refused_before_the_server_starts(flags, message, 
 
 def _short_soak(saved, capsys, requests: int, concurrency: int, *extra: str) -> dict:  # noqa: F811
     target, draft = saved
-    rc = main(["bench-serve", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-               "--threads", "1", "--requests", str(requests), "--concurrency", str(concurrency), "--max-tokens", "16",
-               "--json", *extra])
+    rc = main(
+        [
+            "bench-serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--requests",
+            str(requests),
+            "--concurrency",
+            str(concurrency),
+            "--max-tokens",
+            "16",
+            "--json",
+            *extra,
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert rc == (0 if report["passed"] else 1)
     return report

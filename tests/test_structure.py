@@ -65,7 +65,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state and (found := visit(m)):
                 return found
         stack.pop()
@@ -103,8 +103,12 @@ def library_problems(trees: dict[str, ast.Module]) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PRINTING_CALLS:
                 problems.append(f"{name}:{node.lineno} calls {node.func.id}()")
-            if isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr") and \
-                    isinstance(node.value, ast.Name) and node.value.id == "sys":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("stdout", "stderr")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
                 problems.append(f"{name}:{node.lineno} writes to sys.{node.attr}")
             mods = []
             if isinstance(node, ast.Import):
@@ -130,11 +134,18 @@ def environment_reads(trees: dict[str, ast.Module]) -> list[str]:
         if name == ENVS:
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "environb") and \
-                    isinstance(node.value, ast.Name) and node.value.id == "os":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("environ", "getenv", "putenv", "environb")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+            ):
                 problems.append(f"{name}:{node.lineno} reads os.{node.attr} (environment variables belong to {ENVS})")
-            if isinstance(node, ast.ImportFrom) and node.module == "os" and \
-                    any(a.name in ("environ", "getenv", "putenv", "environb") for a in node.names):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "os"
+                and any(a.name in ("environ", "getenv", "putenv", "environb") for a in node.names)
+            ):
                 problems.append(f"{name}:{node.lineno} imports from os what belongs to {ENVS}")
     return problems
 
@@ -143,11 +154,17 @@ def session_citations(root: Path) -> list[str]:
     """Comments and docstrings that name a working session ("Session 17"): code keeps the why and
     cites the history by what an entry measured (docs/history/benchmarks.md, "8-bit activations ...")."""
     pattern = re.compile(r"\b[Ss]ession \d")
-    return [f"{path.relative_to(root.parent)}:{n}" for path in sorted(root.rglob("*")) if path.suffix in (".py", ".cpp", ".h")
-            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    return [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in sorted(root.rglob("*"))
+        if path.suffix in (".py", ".cpp", ".h")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
 
 
 # ---- the checks on the real package ------------------------------------------------------------
+
 
 def test_the_package_has_no_import_circle():
     graph = import_graph(parse_package())
@@ -183,10 +200,18 @@ def test_below_the_api_nothing_imports_the_api():
 
 # ---- the checks can fail: the same functions on small packages with the faults in them ---------
 
+
 def test_an_environment_read_outside_envs_is_found(tmp_path):
-    trees = _write(tmp_path, {"__init__.py": "", "envs.py": "import os\nX = os.environ.get('A')\n",
-                              "a.py": "import os\nY = os.environ['B']\n", "b.py": "from os import getenv\n",
-                              "c.py": "import os\nZ = os.getenv('C')\n"})
+    trees = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "envs.py": "import os\nX = os.environ.get('A')\n",
+            "a.py": "import os\nY = os.environ['B']\n",
+            "b.py": "from os import getenv\n",
+            "c.py": "import os\nZ = os.getenv('C')\n",
+        },
+    )
     found = environment_reads(trees)
     assert [f.split(" ")[0] for f in found] == ["dspark.a:2", "dspark.b:1", "dspark.c:2"]
 
@@ -200,28 +225,43 @@ def _write(root: Path, files: dict[str, str]) -> dict[str, ast.Module]:
 
 
 def test_a_circle_hidden_in_a_function_is_found(tmp_path):
-    trees = _write(tmp_path, {
-        "__init__.py": "", "api.py": "from dspark.bench import doctor\n",
-        "bench/__init__.py": "", "bench/doctor.py": "def f():\n    from dspark.api import resolve_draft\n",
-    })
+    trees = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "api.py": "from dspark.bench import doctor\n",
+            "bench/__init__.py": "",
+            "bench/doctor.py": "def f():\n    from dspark.api import resolve_draft\n",
+        },
+    )
     assert find_cycle(import_graph(trees)) == ["dspark.api", "dspark.bench.doctor", "dspark.api"]
 
 
 def test_a_circle_through_from_package_import_module_is_found(tmp_path):
-    trees = _write(tmp_path, {
-        "__init__.py": "", "train/__init__.py": "",
-        "train/trainer.py": "from dspark.train import export\n",
-        "train/export.py": "def g():\n    from dspark.train.trainer import load_state\n",
-    })
+    trees = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "train/__init__.py": "",
+            "train/trainer.py": "from dspark.train import export\n",
+            "train/export.py": "def g():\n    from dspark.train.trainer import load_state\n",
+        },
+    )
     assert find_cycle(import_graph(trees)) is not None
 
 
 def test_printing_and_upward_imports_in_the_library_are_found(tmp_path):
-    trees = _write(tmp_path, {
-        "__init__.py": "", "cli/__init__.py": "print('fine here')\n", "engine/__init__.py": "",
-        "engine/a.py": "import sys\nfrom dspark.cli import main\ndef f():\n    print('x')\n    sys.stderr.write('y')\n",
-        "engine/b.py": "def g():\n    from rich.console import Console\n    import argparse\n",
-    })
+    trees = _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "cli/__init__.py": "print('fine here')\n",
+            "engine/__init__.py": "",
+            "engine/a.py": "import sys\nfrom dspark.cli import main\n"
+            "def f():\n    print('x')\n    sys.stderr.write('y')\n",
+            "engine/b.py": "def g():\n    from rich.console import Console\n    import argparse\n",
+        },
+    )
     found = library_problems(trees)
     assert any("imports the command layer" in p for p in found)
     assert any("calls print()" in p for p in found) and any("sys.stderr" in p for p in found)
@@ -240,13 +280,52 @@ DECODING = {
     "doctor": [],
     "train eval": [],
 }
-ENGINE_FLAGS = ["--target", "T", "--draft", "D", "--no-spec", "--dtype", "float32", "--device", "cpu",
-                "--runtime", "native", "--threads", "2", "--layout", "bonus_anchor", "--verify", "adaptive",
-                "--threshold", "0.3", "--calibration", "cal.json", "--cost-curve", "curve.json", "--always-draft",
-                "--max-batch", "3", "--no-check"]
-WANT = EngineConfig(target="T", draft="D", no_spec=True, dtype="float32", device="cpu", runtime="native", threads=2,
-                    layout="bonus_anchor", verify="adaptive", threshold=0.3, calibration="cal.json",
-                    cost_curve="curve.json", always_draft=True, max_batch=3, check=False)
+ENGINE_FLAGS = [
+    "--target",
+    "T",
+    "--draft",
+    "D",
+    "--no-spec",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--runtime",
+    "native",
+    "--threads",
+    "2",
+    "--layout",
+    "bonus_anchor",
+    "--verify",
+    "adaptive",
+    "--threshold",
+    "0.3",
+    "--calibration",
+    "cal.json",
+    "--cost-curve",
+    "curve.json",
+    "--always-draft",
+    "--max-batch",
+    "3",
+    "--no-check",
+]
+WANT = EngineConfig(
+    target="T",
+    draft="D",
+    no_spec=True,
+    dtype="float32",
+    device="cpu",
+    runtime="native",
+    threads=2,
+    layout="bonus_anchor",
+    verify="adaptive",
+    threshold=0.3,
+    calibration="cal.json",
+    cost_curve="curve.json",
+    always_draft=True,
+    max_batch=3,
+    check=False,
+)
 
 
 @pytest.mark.parametrize("command", list(DECODING))
@@ -270,14 +349,17 @@ def test_dtype_spellings_are_accepted_and_float16_is_not(dtype, capsys):
         build_parser("generate").parse_args(["generate", "--prompt", "x", "--dtype", "float16"])
 
 
-@pytest.mark.parametrize("command,extra,message", [
-    ("bench", ["--out", "o", "--max-batch", "4"], "drop --max-batch"),
-    ("bench", ["--out", "o", "--verify", "threshold"], "add threshold to --arms"),
-    ("bench-batch", ["--max-batch", "4"], "drop --max-batch"),
-    ("bench-batch", ["--verify", "adaptive"], "--arms plain,adaptive"),
-    ("calibrate", ["--prompts", "p", "--out", "o", "--max-batch", "4"], "drop --max-batch"),
-    ("doctor", ["--no-spec"], "drop --no-spec"),
-])
+@pytest.mark.parametrize(
+    "command,extra,message",
+    [
+        ("bench", ["--out", "o", "--max-batch", "4"], "drop --max-batch"),
+        ("bench", ["--out", "o", "--verify", "threshold"], "add threshold to --arms"),
+        ("bench-batch", ["--max-batch", "4"], "drop --max-batch"),
+        ("bench-batch", ["--verify", "adaptive"], "--arms plain,adaptive"),
+        ("calibrate", ["--prompts", "p", "--out", "o", "--max-batch", "4"], "drop --max-batch"),
+        ("doctor", ["--no-spec"], "drop --no-spec"),
+    ],
+)
 def test_a_flag_a_command_cannot_honour_is_refused_before_loading(command, extra, message, capsys):
     from dspark.cli import main
 

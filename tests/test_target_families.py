@@ -7,8 +7,16 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from dspark.engine.sampling import SamplingParams
 from tests.tiny import engine_for, hf_greedy, tiny_draft
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def _qwen2():
@@ -69,8 +77,10 @@ def test_training_features_are_the_same_on_both_runtimes(make):
     torch.manual_seed(0)
     model = make().eval()
     g = torch.Generator().manual_seed(3)
-    seqs = [Sequence(str(i), torch.randint(4, 96, (n,), generator=g), torch.ones(n, dtype=torch.bool))
-            for i, n in enumerate((17, 5, 30))]
+    seqs = [
+        Sequence(str(i), torch.randint(4, 96, (n,), generator=g), torch.ones(n, dtype=torch.bool))
+        for i, n in enumerate((17, 5, 30))
+    ]
     taps = (0, 2, 3)
     hf = Extractor(model, taps, "hf")
     want = hf(seqs)

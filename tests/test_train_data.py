@@ -37,8 +37,9 @@ def test_generation_saves_prompt_answer_and_mask_and_matches_unbatched_greedy(tm
         assert 1 <= len(answer) <= 10
         assert (answer[-1] == 2) == (rec["finish"] == "stop")  # EOS kept in the answer, and only at its end
         # left padding in the batch must not change the answer (fp32 greedy)
-        alone = model.generate(torch.tensor([rec["ids"][:n]]), max_new_tokens=10, do_sample=False, eos_token_id=2,
-                               pad_token_id=0)[0, n:].tolist()
+        alone = model.generate(
+            torch.tensor([rec["ids"][:n]]), max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0
+        )[0, n:].tolist()
         assert answer == alone[: len(answer)]
     seqs = load_sequences(out, vocab_size=96)
     assert [int(s.loss_mask.sum()) for s in seqs] == [len(r["ids"]) - r["prompt_len"] for r in recs]
@@ -155,17 +156,52 @@ def _all_args(tmp_path, train_prompts: str, held_prompts: str, *extra: str) -> l
     train_txt, held_txt = tmp_path / "train.txt", tmp_path / "held.txt"
     train_txt.write_text(train_prompts)
     held_txt.write_text(held_prompts)
-    return ["train", "all", "--target", str(target), "--dtype", "fp32", "--out", str(tmp_path / "root"),
-            "--train-prompts", str(train_txt), "--heldout-prompts", str(held_txt), "--max-new-tokens", "12",
-            "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "1",
-            "--steps", "3", "--batch-size", "2", "--eval-max-new-tokens", "10", "--quiet", *extra]
+    return [
+        "train",
+        "all",
+        "--target",
+        str(target),
+        "--dtype",
+        "fp32",
+        "--out",
+        str(tmp_path / "root"),
+        "--train-prompts",
+        str(train_txt),
+        "--heldout-prompts",
+        str(held_txt),
+        "--max-new-tokens",
+        "12",
+        "--gamma",
+        "3",
+        "--layers",
+        "1",
+        "--markov-rank",
+        "8",
+        "--n-taps",
+        "2",
+        "--mask-token-id",
+        "1",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--eval-max-new-tokens",
+        "10",
+        "--quiet",
+        *extra,
+    ]
 
 
 def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
     from dspark.cli import main
 
-    args = _all_args(tmp_path, "Say hi.\nName a color.\nCount to five.\nsay HI.\nWhat is two plus two?\n",
-                     "Name an animal.\nSay bye.\n", "--eval-prompts", "2")
+    args = _all_args(
+        tmp_path,
+        "Say hi.\nName a color.\nCount to five.\nsay HI.\nWhat is two plus two?\n",
+        "Name an animal.\nSay bye.\n",
+        "--eval-prompts",
+        "2",
+    )
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "4 answers written" in out  # "say HI." duplicates "Say hi."
@@ -179,9 +215,26 @@ def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
     assert "0 answers written" in out and "4 of 4 answers already done" in out and "nothing left to train" in out
 
     # `train eval` decodes through build_engine with the shared engine flags
-    evaluate = ["train", "eval", "--target", str(tmp_path / "target"), "--draft", str(root / "run" / "draft"),
-                "--dtype", "float32", "--device", "cpu", "--prompts", str(tmp_path / "held.txt"), "--max-new-tokens",
-                "10", "--max-batch", "2", "--quiet", "--json"]
+    evaluate = [
+        "train",
+        "eval",
+        "--target",
+        str(tmp_path / "target"),
+        "--draft",
+        str(root / "run" / "draft"),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--prompts",
+        str(tmp_path / "held.txt"),
+        "--max-new-tokens",
+        "10",
+        "--max-batch",
+        "2",
+        "--quiet",
+        "--json",
+    ]
     assert main(evaluate) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["prompts"] == 2 and res["outputs_equal_plain"] == 2 and res["verify_steps"] >= 1
@@ -191,8 +244,15 @@ def test_cli_all_runs_every_stage_and_a_rerun_resumes(tmp_path, capsys):
 def test_cli_all_with_a_reduced_vocabulary_exports_speculators_only(tmp_path, capsys):
     from dspark.cli import main
 
-    args = _all_args(tmp_path, "Say hi.\nName a color.\nCount to five.\n", "Name an animal.\n",
-                     "--draft-vocab", "24", "--eval-prompts", "1")
+    args = _all_args(
+        tmp_path,
+        "Say hi.\nName a color.\nCount to five.\n",
+        "Name an animal.\n",
+        "--draft-vocab",
+        "24",
+        "--eval-prompts",
+        "1",
+    )
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "draft vocabulary: 24 of" in out and "outputs equal to plain decoding: 1/1" in out

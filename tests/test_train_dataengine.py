@@ -17,8 +17,17 @@ from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, generate_shard
 from dspark.train.dataset import load_sequences, read_records, token_subset
 from dspark.train.errors import TrainError
-from dspark.train.magpie import (FilterSettings, NearDuplicates, PromptFilter, PromptSampling, categorize,
-                                 garbage_reason, protected_shingles, user_prefix, write_prompts)
+from dspark.train.magpie import (
+    FilterSettings,
+    NearDuplicates,
+    PromptFilter,
+    PromptSampling,
+    categorize,
+    garbage_reason,
+    protected_shingles,
+    user_prefix,
+    write_prompts,
+)
 from dspark.train.prompts import Prompt
 from dspark.train.store import pack, unpack
 from dspark.train.trainer import train
@@ -38,16 +47,19 @@ def test_user_prefix_is_the_template_up_to_the_users_words():
         user_prefix(char_tokenizer(chat_template=False))
 
 
-@pytest.mark.parametrize("text,reason", [
-    ("Hi", "too short"),
-    ("word " * 200, "too long"),
-    ("Tell me <|im_start|> something nice please", "non-text"),
-    ("}}} {{{ ;;; ))) ((( ### $$$ %%% ^^^ &&& *** !!!", "non-text"),
-    ("Объясни мне пожалуйста как работает фотосинтез", "non-text"),
-    ("the the the the the the the the the the the the the", "repetitive"),
-    ("Explain how photosynthesis turns light into sugar.", None),
-    ("Write a Python function that returns the n-th Fibonacci number.", None),
-])
+@pytest.mark.parametrize(
+    "text,reason",
+    [
+        ("Hi", "too short"),
+        ("word " * 200, "too long"),
+        ("Tell me <|im_start|> something nice please", "non-text"),
+        ("}}} {{{ ;;; ))) ((( ### $$$ %%% ^^^ &&& *** !!!", "non-text"),
+        ("Объясни мне пожалуйста как работает фотосинтез", "non-text"),
+        ("the the the the the the the the the the the the the", "repetitive"),
+        ("Explain how photosynthesis turns light into sugar.", None),
+        ("Write a Python function that returns the n-th Fibonacci number.", None),
+    ],
+)
 def test_garbage_filter_names_why_a_prompt_is_rejected(text, reason):
     assert garbage_reason(text, FilterSettings()) == reason
 
@@ -98,8 +110,9 @@ def test_write_prompts_samples_from_the_prefix_appends_and_resumes(tmp_path):
     write_prompts(model, tok, len(lines), out, sampling=s, stops=stops, filters=loose, progress=False)
     assert out.read_text() == before  # already holds n: nothing sampled
     with pytest.raises(TrainError, match="other sampling"):
-        write_prompts(model, tok, 50, out, sampling=PromptSampling(temperature=0.5), stops=stops, filters=loose,
-                      progress=False)
+        write_prompts(
+            model, tok, 50, out, sampling=PromptSampling(temperature=0.5), stops=stops, filters=loose, progress=False
+        )
 
 
 # ---------------------------------------------------------------- answers and packed storage
@@ -170,8 +183,21 @@ def test_token_subset_is_seeded_and_sized(tmp_path):
 
 def _cfg(tmp_path, target, data, **kw) -> TrainConfig:
     d = DraftOptions(gamma=3, num_layers=1, markov_rank=8, n_taps=2, mask_token_id=3)
-    base = dict(target=str(target), data=str(data), heldout=str(data), out=str(tmp_path / "run"), dtype="fp32", draft=d,
-                steps=6, batch_size=4, lr=3e-3, max_anchors=8, eval_every=2, ckpt_every=3, eval_max_anchors=16)
+    base = dict(
+        target=str(target),
+        data=str(data),
+        heldout=str(data),
+        out=str(tmp_path / "run"),
+        dtype="fp32",
+        draft=d,
+        steps=6,
+        batch_size=4,
+        lr=3e-3,
+        max_anchors=8,
+        eval_every=2,
+        ckpt_every=3,
+        eval_max_anchors=16,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -194,8 +220,12 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
     assert r2.step == 40 and not r2.stopped_early
 
     # warm start: step-0 held-out evaluation of the new run equals the init draft's trained quality
-    warm = train(_cfg(tmp_path, target, data, out=str(tmp_path / "warm"), steps=1, lr=1e-12, warmup=0.0,
-                      init=str(run / "draft")), progress=False)
+    warm = train(
+        _cfg(
+            tmp_path, target, data, out=str(tmp_path / "warm"), steps=1, lr=1e-12, warmup=0.0, init=str(run / "draft")
+        ),
+        progress=False,
+    )
     assert abs(warm.eval["tau_greedy"] - res.eval["tau_greedy"]) < 0.05
     assert abs(warm.eval["loss"] - res.eval["loss"]) < 0.02
     # ... measured before the first step too: the init draft is the best checkpoint until beaten
@@ -203,25 +233,59 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
     assert first["step"] == 0 and abs(first["eval"]["tau_greedy"] - warm.eval["tau_greedy"]) < 1e-4  # lr ~0
     assert json.loads((tmp_path / "warm" / "best.json").read_text())["tau_greedy"] >= first["eval"]["tau_greedy"]
     with pytest.raises(TrainError, match="does not fit"):
-        train(_cfg(tmp_path, target, data, out=str(tmp_path / "bad"), init=str(run / "draft"),
-                   draft=DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3)), progress=False)
+        train(
+            _cfg(
+                tmp_path,
+                target,
+                data,
+                out=str(tmp_path / "bad"),
+                init=str(run / "draft"),
+                draft=DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3),
+            ),
+            progress=False,
+        )
     # --init-adapt: another block size and other taps of the same count start from the same weights,
     # and the run says what changed; the tap count and the architecture still must match
     other = DraftOptions(gamma=2, num_layers=1, markov_rank=8, taps=(3,), mask_token_id=3)  # the init taps (2,)
     with pytest.raises(TrainError, match="does not fit"):
-        train(_cfg(tmp_path, target, data, out=str(tmp_path / "noadapt"), init=str(run / "draft"), draft=other),
-              progress=False)
+        train(
+            _cfg(tmp_path, target, data, out=str(tmp_path / "noadapt"), init=str(run / "draft"), draft=other),
+            progress=False,
+        )
     said = []
-    adapted = train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt"), steps=1, init=str(run / "draft"),
-                         draft=other, init_adapt=True), progress=False, echo=said.append)
+    adapted = train(
+        _cfg(
+            tmp_path,
+            target,
+            data,
+            out=str(tmp_path / "adapt"),
+            steps=1,
+            init=str(run / "draft"),
+            draft=other,
+            init_adapt=True,
+        ),
+        progress=False,
+        echo=said.append,
+    )
     assert adapted.step == 1 and any("gamma 3 -> 2" in s and "(2,) -> (3,)" in s for s in said)
     init = load_file(str(run / "draft" / "model.safetensors"))
-    assert torch.equal(load_file(str(tmp_path / "adapt" / "best" / "model.safetensors"))["layers.0.mlp.down_proj.weight"],
-                       init["layers.0.mlp.down_proj.weight"])  # step 0 (the init's weights) is the best so far
+    assert torch.equal(
+        load_file(str(tmp_path / "adapt" / "best" / "model.safetensors"))["layers.0.mlp.down_proj.weight"],
+        init["layers.0.mlp.down_proj.weight"],
+    )  # step 0 (the init's weights) is the best so far
     with pytest.raises(TrainError, match="hidden_state_indices"):
-        train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt3"), init=str(run / "draft"), init_adapt=True,
-                   draft=DraftOptions(gamma=3, num_layers=1, markov_rank=8, taps=(1, 2), mask_token_id=3)),
-              progress=False)
+        train(
+            _cfg(
+                tmp_path,
+                target,
+                data,
+                out=str(tmp_path / "adapt3"),
+                init=str(run / "draft"),
+                init_adapt=True,
+                draft=DraftOptions(gamma=3, num_layers=1, markov_rank=8, taps=(1, 2), mask_token_id=3),
+            ),
+            progress=False,
+        )
     with pytest.raises(TrainError, match="--init-adapt needs --init"):
         train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt4"), init_adapt=True), progress=False)
 
@@ -238,11 +302,30 @@ def test_a_resumed_warm_start_with_a_reduced_vocabulary_trains_against_its_own_h
     first = synthetic_shard(tmp_path / "a.jsonl", 24, seed=0)
     train(_cfg(tmp_path, target, first, draft=d, out=str(tmp_path / "init")), progress=False)
     other = synthetic_shard(tmp_path / "b.jsonl", 24, seed=7)  # another vocabulary would be chosen from this
-    cfg = _cfg(tmp_path, target, other, draft=d, out=str(tmp_path / "warm"), steps=20, time_budget=1e-3,
-               init=str(tmp_path / "init" / "draft"))
+    cfg = _cfg(
+        tmp_path,
+        target,
+        other,
+        draft=d,
+        out=str(tmp_path / "warm"),
+        steps=20,
+        time_budget=1e-3,
+        init=str(tmp_path / "init" / "draft"),
+    )
     assert train(cfg, progress=False).stopped_early
-    run = Run(_cfg(tmp_path, target, other, draft=d, out=str(tmp_path / "warm"), steps=20,
-                   init=str(tmp_path / "init" / "draft")), distributed.setup(), progress=False)
+    run = Run(
+        _cfg(
+            tmp_path,
+            target,
+            other,
+            draft=d,
+            out=str(tmp_path / "warm"),
+            steps=20,
+            init=str(tmp_path / "init" / "draft"),
+        ),
+        distributed.setup(),
+        progress=False,
+    )
     assert run.resumed and run.head_weight is not None
     assert torch.equal(run.head_weight, run.draft.lm_head.weight.detach().to(torch.bfloat16))
     init = load_file(str(tmp_path / "init" / "draft" / "model.safetensors"))
@@ -253,37 +336,106 @@ def test_a_resumed_warm_start_with_a_reduced_vocabulary_trains_against_its_own_h
 def test_scale_recipe_runs_every_stage_at_tiny_scale(tmp_path):
     target = _tiny_dir(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about rivers."}) + "\n" for i in range(12)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Tell me fact number {i} about rivers."}) + "\n" for i in range(12))
+    )
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_recipe.py"), "--out", str(out), "--target",
-                           str(target), "--scale", "tiny", "--prompts-from", str(prompts), "--dtype", "fp32",
-                           "--fit-s", "6", "--probe-s", "3", "--data-s", "40", "--budget-s", "90"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "scale_recipe.py"),
+            "--out",
+            str(out),
+            "--target",
+            str(target),
+            "--scale",
+            "tiny",
+            "--prompts-from",
+            str(prompts),
+            "--dtype",
+            "fp32",
+            "--fit-s",
+            "6",
+            "--probe-s",
+            "3",
+            "--data-s",
+            "40",
+            "--budget-s",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"]["data"]["answer_tokens"] > 0
     winner = summary["returned_draft"]
     assert winner in ("L1-r64", "L2-r64") and summary["returned_drafts"] == [winner, "L1-r64-bonus", "L1-r0"]
-    assert {f.name for f in (out / "return").iterdir()} == {"tokens.npz", "meta.tar.gz", f"draft-{winner}.tar",
-                                                             "draft-L1-r64-bonus.tar", "draft-L1-r0.tar"}
+    assert {f.name for f in (out / "return").iterdir()} == {
+        "tokens.npz",
+        "meta.tar.gz",
+        f"draft-{winner}.tar",
+        "draft-L1-r64-bonus.tar",
+        "draft-L1-r0.tar",
+    }
     assert load_sequences(out / "data", 96)
     # the returned drafts travel without their reduced-vocabulary head rows; restore rebuilds them exactly
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_recipe.py"), "--restore", str(out / "return"),
-                           "--target", str(target), "--out", str(tmp_path / "restored")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "scale_recipe.py"),
+            "--restore",
+            str(out / "return"),
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "restored"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in summary["returned_drafts"]:
         got = load_file(tmp_path / "restored" / f"draft-{name}" / "model.safetensors")
         want = load_file(out / "runs" / name / "best" / "model.safetensors")
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
-        assert json.loads((tmp_path / "restored" / f"draft-{name}" / "config.json").read_text()) == \
-            json.loads((out / "runs" / name / "best" / "config.json").read_text())
+        assert json.loads((tmp_path / "restored" / f"draft-{name}" / "config.json").read_text()) == json.loads(
+            (out / "runs" / name / "best" / "config.json").read_text()
+        )
     # a second run trains on the data set the first one packed (what a GPU session with committed data does)
     again = tmp_path / "again"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_recipe.py"), "--out", str(again), "--target",
-                           str(target), "--scale", "tiny", "--data-from", str(out / "data"), "--heldout-from",
-                           str(out / "heldout.jsonl"), "--runs", "L1-r64,L1-r64-bonus", "--dtype", "fp32",
-                           "--fit-s", "6", "--probe-s", "3"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "scale_recipe.py"),
+            "--out",
+            str(again),
+            "--target",
+            str(target),
+            "--scale",
+            "tiny",
+            "--data-from",
+            str(out / "data"),
+            "--heldout-from",
+            str(out / "heldout.jsonl"),
+            "--runs",
+            "L1-r64,L1-r64-bonus",
+            "--dtype",
+            "fp32",
+            "--fit-s",
+            "6",
+            "--probe-s",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((again / "summary.json").read_text())
     assert set(summary["stages"]["fit"]["runs"]) == {"L1-r64", "L1-r64-bonus"}
@@ -299,15 +451,26 @@ def test_engine_generator_matches_hf_greedy_and_sampled_answers_do_not_depend_on
     engine = Engine(HFTarget(model), None, tok, (2,))
     greedy = GenSettings(max_new_tokens=12)
     generate_shard(model, tok, prompts, tmp_path / "hf.jsonl", greedy, target_name="tiny", batch_size=3, progress=False)
-    generate_shard(model, tok, prompts, tmp_path / "en.jsonl", greedy, target_name="tiny", batch_size=3, progress=False,
-                   engine=engine)
+    generate_shard(
+        model,
+        tok,
+        prompts,
+        tmp_path / "en.jsonl",
+        greedy,
+        target_name="tiny",
+        batch_size=3,
+        progress=False,
+        engine=engine,
+    )
     by_key = lambda p: {r["key"]: (r["ids"], r["finish"]) for r in read_records(p)}  # noqa: E731
     assert by_key(tmp_path / "hf.jsonl") == by_key(tmp_path / "en.jsonl")  # fp32: the same greedy answers
 
     sampled = GenSettings(max_new_tokens=12, temperature=1.0, samples=2, seed=5)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     generate_shard(model, tok, prompts, a, sampled, target_name="tiny", batch_size=1, progress=False, engine=engine)
-    st = generate_shard(model, tok, prompts, b, sampled, target_name="tiny", batch_size=8, progress=False, engine=engine)
+    st = generate_shard(
+        model, tok, prompts, b, sampled, target_name="tiny", batch_size=8, progress=False, engine=engine
+    )
     assert st.written == 8 and by_key(a) == by_key(b)
     with pytest.raises(TrainError, match="other settings"):  # one shard, one generator
         generate_shard(model, tok, prompts, a, sampled, target_name="tiny", batch_size=1, progress=False)
@@ -319,8 +482,27 @@ def test_cli_prompts_gives_up_clearly_and_pack_writes_a_loadable_set(tmp_path, c
     target = _tiny_dir(tmp_path)
     out = tmp_path / "p.jsonl"
     # a random tiny model never ends a user turn: the command stops at its bound with a clear error
-    code = main(["train", "prompts", "--target", str(target), "--dtype", "fp32", "--quiet", "--n", "50", "--out",
-                 str(out), "--gen-batch-size", "8", "--max-new-tokens", "4", "--max-batches", "2"])
+    code = main(
+        [
+            "train",
+            "prompts",
+            "--target",
+            str(target),
+            "--dtype",
+            "fp32",
+            "--quiet",
+            "--n",
+            "50",
+            "--out",
+            str(out),
+            "--gen-batch-size",
+            "8",
+            "--max-new-tokens",
+            "4",
+            "--max-batches",
+            "2",
+        ]
+    )
     err = capsys.readouterr()
     assert code == 2 and "stopped after 2 batches" in err.err and "unfinished 16" in err.out
     shard = synthetic_shard(tmp_path / "d.jsonl", 10)

@@ -28,17 +28,29 @@ def tiny(tmp_path_factory):
 
 def trained(tiny, layout, markov, name, draft_vocab=None):
     root, target, data = tiny
-    d = DraftOptions(gamma=4, num_layers=2, markov_rank=8, markov_head_type=markov, taps=(1, 3), mask_token_id=3,
-                     layout=layout, draft_vocab=draft_vocab)
-    cfg = TrainConfig(target=str(target), data=str(data), out=str(root / name), dtype="fp32", draft=d, steps=3,
-                      batch_size=3, lr=1e-2)
+    d = DraftOptions(
+        gamma=4,
+        num_layers=2,
+        markov_rank=8,
+        markov_head_type=markov,
+        taps=(1, 3),
+        mask_token_id=3,
+        layout=layout,
+        draft_vocab=draft_vocab,
+    )
+    cfg = TrainConfig(
+        target=str(target), data=str(data), out=str(root / name), dtype="fp32", draft=d, steps=3, batch_size=3, lr=1e-2
+    )
     return train(cfg, progress=False)
 
 
-@pytest.mark.parametrize("layout,markov,draft_vocab", [("anchor_first", "vanilla", None), ("bonus_anchor", "rnn", None),
-                                                     ("anchor_first", "vanilla", 40)])
-def test_speculators_library_loads_the_export_and_computes_the_trained_logits(tiny, layout, markov, draft_vocab,
-                                                                              monkeypatch):
+@pytest.mark.parametrize(
+    "layout,markov,draft_vocab",
+    [("anchor_first", "vanilla", None), ("bonus_anchor", "rnn", None), ("anchor_first", "vanilla", 40)],
+)
+def test_speculators_library_loads_the_export_and_computes_the_trained_logits(
+    tiny, layout, markov, draft_vocab, monkeypatch
+):
     spec_lib = pytest.importorskip("speculators.models.dspark")
     import speculators.models.dflash.core as dflash_core
     import speculators.models.dspark.core as dspark_core
@@ -68,8 +80,14 @@ def test_speculators_library_loads_the_export_and_computes_the_trained_logits(ti
     anchors = torch.tensor([8, 11])
     blocks = make_blocks(seq.ids, torch.ones(L, dtype=torch.bool), anchors, layout=layout, gamma=4, mask_token_id=3)
     with torch.no_grad():
-        out = draft_rows(ours, ours.context_kv(taps[None], torch.arange(L)[None]), blocks, seq.ids, final,
-                         model.get_output_embeddings())
+        out = draft_rows(
+            ours,
+            ours.context_kv(taps[None], torch.arange(L)[None]),
+            blocks,
+            seq.ids,
+            final,
+            model.get_output_embeddings(),
+        )
 
     captured = {}
 
@@ -78,11 +96,19 @@ def test_speculators_library_loads_the_export_and_computes_the_trained_logits(ti
         return torch.zeros(()), {}
 
     monkeypatch.setattr(dspark_core, "compute_metrics", capture)
-    monkeypatch.setattr(dflash_core, "select_anchors", lambda mask, n, bs: (anchors.clone(), torch.ones(2, dtype=torch.bool)))
+    monkeypatch.setattr(
+        dflash_core, "select_anchors", lambda mask, n, bs: (anchors.clone(), torch.ones(2, dtype=torch.bool))
+    )
     with torch.no_grad():
-        theirs_model(hidden_states=taps[None], input_ids=seq.ids[None], loss_mask=torch.ones(1, L),
-                     verifier_last_hidden_states=final[None], document_ids=torch.zeros(1, L, dtype=torch.long),
-                     max_anchors=2, loss_config={})
+        theirs_model(
+            hidden_states=taps[None],
+            input_ids=seq.ids[None],
+            loss_mask=torch.ones(1, L),
+            verifier_last_hidden_states=final[None],
+            document_ids=torch.zeros(1, L, dtype=torch.long),
+            max_anchors=2,
+            loss_config={},
+        )
     S = blocks.block_ids.shape[1]
     theirs = captured["logits"].view(2, S, -1)[out.rows[:, 0], out.rows[:, 1]]
     assert torch.allclose(theirs, out.logits, atol=1e-5)

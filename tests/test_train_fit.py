@@ -24,14 +24,30 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fit")
-    return {"target": str(save_tiny_target(root / "target")), "data": str(synthetic_shard(root / "train.jsonl", 12)),
-            "held": str(synthetic_shard(root / "held.jsonl", 3, seed=9)), "root": root}
+    return {
+        "target": str(save_tiny_target(root / "target")),
+        "data": str(synthetic_shard(root / "train.jsonl", 12)),
+        "held": str(synthetic_shard(root / "held.jsonl", 3, seed=9)),
+        "root": root,
+    }
 
 
 def cfg_for(setup, out, **kw):
     draft = kw.pop("draft", DraftOptions(gamma=4, num_layers=1, markov_rank=16, n_taps=2, mask_token_id=3))
-    base = dict(target=setup["target"], data=setup["data"], heldout=setup["held"], out=str(setup["root"] / out),
-                dtype="fp32", draft=draft, steps=24, batch_size=4, lr=3e-3, max_anchors=16, eval_every=12, ckpt_every=12)
+    base = dict(
+        target=setup["target"],
+        data=setup["data"],
+        heldout=setup["held"],
+        out=str(setup["root"] / out),
+        dtype="fp32",
+        draft=draft,
+        steps=24,
+        batch_size=4,
+        lr=3e-3,
+        max_anchors=16,
+        eval_every=12,
+        ckpt_every=12,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -49,7 +65,12 @@ def test_training_reduces_loss_and_the_checkpoint_is_a_working_draft(setup, caps
     assert "tau_greedy" in capsys.readouterr().out  # evaluations are reported as they happen
     assert main(["inspect", str(draft_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert (info["format"], info["layout"], info["gamma"], info["markov_rank"]) == ("speculators", "anchor_first", 4, 16)
+    assert (info["format"], info["layout"], info["gamma"], info["markov_rank"]) == (
+        "speculators",
+        "anchor_first",
+        4,
+        16,
+    )
     assert not (set(json.loads((draft_dir / "config.json").read_text())) & {"embed_tokens.weight"})
 
     model, _ = load_target(setup["target"], "fp32")
@@ -85,7 +106,9 @@ def test_resume_continues_from_the_saved_step_and_replays_exactly(setup, monkeyp
     a, b = load_state(setup["root"] / "straight")["draft"], load_state(setup["root"] / "crashed")["draft"]
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     log = [json.loads(line) for line in (setup["root"] / "crashed" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log if "loss" in r] == list(range(1, 25))  # steps 13..18 of the crashed session are not doubled
+    assert [r["step"] for r in log if "loss" in r] == list(
+        range(1, 25)
+    )  # steps 13..18 of the crashed session are not doubled
     with pytest.raises(TrainError, match="other settings"):
         train(cfg_for(setup, "crashed", lr=1e-3, eval_every=100), progress=False)
 
@@ -108,16 +131,58 @@ def test_bad_settings_are_clear_errors(setup, tmp_path):
         train(cfg_for(setup, "x", draft=DraftOptions(gamma=2, num_layers=1, taps=(9,))), progress=False)
     with pytest.raises(TrainError, match="does not exist"):
         train(cfg_for(setup, "x", data=str(tmp_path / "none.jsonl")), progress=False)
-    assert main(["train", "fit", "--target", setup["target"], "--data", setup["data"], "--out", str(tmp_path / "r"),
-                 "--warmup", "2"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "fit",
+                "--target",
+                setup["target"],
+                "--data",
+                setup["data"],
+                "--out",
+                str(tmp_path / "r"),
+                "--warmup",
+                "2",
+            ]
+        )
+        == 2
+    )
 
 
 def test_cli_fit_with_feature_cache_then_export_both_formats(setup, tmp_path, capsys):
     run = tmp_path / "run"
-    args = ["train", "fit", "--target", setup["target"], "--dtype", "fp32", "--data", setup["data"], "--heldout",
-            setup["held"], "--features", str(tmp_path / "cache"), "--out", str(run), "--gamma", "3", "--layers", "1",
-            "--markov-rank", "8", "--n-taps", "2", "--mask-token-id", "3", "--steps", "4", "--batch-size", "4",
-            "--quiet"]
+    args = [
+        "train",
+        "fit",
+        "--target",
+        setup["target"],
+        "--dtype",
+        "fp32",
+        "--data",
+        setup["data"],
+        "--heldout",
+        setup["held"],
+        "--features",
+        str(tmp_path / "cache"),
+        "--out",
+        str(run),
+        "--gamma",
+        "3",
+        "--layers",
+        "1",
+        "--markov-rank",
+        "8",
+        "--n-taps",
+        "2",
+        "--mask-token-id",
+        "3",
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--quiet",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "feature cache" in out and "MiB" in out and "trained to step 4/4" in out and "tau_greedy" in out
@@ -125,7 +190,9 @@ def test_cli_fit_with_feature_cache_then_export_both_formats(setup, tmp_path, ca
         assert main(["train", "export", "--run", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
         assert main(["inspect", str(tmp_path / fmt), "--json"]) == 0
     capsys.readouterr()
-    assert main(["train", "export", "--run", str(run), "--format", "deepspec", "--out", str(tmp_path / "deepspec")]) == 2
+    assert (
+        main(["train", "export", "--run", str(run), "--format", "deepspec", "--out", str(tmp_path / "deepspec")]) == 2
+    )
     model, _ = load_target(setup["target"], "fp32")
     a = load_draft(str(tmp_path / "speculators"), model).own_state_dict()
     b = load_draft(str(tmp_path / "deepspec"), model).own_state_dict()
@@ -142,10 +209,39 @@ def test_resume_refuses_changed_training_data(setup, tmp_path):
 
 def test_reduced_draft_vocab_trains_exports_with_d2t_and_stays_lossless(setup, tmp_path, capsys):
     run = tmp_path / "run"
-    args = ["train", "fit", "--target", setup["target"], "--dtype", "fp32", "--data", setup["data"], "--heldout",
-            setup["held"], "--out", str(run), "--gamma", "3", "--layers", "1", "--markov-rank", "8", "--n-taps", "2",
-            "--mask-token-id", "3", "--steps", "12", "--batch-size", "4", "--lr", "3e-3", "--draft-vocab", "40",
-            "--quiet"]
+    args = [
+        "train",
+        "fit",
+        "--target",
+        setup["target"],
+        "--dtype",
+        "fp32",
+        "--data",
+        setup["data"],
+        "--heldout",
+        setup["held"],
+        "--out",
+        str(run),
+        "--gamma",
+        "3",
+        "--layers",
+        "1",
+        "--markov-rank",
+        "8",
+        "--n-taps",
+        "2",
+        "--mask-token-id",
+        "3",
+        "--steps",
+        "12",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--draft-vocab",
+        "40",
+        "--quiet",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "draft vocabulary: 40 of 96 tokens" in out
@@ -160,7 +256,9 @@ def test_reduced_draft_vocab_trains_exports_with_d2t_and_stays_lossless(setup, t
     draft = load_draft(str(run / "draft"), model)
     assert "lm_head.weight" not in draft.borrowed  # a reduced head is saved with the draft
     ids = draft.d2t + torch.arange(40)
-    assert torch.equal(draft.lm_head.weight.float(), model.get_output_embeddings().weight[ids].to(torch.bfloat16).float())
+    assert torch.equal(
+        draft.lm_head.weight.float(), model.get_output_embeddings().weight[ids].to(torch.bfloat16).float()
+    )
     req = engine_for(model, draft).generate([1, 5, 9, 14], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert req.output_ids == hf_greedy(model, [1, 5, 9, 14], 20)
     assert main(["train", "export", "--run", str(run), "--format", "deepspec", "--out", str(tmp_path / "ds")]) == 2
@@ -182,27 +280,47 @@ def test_draft_layers_can_start_as_the_targets_last_layers(setup, tmp_path):
     """`--init-layers target`: each draft layer starts as one of the target's last layers (the
     draft-only q/k norms at 1), trains from there; mismatched shapes and --init are clear errors."""
     d = DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3)
-    run = trainer.Run(cfg_for(setup, "init-target", draft=d, init_layers="target", steps=2, heldout=None),
-                      trainer.distributed.setup(), False)
+    run = trainer.Run(
+        cfg_for(setup, "init-target", draft=d, init_layers="target", steps=2, heldout=None),
+        trainer.distributed.setup(),
+        False,
+    )
     source = list(run.model.get_decoder().layers)[-2:]
     for mine, theirs in zip(run.draft.layers, source):
         assert torch.equal(mine.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight.float())
         assert torch.equal(mine.self_attn.k_proj.weight, theirs.self_attn.k_proj.weight.float())
         assert torch.equal(mine.input_layernorm.weight, theirs.input_layernorm.weight.float())
         assert bool((mine.self_attn.q_norm.weight == 1).all())
-    fresh = trainer.Run(cfg_for(setup, "init-random", draft=d, steps=2, heldout=None), trainer.distributed.setup(), False)
+    fresh = trainer.Run(
+        cfg_for(setup, "init-random", draft=d, steps=2, heldout=None), trainer.distributed.setup(), False
+    )
     assert not torch.equal(fresh.draft.layers[1].mlp.gate_proj.weight, run.draft.layers[1].mlp.gate_proj.weight)
     rec = run.train_step(0)
     assert torch.isfinite(torch.tensor(rec["loss"]))
     narrow = DraftOptions(gamma=3, num_layers=1, markov_rank=8, n_taps=2, mask_token_id=3, intermediate_size=24)
     with pytest.raises(TrainError, match="init-layers target"):
-        trainer.Run(cfg_for(setup, "init-narrow", draft=narrow, init_layers="target", heldout=None),
-                    trainer.distributed.setup(), False)
+        trainer.Run(
+            cfg_for(setup, "init-narrow", draft=narrow, init_layers="target", heldout=None),
+            trainer.distributed.setup(),
+            False,
+        )
     with pytest.raises(TrainError, match="choose one"):
         train(cfg_for(setup, "init-both", init_layers="target", init=str(tmp_path)), progress=False)
     with pytest.raises(SystemExit):  # argparse names the choices
-        main(["train", "fit", "--target", setup["target"], "--data", setup["data"], "--out", str(tmp_path / "r"),
-              "--init-layers", "last"])
+        main(
+            [
+                "train",
+                "fit",
+                "--target",
+                setup["target"],
+                "--data",
+                setup["data"],
+                "--out",
+                str(tmp_path / "r"),
+                "--init-layers",
+                "last",
+            ]
+        )
 
 
 def test_tap_scaling_is_folded_into_fc_so_the_export_reads_raw_taps(setup):
@@ -239,8 +357,10 @@ def test_one_draft_forward_over_many_sequences_trains_exactly_as_one_per_sequenc
     setting, not math: the step's loss and gradient equal sequence-by-sequence training."""
     d = DraftOptions(gamma=3, num_layers=1, markov_rank=8, n_taps=2, mask_token_id=3, layout=layout)
     kw = dict(draft=d, steps=4, eval_every=100, ckpt_every=100, head_dtype="fp32", heldout=None)
-    runs = {n: trainer.Run(cfg_for(setup, f"{n}-{layout}", chunk_anchors=n, **kw), trainer.distributed.setup(), False)
-            for n in (1, 10_000)}
+    runs = {
+        n: trainer.Run(cfg_for(setup, f"{n}-{layout}", chunk_anchors=n, **kw), trainer.distributed.setup(), False)
+        for n in (1, 10_000)
+    }
     epoch, local = runs[1].batch(0)
     blocks = [runs[1].blocks(epoch, i) for i in local]
     assert len(runs[1].chunks(local, blocks)) == len(local)  # one sequence per forward

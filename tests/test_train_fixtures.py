@@ -24,7 +24,10 @@ def char_tokenizer(chat_template: bool = True):
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE(vocab, [], unk_token="<pad>")),
-        bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<pad>",
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<pad>",
         additional_special_tokens=["<|im_start|>"],
     )
     if chat_template:
@@ -45,7 +48,10 @@ def synthetic_shard(path: Path, n: int, seed: int = 0, vocab: int = 96) -> Path:
         prompt = [1] + [rnd.randrange(4, vocab) for _ in range(rnd.randint(3, 8))]
         start = rnd.randrange(4, vocab)
         answer = [4 + (start + 3 * k) % (vocab - 4) for k in range(rnd.randint(10, 24))] + [2]
-        lines.append(json.dumps({"key": f"s{seed}-{i}", "ids": prompt + answer,
-                                 "loss_mask": [0] * len(prompt) + [1] * len(answer)}))
+        lines.append(
+            json.dumps(
+                {"key": f"s{seed}-{i}", "ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path

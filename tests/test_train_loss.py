@@ -98,8 +98,17 @@ def _rows(logits, target, labels, conf, weight, draft_ids=None):
     """Rows whose target distribution is softmax(target) over the whole vocabulary."""
     logp = F.log_softmax(target, -1)
     logp = logp if draft_ids is None else logp[:, draft_ids]
-    return RowOutputs(logits, conf, logp, target.argmax(-1), torch.arange(len(labels)), labels, weight,
-                      torch.zeros(len(labels), 2, dtype=torch.long), draft_ids)
+    return RowOutputs(
+        logits,
+        conf,
+        logp,
+        target.argmax(-1),
+        torch.arange(len(labels)),
+        labels,
+        weight,
+        torch.zeros(len(labels), 2, dtype=torch.long),
+        draft_ids,
+    )
 
 
 def test_confidence_label_is_one_minus_half_l1():
@@ -113,7 +122,9 @@ def test_confidence_label_is_one_minus_half_l1():
     assert label[0] == pytest.approx(1.0)  # identical distributions: always accepted
     assert label[1] == pytest.approx(1 - 0.5 * float(l1[1]), abs=1e-6) and label[1] < 0.01  # near-disjoint
     assert label[2] == pytest.approx(float((torch.minimum(p[2], q[2])).sum()), abs=1e-6)  # = sum min(p, q)
-    assert bce.tolist() == pytest.approx(F.binary_cross_entropy_with_logits(torch.zeros(3), label, reduction="none").tolist())
+    assert bce.tolist() == pytest.approx(
+        F.binary_cross_entropy_with_logits(torch.zeros(3), label, reduction="none").tolist()
+    )
     assert not label.requires_grad and V == logits.shape[1]
 
 
@@ -126,16 +137,29 @@ def test_loss_sums_is_the_weighted_deepspec_formula():
     p, q = F.softmax(logits, -1), F.softmax(target, -1)
     l1 = (p - q).abs().sum(-1)
     lab = (1 - 0.5 * l1).clamp(0, 1).detach()
-    manual = (w * (0.1 * F.cross_entropy(logits, labels, reduction="none") + 0.9 * l1
-                   + F.binary_cross_entropy_with_logits(conf, lab, reduction="none"))).sum()
+    manual = (
+        w
+        * (
+            0.1 * F.cross_entropy(logits, labels, reduction="none")
+            + 0.9 * l1
+            + F.binary_cross_entropy_with_logits(conf, lab, reduction="none")
+        )
+    ).sum()
     assert float(s.total.detach()) == pytest.approx(float(manual.detach()), rel=1e-5)
     assert s.weight == pytest.approx(2.5)
     s.total.backward()
     assert logits.grad[3].abs().max() == 0  # a zero-weight row contributes nothing
 
 
-@pytest.mark.parametrize("layout,markov,rank", [("anchor_first", "vanilla", 16), ("bonus_anchor", "rnn", 16),
-                                                ("bonus_anchor", "gated", 8), ("anchor_first", "vanilla", 0)])
+@pytest.mark.parametrize(
+    "layout,markov,rank",
+    [
+        ("anchor_first", "vanilla", 16),
+        ("bonus_anchor", "rnn", 16),
+        ("bonus_anchor", "gated", 8),
+        ("anchor_first", "vanilla", 0),
+    ],
+)
 def test_teacher_forced_rows_equal_what_decoding_samples_from(layout, markov, rank):
     """Train/inference consistency: feed the draft's own sampled tokens back as data; the training
     rows must reproduce the q the engine sampled each token from, slot by slot."""
@@ -153,7 +177,7 @@ def test_teacher_forced_rows_equal_what_decoding_samples_from(layout, markov, ra
     ids = torch.cat([torch.randint(4, 90, (a,)), torch.tensor([anchor_tok]), prop.tokens[0]])
     ids = torch.cat([ids, torch.randint(4, 90, (L - len(ids),))])
     mask = torch.zeros(L, dtype=torch.bool)
-    mask[a - 1:] = True
+    mask[a - 1 :] = True
     blocks = make_blocks(ids, mask, torch.tensor([a]), layout=layout, gamma=4, mask_token_id=3)
     with torch.no_grad():
         kv = draft.context_kv(taps[None], torch.arange(L)[None])
@@ -214,8 +238,10 @@ def test_draft_vocab_selection_ranks_answer_then_prompt_tokens():
     from dspark.train.dataset import Sequence
     from dspark.train.vocab import d2t_offsets, select_draft_vocab
 
-    s = [Sequence("a", torch.tensor([8, 8, 8, 6, 5, 5, 9, 9, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1]).bool()),
-         Sequence("b", torch.tensor([6, 7, 9]), torch.tensor([0, 1, 1]).bool())]
+    s = [
+        Sequence("a", torch.tensor([8, 8, 8, 6, 5, 5, 9, 9, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1]).bool()),
+        Sequence("b", torch.tensor([6, 7, 9]), torch.tensor([0, 1, 1]).bool()),
+    ]
     # answers: 9 x3, 5 x2, 7 x1, 1 x1; prompts: 8 x3, 6 x2
     assert select_draft_vocab(s, 10, 2).tolist() == [5, 9]
     assert select_draft_vocab(s, 10, 3).tolist() == [1, 5, 9]  # answer-count tie (1 and 7): lower id first
@@ -259,8 +285,16 @@ def test_blocks_of_one_sequence_attended_together_equal_each_block_on_its_own_co
         if together:
             h = draft(ids, ctx, anchor, seq)
         else:
-            h = torch.cat([draft(ids[i:i + 1], [type(kv)(kv.k[seq[i]][None], kv.v[seq[i]][None]) for kv in ctx],
-                                 anchor[i:i + 1]) for i in range(anchor.numel())])
+            h = torch.cat(
+                [
+                    draft(
+                        ids[i : i + 1],
+                        [type(kv)(kv.k[seq[i]][None], kv.v[seq[i]][None]) for kv in ctx],
+                        anchor[i : i + 1],
+                    )
+                    for i in range(anchor.numel())
+                ]
+            )
         (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
         return h.detach(), {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
 

@@ -29,17 +29,47 @@ def planted_shard(path, n: int, seed: int) -> str:
     for i in range(n):
         prompt = [1] + [rnd.randrange(4, V) for _ in range(rnd.randint(3, 6))]
         answer = [t for _ in range(rnd.randint(6, 12)) for x in [rnd.randrange(4, V)] for t in (x, rule(x))] + [2]
-        lines.append(json.dumps({"key": f"p{seed}-{i}", "ids": prompt + answer,
-                                 "loss_mask": [0] * len(prompt) + [1] * len(answer)}))
+        lines.append(
+            json.dumps(
+                {"key": f"p{seed}-{i}", "ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
 
 def run_probe(tmp_path, target, data, held, inputs, name, capsys, *extra):
     out = tmp_path / f"{name}.json"
-    args = ["train", "probe", "--target", str(target), "--dtype", "fp32", "--data", data, "--heldout", held,
-            "--inputs", inputs, "--pairs", "3000", "--steps", "300", "--batch-size", "64", "--lr", "1e-2",
-            "--width", "64", "--quiet", "--draft", "none", "--out", str(out), *extra]
+    args = [
+        "train",
+        "probe",
+        "--target",
+        str(target),
+        "--dtype",
+        "fp32",
+        "--data",
+        data,
+        "--heldout",
+        held,
+        "--inputs",
+        inputs,
+        "--pairs",
+        "3000",
+        "--steps",
+        "300",
+        "--batch-size",
+        "64",
+        "--lr",
+        "1e-2",
+        "--width",
+        "64",
+        "--quiet",
+        "--draft",
+        "none",
+        "--out",
+        str(out),
+        *extra,
+    ]
     assert main(args) == 0
     return json.loads(out.read_text()), capsys.readouterr().out
 
@@ -75,8 +105,9 @@ def test_heldout_answers_never_become_training_pairs(tmp_path, capsys):
     other = dict(copies[0], key="resampled", ids=copies[0]["ids"][:-3] + [5, 6, 2])
     own = [json.loads(x) for x in open(planted_shard(tmp_path / "d0.jsonl", 20, seed=0))]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in own + copies + [other]) + "\n")
-    rec, text = run_probe(tmp_path, target, str(tmp_path / "d.jsonl"), held, "final,embed", "x", capsys,
-                          "--pairs", "100000")
+    rec, text = run_probe(
+        tmp_path, target, str(tmp_path / "d.jsonl"), held, "final,embed", "x", capsys, "--pairs", "100000"
+    )
     assert rec["dropped_heldout_prompts"] == 7 and rec["training_answers"] == 20 and rec["probe_answers"] == 20
     assert "7 training answers to held-out prompts dropped" in text
     kept, dropped = P.without_heldout(load_sequences(tmp_path / "d.jsonl", V), load_sequences(held, V))
@@ -87,8 +118,12 @@ def test_bad_probe_settings_are_one_error_naming_them(tmp_path, capsys):
     target = save_tiny_target(tmp_path / "target")
     data = planted_shard(tmp_path / "d.jsonl", 4, seed=0)
     base = ["train", "probe", "--target", str(target), "--dtype", "fp32", "--data", data, "--heldout", data]
-    for bad, said in [("final,tap:99", "--inputs 'tap:99'"), ("final,hidden", "--inputs 'hidden'"),
-                      ("final,,embed", "an empty name"), ("embed,embed", "embed given twice")]:
+    for bad, said in [
+        ("final,tap:99", "--inputs 'tap:99'"),
+        ("final,hidden", "--inputs 'hidden'"),
+        ("final,,embed", "an empty name"),
+        ("embed,embed", "embed given twice"),
+    ]:
         assert main(base + ["--inputs", bad]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(errors) == 1 and errors[0].startswith("dspark train: error: ") and said in errors[0], errors
@@ -117,8 +152,14 @@ def test_a_drafts_first_slot_is_what_propose_drafts(tmp_path):
     for i, a in pairs.where.tolist():
         t, _ = feats.get([i])[0]
         ctx = draft.new_context_cache(1, "cpu", dtype=draft.fc.weight.dtype)  # the block in Python, as the probe's
-        batch = Batch(None, ctx, seqs[i].ids[a : a + 1].clone(), [SamplingParams()], [None],
-                      [t[None, :a].to(draft.fc.weight.dtype)])
+        batch = Batch(
+            None,
+            ctx,
+            seqs[i].ids[a : a + 1].clone(),
+            [SamplingParams()],
+            [None],
+            [t[None, :a].to(draft.fc.weight.dtype)],
+        )
         drafted.append(int(propose(draft, batch, 1).tokens[0, 0]))
     got = P.draft_slot1_tokens(draft, feats, taps, model.config.hidden_size, seqs, pairs, chunk=7)
     assert got.tolist() == drafted and len(set(drafted)) > 5

@@ -12,9 +12,17 @@ from dspark.model.load import build_draft
 def tiny_target(seed: int = 0, vocab: int = 96, layers: int = 4, hidden: int = 64, dtype=torch.float32):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
@@ -32,7 +40,7 @@ def tiny_draft(model, seed: int = 1, **kw):
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def engine_for(model, draft=None, runtime: str = "hf", **kw):
@@ -52,8 +60,10 @@ def bigram_draft(engine, extra_prompts=(), **kw):
     V = model.config.vocab_size
     draft = tiny_draft(model, markov_rank=V, **kw)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, V, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(16)]
+    prompts = [
+        torch.randint(4, V, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(16)
+    ]
     prompts = list(extra_prompts) + prompts
     counts = torch.zeros(V, V)
     for p, r in zip(prompts, engine.generate_many(prompts, SamplingParams(max_new_tokens=24))):

@@ -3,7 +3,8 @@
 - the target (2 layers) learns to continue a period-5 pattern of its prompt: its next token
   depends on the context, not on the last token alone (a random tiny target loops on one
   token, which every draft reading predicts alike);
-- the draft (and a weak one, fewer steps) is fitted with the training pipeline's own pieces (dspark.train.loss: make_blocks,
+- the draft (and a weak one, fewer steps) is fitted with the training pipeline's own pieces
+  (dspark.train.loss: make_blocks,
   draft_rows, loss_sums; dspark.train.trainer.init_weights) on the target's greedy answers to
   random prompts, anchor-first, taps (1, 2), mask token 1.
 The `trained` fixture (session scope, shared by xdist workers through a file lock) is
@@ -60,8 +61,16 @@ def _train_draft(model, steps: int = 240, layout: str = "anchor_first", scaled: 
     mask = torch.zeros(out.shape[1], dtype=torch.bool)
     mask[8:] = True
     seqs = [Sequence(str(i), ids, mask) for i, ids in enumerate(out)]
-    spec = make_spec(model.config, gamma=4, layout=layout, num_layers=1, taps=TAPS, markov_rank=16,
-                     mask_token_id=MASK, intermediate_size=128)
+    spec = make_spec(
+        model.config,
+        gamma=4,
+        layout=layout,
+        num_layers=1,
+        taps=TAPS,
+        markov_rank=16,
+        mask_token_id=MASK,
+        intermediate_size=128,
+    )
     draft = build_draft(spec, model, dtype=torch.float32)
     init_weights(draft, 0)
     draft.train()
@@ -78,8 +87,17 @@ def _train_draft(model, steps: int = 240, layout: str = "anchor_first", scaled: 
     head, weights = model.get_output_embeddings(), LossWeights()
     for _ in range(steps):
         idx = torch.randint(0, len(seqs), (4,), generator=g).tolist()
-        blocks = [make_blocks(seqs[i].ids, seqs[i].loss_mask, sample_anchors(seqs[i].loss_mask, 32, g),
-                              layout=spec.layout, gamma=spec.gamma, mask_token_id=spec.mask_token_id) for i in idx]
+        blocks = [
+            make_blocks(
+                seqs[i].ids,
+                seqs[i].loss_mask,
+                sample_anchors(seqs[i].loss_mask, 32, g),
+                layout=spec.layout,
+                gamma=spec.gamma,
+                mask_token_id=spec.mask_token_id,
+            )
+            for i in idx
+        ]
         denom = sum(float(b.weight.sum()) for b in blocks)
         opt.zero_grad()
         for i, blk in zip(idx, blocks):
@@ -120,6 +138,14 @@ def trained(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
     spec = load_spec(root / "healthy")
     weak = load_spec(root / "weak")
-    return {"root": root, "target": str(root / "target"), "healthy": str(root / "healthy"), "spec": spec,
-            "tensors": load_weights(spec), "model": model, "weak": str(root / "weak"), "weak_spec": weak,
-            "weak_tensors": load_weights(weak)}
+    return {
+        "root": root,
+        "target": str(root / "target"),
+        "healthy": str(root / "healthy"),
+        "spec": spec,
+        "tensors": load_weights(spec),
+        "model": model,
+        "weak": str(root / "weak"),
+        "weak_spec": weak,
+        "weak_tensors": load_weights(weak),
+    }

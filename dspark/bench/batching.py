@@ -81,8 +81,16 @@ def bench_batching(
         if arm == "plain":
             return engine.derive(speculative=False, max_batch=c)
         # a fresh policy per engine: the adaptive one's running timings belong to one load level
-        policy = make_scheduler(arm, engine.target, draft, threshold=threshold, calibration=calibration, curve=curve,
-                                skip=skip, prior=engine.prior)
+        policy = make_scheduler(
+            arm,
+            engine.target,
+            draft,
+            threshold=threshold,
+            calibration=calibration,
+            curve=curve,
+            skip=skip,
+            prior=engine.prior,
+        )
         return engine.derive(policy=policy, max_batch=c)
 
     def params(i: int, n: int) -> SamplingParams:
@@ -116,8 +124,13 @@ def bench_batching(
                 m.merge(other)
             all_steps = m.steps + m.plain_steps
             row = {
-                "concurrency": c, "arm": arm, "requests": len(work), "output_tokens": out, "seconds": round(dt, 4),
-                "tokens_per_s": round(out / dt, 2), "repeats": repeats,
+                "concurrency": c,
+                "arm": arm,
+                "requests": len(work),
+                "output_tokens": out,
+                "seconds": round(dt, 4),
+                "tokens_per_s": round(out / dt, 2),
+                "repeats": repeats,
                 "mean_accept_length": round(m.mean_accept_length, 3) if draft is not None and arm != "plain" else 1.0,
                 "verified_per_step": round(m.verified / m.steps, 3) if m.steps else 0.0,
                 "drafted_per_step": round(m.drafted / m.steps, 3) if m.steps else 0.0,

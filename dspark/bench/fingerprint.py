@@ -24,7 +24,8 @@ import torch
 from dspark.model.taps import per_dim_rms
 
 FIT_RATIO = 1.4  # a reading's taps fit fc this many times better than the declared ones: a finding
-MIN_EXPLAINED = 0.5  # share of the variance of log ||fc[:, j]|| that a reading's RMS profile explains: fc carries a tap scale at all
+# share of the variance of log ||fc[:, j]|| that a reading's RMS profile explains: fc carries a tap scale at all
+MIN_EXPLAINED = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,12 @@ class TapFit:
         return 1.0 - self.misfit / max(self.spread, 1e-12)
 
     def to_json(self) -> dict:
-        return {"taps": list(self.taps), "misfit": round(self.misfit, 5), "explained": round(self.explained, 4),
-                "correlation": round(self.correlation, 4)}
+        return {
+            "taps": list(self.taps),
+            "misfit": round(self.misfit, 5),
+            "explained": round(self.explained, 4),
+            "correlation": round(self.correlation, 4),
+        }
 
 
 def layer_rms(texts: list[tuple[dict, int]], layers) -> dict[int, torch.Tensor]:

@@ -24,8 +24,10 @@ from dspark.errors import DSparkError
 from dspark.target.load import SMOLLM2, resolve_target, smollm2_gguf
 
 ARM = "llamacpp"
-INSTALL = ("pip install 'dspark[llamacpp]' (builds llama.cpp from source: needs a C/C++ compiler and cmake; "
-           "`CMAKE_BUILD_PARALLEL_LEVEL=2` on a 2-core machine)")
+INSTALL = (
+    "pip install 'dspark[llamacpp]' (builds llama.cpp from source: needs a C/C++ compiler and cmake; "
+    "`CMAKE_BUILD_PARALLEL_LEVEL=2` on a 2-core machine)"
+)
 
 
 def check_installed() -> None:
@@ -39,8 +41,10 @@ def gguf_file(target: str) -> Path:
         return smollm2_gguf()
     files = sorted(resolve_target(target).glob("*.gguf"))
     if len(files) != 1:
-        raise DSparkError(f"runtime arm {ARM!r} decodes the target's GGUF file: {target} holds "
-                          f"{len(files)} .gguf files (it needs exactly one, or the target 'smollm2')")
+        raise DSparkError(
+            f"runtime arm {ARM!r} decodes the target's GGUF file: {target} holds "
+            f"{len(files)} .gguf files (it needs exactly one, or the target 'smollm2')"
+        )
     return files[0]
 
 
@@ -58,8 +62,14 @@ class LlamaCppArm:
 
         path = gguf_file(target)
         self.format = _gguf_type(path)
-        kw = dict(model_path=str(path), n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
-                  n_threads_batch=threads, verbose=False)
+        kw = dict(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=min(512, n_ctx),
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
         self.plain = Llama(**kw, logits_all=False)
         self.verify = Llama(**kw, logits_all=True)
 

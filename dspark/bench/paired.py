@@ -105,11 +105,23 @@ class Comparison:
 
     def to_json(self) -> dict:
         r = lambda v: round(v, 4) if math.isfinite(v) else (1e9 if v > 0 else -1e9)  # noqa: E731
-        return {"anchors": self.anchors, "slots": self.slots, "tau_declared": r(self.tau_declared),
-                "tau_alt": r(self.tau_alt), "gain": r(self.gain), "z": r(self.z), "p": float(f"{self.p:.3g}"),
-                "z_margin": r(self.z_margin), "loglik_declared": r(self.ll_declared), "loglik_alt": r(self.ll_alt),
-                "loglik_gain": r(self.ll_gain), "loglik_z": r(self.ll_z), "loglik_z_margin": r(self.ll_z_margin),
-                "status": self.status, "by": self.by}
+        return {
+            "anchors": self.anchors,
+            "slots": self.slots,
+            "tau_declared": r(self.tau_declared),
+            "tau_alt": r(self.tau_alt),
+            "gain": r(self.gain),
+            "z": r(self.z),
+            "p": float(f"{self.p:.3g}"),
+            "z_margin": r(self.z_margin),
+            "loglik_declared": r(self.ll_declared),
+            "loglik_alt": r(self.ll_alt),
+            "loglik_gain": r(self.ll_gain),
+            "loglik_z": r(self.ll_z),
+            "loglik_z_margin": r(self.ll_z_margin),
+            "status": self.status,
+            "by": self.by,
+        }
 
 
 # A reading is excluded ("not better") only once the comparison rests on this many texts: the
@@ -135,9 +147,18 @@ def _z_pair(d: torch.Tensor, e: torch.Tensor, segments: list[int], lag: int) -> 
     return md / se_d, -me / se_e
 
 
-def compare(declared: torch.Tensor, alt: torch.Tensor, segments: list[int], slots: int, *, min_gain: float,
-            z_better: float, z_not_better: float, ll: tuple[torch.Tensor, torch.Tensor] | None = None,
-            ll_min_gain: float = 0.0) -> Comparison:
+def compare(
+    declared: torch.Tensor,
+    alt: torch.Tensor,
+    segments: list[int],
+    slots: int,
+    *,
+    min_gain: float,
+    z_better: float,
+    z_not_better: float,
+    ll: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ll_min_gain: float = 0.0,
+) -> Comparison:
     """declared, alt: [n] accepted drafts per anchor (same anchors, in text order); segments: anchors
     per text; ll: (declared, alt) [n, >= slots] log q(target token) per anchor and slot, or None."""
     a = declared.clamp(max=slots).double()
@@ -156,12 +177,23 @@ def compare(declared: torch.Tensor, alt: torch.Tensor, segments: list[int], slot
     la, lb = (x[:, :slots].double() @ w for x in ll)
     lz, lzm = _z_pair(lb - la, (lb - la) - ll_min_gain, segments, lag)
     ll_gain = float((lb - la).mean())
-    lik = ("better" if (lz >= z_better and ll_gain >= ll_min_gain and z > -z_better)
-           else "not better" if lzm >= z_not_better else "open")
-    status = ("better" if "better" in (acc, lik) else "not better" if acc == lik == "not better" else "open")
-    if (status == "open" and lik == "not better" and lz <= -z_better and gain < min_gain
-            and len(segments) >= MIN_TEXTS_TO_EXCLUDE):
+    lik = (
+        "better"
+        if (lz >= z_better and ll_gain >= ll_min_gain and z > -z_better)
+        else "not better"
+        if lzm >= z_not_better
+        else "open"
+    )
+    status = "better" if "better" in (acc, lik) else "not better" if acc == lik == "not better" else "open"
+    if (
+        status == "open"
+        and lik == "not better"
+        and lz <= -z_better
+        and gain < min_gain
+        and len(segments) >= MIN_TEXTS_TO_EXCLUDE
+    ):
         status = "not better"  # the draft's objective clearly prefers the declared reading (docstring)
     by = "acceptance" if acc == "better" else "likelihood" if lik == "better" else ""
-    return Comparison(n, slots, tau_a, tau_b, gain, z, p_of(z), zm, status, float(la.mean()), float(lb.mean()),
-                      lz, lzm, by)
+    return Comparison(
+        n, slots, tau_a, tau_b, gain, z, p_of(z), zm, status, float(la.mean()), float(lb.mean()), lz, lzm, by
+    )

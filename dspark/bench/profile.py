@@ -27,9 +27,20 @@ MEAN_TOLERANCE = 0.02
 MONOTONE_SLACK = 1e-6
 
 REQUIRED_KEYS = (
-    "method", "draft_checkpoint", "target_model", "num_speculative_tokens", "block_size", "verification_method",
-    "conditional_accept_rates", "marginal_accept_rates", "mean_accept_length", "mean_accept_length_per_request",
-    "acceptance_length_histogram", "per_category", "measurement_conditions", "validation",
+    "method",
+    "draft_checkpoint",
+    "target_model",
+    "num_speculative_tokens",
+    "block_size",
+    "verification_method",
+    "conditional_accept_rates",
+    "marginal_accept_rates",
+    "mean_accept_length",
+    "mean_accept_length_per_request",
+    "acceptance_length_histogram",
+    "per_category",
+    "measurement_conditions",
+    "validation",
 )
 
 
@@ -92,8 +103,7 @@ def build_profile(
         **rates_from_metrics(metrics),
         "mean_accept_length_per_request": round(sum(per_req) / len(per_req), 6) if per_req else None,
         "per_category": {
-            name: {**rates_from_metrics(m), "num_requests": n}
-            for name, (m, n) in (per_category or {}).items()
+            name: {**rates_from_metrics(m), "num_requests": n} for name, (m, n) in (per_category or {}).items()
         },
         "measurement_conditions": measurement_conditions or {},
     }
@@ -106,7 +116,11 @@ def _check_block(block: dict, k: int, where: str) -> tuple[dict, list[str]]:
     """Identities of one acceptance block (top level or one category). Returns (report, errors)."""
     errors: list[str] = []
     cond, marg = block.get("conditional_accept_rates"), block.get("marginal_accept_rates")
-    mean, hist, steps = block.get("mean_accept_length"), block.get("acceptance_length_histogram"), block.get("num_verify_steps")
+    mean, hist, steps = (
+        block.get("mean_accept_length"),
+        block.get("acceptance_length_histogram"),
+        block.get("num_verify_steps"),
+    )
     for name, vec in (("conditional_accept_rates", cond), ("marginal_accept_rates", marg)):
         if not isinstance(vec, list) or len(vec) != k:
             errors.append(f"{where}{name} must be a list of num_speculative_tokens={k} rates, got {vec!r}")
@@ -123,18 +137,30 @@ def _check_block(block: dict, k: int, where: str) -> tuple[dict, list[str]]:
 
     implied = 1.0 + sum(marg)
     delta = abs(implied - mean)
-    consistency = {"implied_mean_accept_length": round(implied, 6), "reported_mean_accept_length": round(mean, 6),
-                   "abs_delta": round(delta, 6), "tolerance": MEAN_TOLERANCE, "passed": delta <= MEAN_TOLERANCE}
+    consistency = {
+        "implied_mean_accept_length": round(implied, 6),
+        "reported_mean_accept_length": round(mean, 6),
+        "abs_delta": round(delta, 6),
+        "tolerance": MEAN_TOLERANCE,
+        "passed": delta <= MEAN_TOLERANCE,
+    }
     if not consistency["passed"]:
-        errors.append(f"{where}mean_accept_length {mean:.4f} != 1 + sum(marginal_accept_rates) = {implied:.4f} "
-                      f"(|delta| {delta:.4f} > {MEAN_TOLERANCE})")
+        errors.append(
+            f"{where}mean_accept_length {mean:.4f} != 1 + sum(marginal_accept_rates) = {implied:.4f} "
+            f"(|delta| {delta:.4f} > {MEAN_TOLERANCE})"
+        )
 
-    violations = [{"position": i, "value": marg[i], "previous": marg[i - 1]}
-                  for i in range(1, k) if marg[i] > marg[i - 1] + MONOTONE_SLACK]
+    violations = [
+        {"position": i, "value": marg[i], "previous": marg[i - 1]}
+        for i in range(1, k)
+        if marg[i] > marg[i - 1] + MONOTONE_SLACK
+    ]
     if violations:
         v = violations[0]
-        errors.append(f"{where}marginal_accept_rates increase at position {v['position']} "
-                      f"({v['previous']} -> {v['value']}): a survival function cannot increase")
+        errors.append(
+            f"{where}marginal_accept_rates increase at position {v['position']} "
+            f"({v['previous']} -> {v['value']}): a survival function cannot increase"
+        )
 
     # Under full verification P(first i+1 accepted) = prod of conditionals up to i: both
     # vectors must describe one law.
@@ -144,8 +170,10 @@ def _check_block(block: dict, k: int, where: str) -> tuple[dict, list[str]]:
         chain.append(abs(prod - marg[i]))
     if block.get("full_verification") and max(chain, default=0.0) > MEAN_TOLERANCE:
         i = max(range(k), key=chain.__getitem__)
-        errors.append(f"{where}conditional and marginal rates disagree at position {i}: "
-                      f"prod(conditional[:{i + 1}]) differs from marginal by {chain[i]:.4f}")
+        errors.append(
+            f"{where}conditional and marginal rates disagree at position {i}: "
+            f"prod(conditional[:{i + 1}]) differs from marginal by {chain[i]:.4f}"
+        )
 
     hist_report: dict = {"passed": False}
     if not isinstance(hist, dict) or not hist:
@@ -163,17 +191,23 @@ def _check_block(block: dict, k: int, where: str) -> tuple[dict, list[str]]:
                 errors.append(f"{where}acceptance_length_histogram needs lengths in 1..{k + 1} and counts >= 0: {hist}")
                 hist_report["passed"] = False
             elif total != steps:
-                errors.append(f"{where}acceptance_length_histogram sums to {total} steps, but num_verify_steps is {steps}")
+                errors.append(
+                    f"{where}acceptance_length_histogram sums to {total} steps, but num_verify_steps is {steps}"
+                )
             elif total:
                 hist_mean = sum(a * n for a, n in h.items()) / total
                 hist_report["histogram_mean_accept_length"] = round(hist_mean, 6)
                 if abs(hist_mean - mean) > MEAN_TOLERANCE:
-                    errors.append(f"{where}acceptance_length_histogram implies a mean of {hist_mean:.4f}, "
-                                  f"but mean_accept_length is {mean:.4f}")
+                    errors.append(
+                        f"{where}acceptance_length_histogram implies a mean of {hist_mean:.4f}, "
+                        f"but mean_accept_length is {mean:.4f}"
+                    )
                     hist_report["passed"] = False
-    report = {"mean_consistency": consistency,
-              "marginal_monotonicity": {"passed": not violations, "violations": violations},
-              "histogram_total": hist_report}
+    report = {
+        "mean_consistency": consistency,
+        "marginal_monotonicity": {"passed": not violations, "violations": violations},
+        "histogram_total": hist_report,
+    }
     return report, errors
 
 

@@ -74,9 +74,11 @@ def markdown(results: dict) -> str:
     for set_name, arms in results["sets"].items():
         for arm in arms["arms"].values():
             t = arm["time_s"]
-            lines.append(f"| {set_name} | {arm['label']} | {t['wall']:.2f} | {t['target_forward']:.2f} | "
-                         f"{t['draft']:.2f} | {t['overhead']:.2f} | {t['engine_verify_span']:.2f} | "
-                         f"{t['engine_other_span']:.2f} |")
+            lines.append(
+                f"| {set_name} | {arm['label']} | {t['wall']:.2f} | {t['target_forward']:.2f} | "
+                f"{t['draft']:.2f} | {t['overhead']:.2f} | {t['engine_verify_span']:.2f} | "
+                f"{t['engine_other_span']:.2f} |"
+            )
     if results.get("runtimes"):
         lines += ["", "## Target runtimes (plain decoding, batch 1, arms alternated)", "", results["runtimes"]["table"]]
     lines += ["", f"Reproduce: `{results['command']}`", ""]
@@ -102,8 +104,9 @@ def plots(results: dict, out: Path) -> list[Path]:
                 continue
             pos = range(1, len(acc["conditional_accept_rates"]) + 1)
             axes[0].plot(pos, acc["conditional_accept_rates"], marker="o", label=set_name)
-            axes[1].plot(pos, acc["marginal_accept_rates"], marker="o",
-                         label=f"{set_name} (tau {acc['mean_accept_length']:.2f})")
+            axes[1].plot(
+                pos, acc["marginal_accept_rates"], marker="o", label=f"{set_name} (tau {acc['mean_accept_length']:.2f})"
+            )
             for ax in axes:
                 ax.set_xticks(list(pos))
         axes[0].set_title("conditional: P(slot i | slots < i accepted)")

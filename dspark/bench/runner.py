@@ -73,7 +73,9 @@ def parse_arms(text: str) -> list[Arm]:
             continue
         kind, _, conc = item.partition("@")
         if kind not in ARM_KINDS:
-            raise DSparkError(f"unknown bench arm {kind!r} (choose from {', '.join(ARM_KINDS)}; add @N for N concurrent requests)")
+            raise DSparkError(
+                f"unknown bench arm {kind!r} (choose from {', '.join(ARM_KINDS)}; add @N for N concurrent requests)"
+            )
         try:
             c = int(conc) if conc else 1
         except ValueError:
@@ -156,8 +158,12 @@ class HFRunner:
     def __call__(self, prompts, params):
         (ids,), (p,) = prompts, params
         x = torch.tensor([ids], device=self.model.device)
-        kw = dict(max_new_tokens=p.max_new_tokens, do_sample=not p.greedy, pad_token_id=self.pad,
-                  eos_token_id=None if p.ignore_eos else list(self.eos))
+        kw = dict(
+            max_new_tokens=p.max_new_tokens,
+            do_sample=not p.greedy,
+            pad_token_id=self.pad,
+            eos_token_id=None if p.ignore_eos else list(self.eos),
+        )
         if p.greedy:
             # the model's generation_config may carry sampling defaults: greedy must not see them
             kw.update(temperature=None, top_k=None, top_p=None)
@@ -168,7 +174,7 @@ class HFRunner:
             kw["prompt_lookup_num_tokens"] = self.lookup
         with torch.inference_mode():
             out = self.model.generate(x, attention_mask=torch.ones_like(x), **kw)
-        return [out[0, len(ids):].tolist()], [None]
+        return [out[0, len(ids) :].tolist()], [None]
 
 
 class EngineRunner:
@@ -243,7 +249,9 @@ def _engine_chunks(arms: list[Arm], runners: dict, set_name: str, i: int, ids, p
     return chunks
 
 
-def interleaved(arms: list[Arm], runners: dict, sets, encoded: dict, params_for, timer, device, progress=None) -> list[Chunk]:
+def interleaved(
+    arms: list[Arm], runners: dict, sets, encoded: dict, params_for, timer, device, progress=None
+) -> list[Chunk]:
     """Run every arm on every prompt, prompt group by prompt group, arm order rotated per prompt.
     Engine arms decoding one request at a time run side by side (`side_by_side`), where the
     first of them comes in the rotated order; other arms (transformers) run whole."""
@@ -257,7 +265,7 @@ def interleaved(arms: list[Arm], runners: dict, sets, encoded: dict, params_for,
         for g0 in range(0, len(ids), group):
             idx = list(range(g0, min(g0 + group, len(ids))))
             for i in idx:
-                order = single[turn % len(single):] + single[: turn % len(single)] if single else []
+                order = single[turn % len(single) :] + single[: turn % len(single)] if single else []
                 stepped = [a for a in order if isinstance(runners[a.name], EngineRunner)]
                 for arm in order:
                     if arm in stepped and len(stepped) > 1:
@@ -265,7 +273,9 @@ def interleaved(arms: list[Arm], runners: dict, sets, encoded: dict, params_for,
                             continue  # ran with the first engine arm
                         new = _engine_chunks(stepped, runners, ps.name, i, ids[i], params_for(i), timer, device, turn)
                     else:
-                        new = [run_chunk(runners[arm.name], arm, ps.name, [i], [ids[i]], [params_for(i)], timer, device)]
+                        new = [
+                            run_chunk(runners[arm.name], arm, ps.name, [i], [ids[i]], [params_for(i)], timer, device)
+                        ]
                     for c in new:
                         chunks.append(c)
                         if progress:
@@ -274,14 +284,25 @@ def interleaved(arms: list[Arm], runners: dict, sets, encoded: dict, params_for,
             for arm in batched:
                 for c0 in range(0, len(idx), arm.concurrency):
                     sub = idx[c0 : c0 + arm.concurrency]
-                    chunks.append(run_chunk(runners[arm.name], arm, ps.name, sub, [ids[i] for i in sub],
-                                            [params_for(i) for i in sub], timer, device))
+                    chunks.append(
+                        run_chunk(
+                            runners[arm.name],
+                            arm,
+                            ps.name,
+                            sub,
+                            [ids[i] for i in sub],
+                            [params_for(i) for i in sub],
+                            timer,
+                            device,
+                        )
+                    )
                     if progress:
                         progress(chunks[-1])
     return chunks
 
 
 # ---- aggregation -------------------------------------------------------------------------------
+
 
 @dataclass
 class ArmStats:
@@ -376,16 +397,35 @@ def aggregate(chunks: list[Chunk], arms: list[Arm], set_names: list[str]) -> dic
         start += 1 + max((i for c in chunks if c.set == s for i in c.indices), default=-1)
     for c in chunks:
         table[c.set][c.arm].add(c)
-        shifted = Chunk(c.arm, "all", [i + offset[c.set] for i in c.indices], c.outputs, c.metrics, c.wall_s,
-                        c.target_s, c.draft_s, c.verify_s, c.other_s)
+        shifted = Chunk(
+            c.arm,
+            "all",
+            [i + offset[c.set] for i in c.indices],
+            c.outputs,
+            c.metrics,
+            c.wall_s,
+            c.target_s,
+            c.draft_s,
+            c.verify_s,
+            c.other_s,
+        )
         table["all"][by_name[c.arm].name].add(shifted)
     return table
 
 
-def sampling_params(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, ignore_eos: bool):
+def sampling_params(
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, ignore_eos: bool
+):
     def params_for(i: int) -> SamplingParams:
         # The same seed for every arm on prompt i: sampled arms see the same randomness budget.
         s = None if temperature == 0 else (seed or 0) + i
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              seed=s, ignore_eos=ignore_eos)
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=s,
+            ignore_eos=ignore_eos,
+        )
+
     return params_for

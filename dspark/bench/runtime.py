@@ -47,8 +47,10 @@ from dspark.target.native import WEIGHTS, NativeTarget
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto,native-auto@torch"
 LLAMACPP = llamacpp.ARM  # optional: llama.cpp decoding the target's GGUF file (dspark.bench.llamacpp)
 DRAFT_DEPTHS = (1, 2, 3)
-PROMPT = ("Explain in a few paragraphs how a hash table works, what a collision is and how open addressing "
-          "and chaining resolve it.")
+PROMPT = (
+    "Explain in a few paragraphs how a hash table works, what a collision is and how open addressing "
+    "and chaining resolve it."
+)
 
 
 def cpu_class() -> str:
@@ -56,13 +58,15 @@ def cpu_class() -> str:
     name, flags = cpu_model_and_flags()
     name = name or platform.processor() or "cpu"
     feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name}, {os.cpu_count()} cores, {' '.join(feats) or 'no AVX2'}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{name}, {os.cpu_count()} cores, {' '.join(feats) or 'no AVX2'}, torch {torch.__version__} ({isa})"
 
 
 def _prompt_ids(tok) -> torch.Tensor:
     if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                      return_tensors="pt")
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt"
+        )
         return ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
     return torch.tensor([tok.encode(PROMPT)])
 
@@ -70,8 +74,15 @@ def _prompt_ids(tok) -> torch.Tensor:
 def _hf_decode(model, ids: torch.Tensor, n: int, device) -> float:
     ids = ids.to(device)
     t = now(device)
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                   pad_token_id=0, eos_token_id=None)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     return n / (now(device) - t)
 
 
@@ -101,10 +112,14 @@ def arm_kind(arm: str) -> tuple[str, str]:
         return LLAMACPP, "gguf"
     base, at, kernel = arm.partition("@")  # native-<weights>@torch: torch's ops, not dspark's kernels
     kind, _, fmt = base.partition("-")
-    if not ((kind == "hf" and fmt in ("bf16", "fp32") and not at) or
-            (kind == "native" and fmt in WEIGHTS and kernel in (("torch",) if at else ("",)))):
-        raise DSparkError(f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>, "
-                          f"native-<weights>@torch for torch's ops instead of dspark's kernels, {LLAMACPP})")
+    if not (
+        (kind == "hf" and fmt in ("bf16", "fp32") and not at)
+        or (kind == "native" and fmt in WEIGHTS and kernel in (("torch",) if at else ("",)))
+    ):
+        raise DSparkError(
+            f"unknown runtime arm {arm!r} (hf-bf16, hf-fp32, native-<{'|'.join(WEIGHTS)}>, "
+            f"native-<weights>@torch for torch's ops instead of dspark's kernels, {LLAMACPP})"
+        )
     return kind, fmt
 
 
@@ -151,8 +166,17 @@ def _draft_phases(draft, target, reps: int = 5) -> dict[int, float]:
     return {d: draft_phase_seconds(draft, evict=step, depth=d, reps=reps) for d in DRAFT_DEPTHS}
 
 
-def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, target: str = SMOLLM2,
-        device: str = "cpu", draft: str | None = None, draft_weights: str = "auto") -> list[dict]:
+def run(
+    arms: list[str],
+    threads: int,
+    tokens: int,
+    rounds: int,
+    context: int,
+    target: str = SMOLLM2,
+    device: str = "cpu",
+    draft: str | None = None,
+    draft_weights: str = "auto",
+) -> list[dict]:
     torch.set_num_threads(threads)
     m32, tok = load_target(target, "fp32", device)
     if tok is None:
@@ -160,7 +184,9 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
     m16 = load_target(target, "bf16", device)[0] if any(a == "hf-bf16" for a in arms) else None
     ids = _prompt_ids(tok)[0].tolist()
     if context + 8 + 1 > m32.config.max_position_embeddings:
-        raise DSparkError(f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions")
+        raise DSparkError(
+            f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions"
+        )
     timer = ForwardTimer(m32, device)  # native targets: their forward; hf-fp32 engine arms: the module
     runners, drafts = {}, {}
     try:
@@ -183,8 +209,10 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
         over = {a: [] for a in arms}
         cost = {a: [] for a in arms}
         phase = {a: [] for a in arms}
-        drafted = {a: drafts.get(getattr(runners[a].target, "dtype", None)) if arm_kind(a)[0] == "native" else None
-                   for a in arms}
+        drafted = {
+            a: drafts.get(getattr(runners[a].target, "dtype", None)) if arm_kind(a)[0] == "native" else None
+            for a in arms
+        }
         with torch.inference_mode():
             for a in arms:  # warm-up: first calls pay allocator and kernel selection
                 runners[a].decode(ids, 8)
@@ -208,16 +236,18 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
     rows = []
     for a in arms:
         t = {s: statistics.median(c[s] for c in cost[a]) for s in cost[a][0]}
-        rows.append({
-            "arm": a,
-            "runtime": runners[a].runtime,
-            "format": runners[a].format,
-            "head": runners[a].head,
-            "tokens_per_s": statistics.median(tps[a]),
-            "engine_overhead": statistics.median(over[a]) if over[a] else None,
-            "ms": {s: 1e3 * v for s, v in t.items()},
-            "verify8_over_1": t[8] / t[1],
-        })
+        rows.append(
+            {
+                "arm": a,
+                "runtime": runners[a].runtime,
+                "format": runners[a].format,
+                "head": runners[a].head,
+                "tokens_per_s": statistics.median(tps[a]),
+                "engine_overhead": statistics.median(over[a]) if over[a] else None,
+                "ms": {s: 1e3 * v for s, v in t.items()},
+                "verify8_over_1": t[8] / t[1],
+            }
+        )
         if phase[a]:
             p = {d: statistics.median(x[d] for x in phase[a]) for d in DRAFT_DEPTHS}
             rows[-1]["draft"] = fast.describe(drafted[a])
@@ -230,11 +260,14 @@ def run(arms: list[str], threads: int, tokens: int, rounds: int, context: int, t
 def table(rows: list[dict], threads: int, tokens: int, context: int, target: str = SMOLLM2) -> str:
     best_hf = max((r["tokens_per_s"] for r in rows if r["arm"].startswith("hf")), default=None)
     name = "SmolLM2-135M-Instruct" if target == SMOLLM2 else target
-    out = [f"CPU: {cpu_class()}; torch threads {threads}; {name}, batch 1, "
-           f"{tokens} greedy tokens; forward costs on a {context}-token cache",
-           "",
-           "| arm | weights (head) | plain decode tok/s | x best HF generate | engine overhead | 1 tok ms | 2 tok ms | 4 tok ms | 8 tok ms | 8-token verify / 1-token step |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"CPU: {cpu_class()}; torch threads {threads}; {name}, batch 1, "
+        f"{tokens} greedy tokens; forward costs on a {context}-token cache",
+        "",
+        "| arm | weights (head) | plain decode tok/s | x best HF generate | engine overhead "
+        "| 1 tok ms | 2 tok ms | 4 tok ms | 8 tok ms | 8-token verify / 1-token step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         x = f"{r['tokens_per_s'] / best_hf:.2f}x" if best_hf else "-"
         fmt = r["format"] + (f" ({r['head']})" if r["head"] and r["head"] != r["format"] else "")
@@ -243,8 +276,13 @@ def table(rows: list[dict], threads: int, tokens: int, context: int, target: str
         out.append(f"| {r['arm']} | {fmt} | {r['tokens_per_s']:.1f} | {x} | {ov} | {ms} | {r['verify8_over_1']:.2f}x |")
     drafted = [r for r in rows if "draft_ms" in r]
     if drafted:
-        out += ["", f"Draft phase after a target step ({drafted[0]['draft']}):", "",
-                "| arm | 1 slot ms | 2 slots ms | 3 slots ms | 1-slot phase / 1-token step |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            f"Draft phase after a target step ({drafted[0]['draft']}):",
+            "",
+            "| arm | 1 slot ms | 2 slots ms | 3 slots ms | 1-slot phase / 1-token step |",
+            "|---|---|---|---|---|",
+        ]
         for r in drafted:
             ms = " | ".join(f"{r['draft_ms'][d]:.2f}" for d in DRAFT_DEPTHS)
             out.append(f"| {r['arm']} | {ms} | {r['draft_over_step']:.2f}x |")

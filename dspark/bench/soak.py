@@ -141,8 +141,13 @@ def _malformed(model: str, context: int) -> list[tuple[str, str, bytes, int, dic
         ("bad_json", CHAT, b'{"model": "' + model.encode() + b'", "messages": [', 400, {}),
         ("not_an_object", COMPLETIONS, b'["a prompt"]', 400, {}),
         ("max_tokens_string", COMPLETIONS, js({"model": model, "prompt": "hi", "max_tokens": "ten"}), 400, {}),
-        ("max_tokens_past_context", COMPLETIONS, js({"model": model, "prompt": "hi", "max_tokens": context + 1}), 400,
-         {}),
+        (
+            "max_tokens_past_context",
+            COMPLETIONS,
+            js({"model": model, "prompt": "hi", "max_tokens": context + 1}),
+            400,
+            {},
+        ),
         ("temperature_too_high", CHAT, js({**ok_chat, "temperature": 7}), 400, {}),
         ("unknown_model", CHAT, js({**ok_chat, "model": model + "-nope"}), 404, {}),
         ("empty_messages", CHAT, js({**ok_chat, "messages": []}), 400, {}),
@@ -150,8 +155,14 @@ def _malformed(model: str, context: int) -> list[tuple[str, str, bytes, int, dic
         ("n_is_3", CHAT, js({**ok_chat, "n": 3}), 400, {}),
         ("logprobs", COMPLETIONS, js({"model": model, "prompt": "hi", "logprobs": 5}), 400, {}),
         ("token_id_outside_vocab", COMPLETIONS, js({"model": model, "prompt": [1 << 40], "max_tokens": 4}), 400, {}),
-        ("lone_surrogate", CHAT, b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
-                                  b'"content": "\\ud800"}], "max_tokens": 4}', 400, {}),
+        (
+            "lone_surrogate",
+            CHAT,
+            b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
+            b'"content": "\\ud800"}], "max_tokens": 4}',
+            400,
+            {},
+        ),
         ("text_plain", COMPLETIONS, js({"model": model, "prompt": "hi"}), 415, {"content_type": "text/plain"}),
         ("content_length_1gib", COMPLETIONS, b"{}", 413, {"declared_length": 1 << 30}),
         ("unknown_route", "/v1/embeddings", js({"model": model, "input": "hi"}), 404, {}),
@@ -186,12 +197,27 @@ def make_call(settings: MixSettings, index: int) -> Call:
     solo = json.dumps(body, sort_keys=True)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    label = " ".join(w for w in ("chat" if chat else "completion", "stream" if stream else "",
-                                 "greedy" if greedy else "sampled", "long" if long else "short",
-                                 "disconnect" if disconnect else "") if w)
-    return Call(index, CHAT if chat else COMPLETIONS, json.dumps(body).encode(), None if disconnect else 200, label,
-                stream=stream, greedy_key=solo if greedy and not disconnect else None,
-                solo_body=solo.encode() if greedy and not disconnect else None)
+    label = " ".join(
+        w
+        for w in (
+            "chat" if chat else "completion",
+            "stream" if stream else "",
+            "greedy" if greedy else "sampled",
+            "long" if long else "short",
+            "disconnect" if disconnect else "",
+        )
+        if w
+    )
+    return Call(
+        index,
+        CHAT if chat else COMPLETIONS,
+        json.dumps(body).encode(),
+        None if disconnect else 200,
+        label,
+        stream=stream,
+        greedy_key=solo if greedy and not disconnect else None,
+        solo_body=solo.encode() if greedy and not disconnect else None,
+    )
 
 
 # ---- one request ------------------------------------------------------------------------------
@@ -264,7 +290,7 @@ def _read_stream(resp, call: Call, out: Outcome, t0: float, sock: socket.socket)
             return
         if not line.startswith(b"data: "):
             continue
-        data = line[len(b"data: "):].strip()
+        data = line[len(b"data: ") :].strip()
         if data == b"[DONE]":
             break
         event = json.loads(data)
@@ -471,12 +497,21 @@ class SoakReport:
 
     @property
     def passed(self) -> bool:
-        return (self.unexpected_total == 0 and self.greedy_differed == 0 and self.server_tracebacks == 0
-                and self.server_exit_code == 0 and not any(self.gauges_after.values()))
+        return (
+            self.unexpected_total == 0
+            and self.greedy_differed == 0
+            and self.server_tracebacks == 0
+            and self.server_exit_code == 0
+            and not any(self.gauges_after.values())
+        )
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "unexpected_total": self.unexpected_total, "rss_growth": self.rss_growth,
-                "passed": self.passed}
+        return {
+            **asdict(self),
+            "unexpected_total": self.unexpected_total,
+            "rss_growth": self.rss_growth,
+            "passed": self.passed,
+        }
 
 
 def load_average() -> list[float] | None:
@@ -489,8 +524,12 @@ def load_average() -> list[float] | None:
 def machine_info() -> dict:
     """What the figures were measured on; the load average shows whether something else was running."""
     name, flags = cpu_model_and_flags()
-    return {"cpu": name, "avx512_bf16": "avx512_bf16" in flags, "cpu_count": os.cpu_count(),
-            "load_average_start": load_average()}
+    return {
+        "cpu": name,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "cpu_count": os.cpu_count(),
+        "load_average_start": load_average(),
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -579,15 +618,18 @@ def summarize(report: SoakReport, outcomes: list[Outcome]) -> None:
     report.refused_as_expected, report.unexpected = dict(sorted(refused.items())), dict(unexpected)
     ok = [o for o in outcomes if o.problem is None and o.expect == 200]
     ttfts = [o.ttft for o in ok if o.ttft is not None]
-    report.latency_p50_s, report.latency_p99_s = percentile([o.latency for o in ok], 0.5), percentile(
-        [o.latency for o in ok], 0.99)
+    report.latency_p50_s, report.latency_p99_s = (
+        percentile([o.latency for o in ok], 0.5),
+        percentile([o.latency for o in ok], 0.99),
+    )
     report.ttft_p50_s, report.ttft_p99_s = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
     report.completion_tokens = sum(o.tokens for o in ok)
     report.tokens_per_s = report.completion_tokens / report.wall_s if report.wall_s > 0 else 0.0
 
 
-def compare_greedy(report: SoakReport, outcomes: list[Outcome], calls_by_key: dict[str, Call], port: int,
-                   timeout: float) -> None:
+def compare_greedy(
+    report: SoakReport, outcomes: list[Outcome], calls_by_key: dict[str, Call], port: int, timeout: float
+) -> None:
     """Each distinct greedy request decoded alone (concurrency 1, not streamed) against every
     answer it got in the soak: text and finish reason must be the same."""
     served = [o for o in outcomes if o.greedy_key is not None and o.problem is None]
@@ -601,8 +643,9 @@ def compare_greedy(report: SoakReport, outcomes: list[Outcome], calls_by_key: di
         if ref.problem is not None or (o.text, o.finish) != (ref.text, ref.finish):
             report.greedy_differed += 1
             if len(report.greedy_examples) < 5:
-                report.greedy_examples.append({"label": o.label, "batched": o.text, "alone": ref.text,
-                                               "alone_problem": ref.problem})
+                report.greedy_examples.append(
+                    {"label": o.label, "batched": o.text, "alone": ref.text, "alone_problem": ref.problem}
+                )
 
 
 def wait_idle(port: int, seconds: float) -> dict[str, float]:
@@ -633,8 +676,14 @@ def _soak(server: ServerProcess, settings: SoakSettings, tell) -> SoakReport:
     port = server.port
     _, models = get_json(port, "/v1/models", 10)
     card = models["data"][0]
-    mix = MixSettings(card["id"], card["max_model_len"], settings.max_tokens, settings.malformed_share,
-                      settings.disconnect_share, settings.seed)
+    mix = MixSettings(
+        card["id"],
+        card["max_model_len"],
+        settings.max_tokens,
+        settings.malformed_share,
+        settings.disconnect_share,
+        settings.seed,
+    )
     report = SoakReport(asdict(settings), card["id"], card["max_model_len"], machine_info())
     # warm-up: calls from a stream of indexes the soak never uses, so they do not repeat its own
     warm = settings.concurrency * 2 if settings.warmup is None else settings.warmup
@@ -643,8 +692,10 @@ def _soak(server: ServerProcess, settings: SoakSettings, tell) -> SoakReport:
     wait_idle(port, settings.settle_seconds)
     report.rss_start_bytes = server.rss_bytes()
 
-    tell(f"soak: {settings.requests or 'unbounded'} requests"
-         f"{f' / {settings.seconds:g} s' if settings.seconds else ''} at concurrency {settings.concurrency}")
+    tell(
+        f"soak: {settings.requests or 'unbounded'} requests"
+        f"{f' / {settings.seconds:g} s' if settings.seconds else ''} at concurrency {settings.concurrency}"
+    )
     calls_by_key: dict[str, Call] = {}
 
     def remembered(calls):
@@ -656,8 +707,9 @@ def _soak(server: ServerProcess, settings: SoakSettings, tell) -> SoakReport:
     deadline = time.monotonic() + settings.seconds if settings.seconds else None
     t0 = time.perf_counter()
     with _RssSampler(server) as sampler:
-        outcomes = drive(port, remembered(_calls(mix, 0, settings.requests)), settings.concurrency,
-                         settings.timeout, deadline)
+        outcomes = drive(
+            port, remembered(_calls(mix, 0, settings.requests)), settings.concurrency, settings.timeout, deadline
+        )
     report.wall_s = time.perf_counter() - t0
     report.gauges_after = wait_idle(port, settings.settle_seconds)
     report.rss_end_bytes = server.rss_bytes()

@@ -22,7 +22,10 @@ COMMANDS = {
     "calibrate": ("calibrate", "fit per-position confidence temperatures (STS)"),
     "bench-batch": ("bench_batch", "batched decoding: plain vs full/threshold/adaptive"),
     "bench-runtime": ("bench_runtime", "target runtimes and weight formats side by side (decode speed, verify cost)"),
-    "bench-serve": ("bench_serve", "soak dspark serve: a bounded request mix, errors, latency, memory, greedy outputs vs alone"),
+    "bench-serve": (
+        "bench_serve",
+        "soak dspark serve: a bounded request mix, errors, latency, memory, greedy outputs vs alone",
+    ),
     "generate": ("generate", "generate text with speculative decoding"),
     "bench": ("bench", "measure transformers and dspark arms side by side"),
     "doctor": ("doctor", "check empirically that a draft predicts its target as its file says"),

@@ -24,8 +24,16 @@ from dspark.bench.profile import ProfileError, build_profile, checkpoint_id, wri
 from dspark.bench.prompts import load_sets
 from dspark.bench.report import markdown, plots
 from dspark.bench.runtime import parse_arms as parse_runtime_arms, run as runtime_arms, table as runtime_table
-from dspark.bench.runner import (EngineRunner, ForwardTimer, HFRunner, aggregate, default_arms, interleaved, parse_arms,
-                                 sampling_params)
+from dspark.bench.runner import (
+    EngineRunner,
+    ForwardTimer,
+    HFRunner,
+    aggregate,
+    default_arms,
+    interleaved,
+    parse_arms,
+    sampling_params,
+)
 from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
@@ -37,12 +45,23 @@ RUNTIME_CONTEXT = 200  # cached tokens under the runtime arms' verify-cost forwa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
-    p.add_argument("--dataset-dir", default=None,
-                   help="folder of {\"turns\": [...]} JSONL sets (gsm8k, math500, aime25, humaneval, mbpp)")
-    p.add_argument("--sets", default=None,
-                   help="comma-separated prompt sets to run (default: every set found, then 'chat', then --prompts files)")
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE",
-                   help="extra prompt set: JSONL with 'turns' or 'prompt', or text one prompt a line (repeatable)")
+    p.add_argument(
+        "--dataset-dir",
+        default=None,
+        help='folder of {"turns": [...]} JSONL sets (gsm8k, math500, aime25, humaneval, mbpp)',
+    )
+    p.add_argument(
+        "--sets",
+        default=None,
+        help="comma-separated prompt sets to run (default: every set found, then 'chat', then --prompts files)",
+    )
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="extra prompt set: JSONL with 'turns' or 'prompt', or text one prompt a line (repeatable)",
+    )
     p.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -51,21 +70,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed when sampling (prompt i uses seed + i in every arm)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                   help=f"requests decoded together by the batched adaptive arm (default {DEFAULT_CONCURRENCY})")
-    p.add_argument("--arms", default=None,
-                   help="comma-separated arms among hf, lookup, plain, full, threshold, adaptive; NAME@N decodes N "
-                        "requests together (default: hf,lookup,plain,full,adaptive,adaptive@CONCURRENCY); the arms "
-                        "take the place of --verify, and --threshold, --calibration, --cost-curve, --always-draft "
-                        "configure theirs")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        help=f"requests decoded together by the batched adaptive arm (default {DEFAULT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated arms among hf, lookup, plain, full, threshold, adaptive; NAME@N decodes N "
+        "requests together (default: hf,lookup,plain,full,adaptive,adaptive@CONCURRENCY); the arms "
+        "take the place of --verify, and --threshold, --calibration, --cost-curve, --always-draft "
+        "configure theirs",
+    )
     p.add_argument("--baseline", default="hf", help="arm that ratios are taken against (default hf)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the lookup arm")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every arm")
-    p.add_argument("--runtimes", default=None, metavar="ARMS",
-                   help="also measure target runtimes side by side (e.g. hf-bf16,hf-fp32,native-bf16,native-auto; llamacpp with "
-                        "the optional extra llama-cpp-python): "
-                        "plain-decoding tokens/s against transformers generate, engine overhead and the cost of an "
-                        "8-token verify against a 1-token step, in results.json/md under 'runtimes'")
+    p.add_argument(
+        "--runtimes",
+        default=None,
+        metavar="ARMS",
+        help="also measure target runtimes side by side (e.g. hf-bf16,hf-fp32,native-bf16,native-auto; llamacpp with "
+        "the optional extra llama-cpp-python): "
+        "plain-decoding tokens/s against transformers generate, engine overhead and the cost of an "
+        "8-token verify against a 1-token step, in results.json/md under 'runtimes'",
+    )
     p.add_argument("--runtime-rounds", type=int, default=3, help="alternated rounds of the runtime arms")
     p.add_argument("--out", required=True, help="output folder (created)")
 
@@ -101,15 +131,31 @@ def reproduce_command(args) -> str:
         parts += ["--prompts", f]
     parts += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens)]
     if args.temperature:
-        parts += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p),
-                  "--seed", str(args.seed)]
+        parts += [
+            "--temperature",
+            str(args.temperature),
+            "--top-k",
+            str(args.top_k),
+            "--top-p",
+            str(args.top_p),
+            "--seed",
+            str(args.seed),
+        ]
     if args.threshold != DEFAULT_THRESHOLD:
         parts += ["--threshold", str(args.threshold)]
     for flag in ("no_spec", "always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
         if getattr(args, flag):
             parts.append(f"--{flag.replace('_', '-')}")
-    parts += ["--concurrency", str(args.concurrency), "--arms", args.arms_resolved, "--baseline", args.baseline,
-              "--lookup-tokens", str(args.lookup_tokens)]
+    parts += [
+        "--concurrency",
+        str(args.concurrency),
+        "--arms",
+        args.arms_resolved,
+        "--baseline",
+        args.baseline,
+        "--lookup-tokens",
+        str(args.lookup_tokens),
+    ]
     if args.runtimes:
         parts += ["--runtimes", args.runtimes, "--runtime-rounds", str(args.runtime_rounds)]
     parts += ["--out", args.out]
@@ -134,9 +180,17 @@ def build_runners(arms, engine, args) -> dict:
         elif not arm.speculative:
             runners[arm.name] = EngineRunner(engine.derive(speculative=False, max_batch=arm.concurrency))
         else:
-            policy = make_scheduler(arm.kind, engine.target, engine.draft, threshold=args.threshold,
-                                    calibration=args.calibration, curve=args.cost_curve, max_batch=arm.concurrency,
-                                    skip=not args.always_draft, prior=engine.prior)
+            policy = make_scheduler(
+                arm.kind,
+                engine.target,
+                engine.draft,
+                threshold=args.threshold,
+                calibration=args.calibration,
+                curve=args.cost_curve,
+                max_batch=arm.concurrency,
+                skip=not args.always_draft,
+                prior=engine.prior,
+            )
             runners[arm.name] = EngineRunner(engine.derive(policy=policy, max_batch=arm.concurrency))
     return runners
 
@@ -150,15 +204,18 @@ def run(args) -> int:
         raise DSparkError(f"--baseline {args.baseline!r} is not among the arms {names}")
     speculative = any(a.speculative for a in arms)
     if args.no_spec and speculative:
-        raise DSparkError("--no-spec leaves only the arms without a draft (hf, lookup, plain): drop the others from --arms")
+        raise DSparkError(
+            "--no-spec leaves only the arms without a draft (hf, lookup, plain): drop the others from --arms"
+        )
     refuse_verify(args, "bench", f"add {args.verify} to --arms")
     refuse_max_batch(args, "bench", "the arms (NAME@N)")
     sets = load_sets(args.dataset_dir, args.sets.split(",") if args.sets else None, args.prompts, args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    engine = build_engine(engine_config(args, no_spec=not speculative, max_batch=max(a.concurrency for a in arms),
-                                        verify="full"))  # the arms bring their own policies
+    engine = build_engine(
+        engine_config(args, no_spec=not speculative, max_batch=max(a.concurrency for a in arms), verify="full")
+    )  # the arms bring their own policies
     print_notes(engine)
     config, tokenizer, draft = engine.config, engine.tokenizer, engine.draft
     if tokenizer is None:
@@ -169,15 +226,20 @@ def run(args) -> int:
     machine = machine_info(device)
     load = machine["load_average_start"]
     if load and os.cpu_count() and load[0] > 0.5 * os.cpu_count():
-        print(f"note: load average {load[0]} on {os.cpu_count()} cores before the run: other work shares this "
-              "machine, tokens/s will be noisy (ratios suffer less: arms are interleaved)", file=sys.stderr)
+        print(
+            f"note: load average {load[0]} on {os.cpu_count()} cores before the run: other work shares this "
+            "machine, tokens/s will be noisy (ratios suffer less: arms are interleaved)",
+            file=sys.stderr,
+        )
     runners = build_runners(arms, engine, args)
 
     chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
     if not args.no_chat and not chat:
         print("note: the target's tokenizer has no chat template: prompts are fed raw", file=sys.stderr)
     encoded = {ps.name: [engine.encode(t, chat=chat) for t in ps.prompts] for ps in sets}
-    params_for = sampling_params(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.ignore_eos)
+    params_for = sampling_params(
+        args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.ignore_eos
+    )
 
     model = engine.target.model
     timer = ForwardTimer(model, device)
@@ -189,8 +251,10 @@ def run(args) -> int:
             for arm in arms:
                 runners[arm.name]([first] * arm.concurrency, [warm] * arm.concurrency)
         total = sum(len(v) for v in encoded.values())
-        print(f"bench: {len(arms)} arms x {total} prompts ({', '.join(f'{s.name} {len(s.prompts)}' for s in sets)})",
-              file=sys.stderr)
+        print(
+            f"bench: {len(arms)} arms x {total} prompts ({', '.join(f'{s.name} {len(s.prompts)}' for s in sets)})",
+            file=sys.stderr,
+        )
         chunks = interleaved(arms, runners, sets, encoded, params_for, timer, device, progress=_progress)
     finally:
         timer.close()
@@ -199,10 +263,16 @@ def run(args) -> int:
         rt_arms = parse_runtime_arms(args.runtimes)
         threads = torch.get_num_threads()
         print(f"bench: runtime arms {', '.join(rt_arms)}", file=sys.stderr)
-        rows = runtime_arms(rt_arms, threads, args.max_new_tokens, args.runtime_rounds, RUNTIME_CONTEXT,
-                            args.target, device)
-        runtimes = {"threads": threads, "tokens": args.max_new_tokens, "context": RUNTIME_CONTEXT, "rows": rows,
-                    "table": runtime_table(rows, threads, args.max_new_tokens, RUNTIME_CONTEXT, args.target)}
+        rows = runtime_arms(
+            rt_arms, threads, args.max_new_tokens, args.runtime_rounds, RUNTIME_CONTEXT, args.target, device
+        )
+        runtimes = {
+            "threads": threads,
+            "tokens": args.max_new_tokens,
+            "context": RUNTIME_CONTEXT,
+            "rows": rows,
+            "table": runtime_table(rows, threads, args.max_new_tokens, RUNTIME_CONTEXT, args.target),
+        }
     machine["load_average_end"] = load_average()
     table = aggregate(chunks, arms, [s.name for s in sets])
     profile_arm = _profile_arm(arms)
@@ -210,11 +280,22 @@ def run(args) -> int:
         "command": reproduce_command(args),
         "machine": machine,
         "config": {
-            "target": args.target, "draft": str(draft_path) if draft_path else None, "dtype": args.dtype,
-            "layout": draft.spec.layout if draft is not None else None, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "ignore_eos": args.ignore_eos, "chat": chat, "limit": args.limit, "arms": names,
-            "baseline": args.baseline, "lookup_tokens": args.lookup_tokens, "warmup": not args.no_warmup,
+            "target": args.target,
+            "draft": str(draft_path) if draft_path else None,
+            "dtype": args.dtype,
+            "layout": draft.spec.layout if draft is not None else None,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "ignore_eos": args.ignore_eos,
+            "chat": chat,
+            "limit": args.limit,
+            "arms": names,
+            "baseline": args.baseline,
+            "lookup_tokens": args.lookup_tokens,
+            "warmup": not args.no_warmup,
             "prompt_sets": {s.name: {"prompts": len(s.prompts), "source": s.source} for s in sets},
         },
         "gamma": draft.spec.gamma if draft is not None else None,
@@ -259,8 +340,10 @@ def run(args) -> int:
 def _progress(chunk) -> None:
     tok = sum(len(o) for o in chunk.outputs)
     where = f"{chunk.set} #{chunk.indices[0]}" + (f"-{chunk.indices[-1]}" if len(chunk.indices) > 1 else "")
-    print(f"  {where:<16} {chunk.arm:<12} {tok:>5} tok {chunk.wall_s:7.2f} s  {tok / max(chunk.wall_s, 1e-9):7.1f} tok/s",
-          file=sys.stderr)
+    print(
+        f"  {where:<16} {chunk.arm:<12} {tok:>5} tok {chunk.wall_s:7.2f} s  {tok / max(chunk.wall_s, 1e-9):7.1f} tok/s",
+        file=sys.stderr,
+    )
 
 
 def _profile_arm(arms):
@@ -277,21 +360,41 @@ def _write_profile(args, table, arm, draft, draft_path, machine, sets, out: Path
     profile = build_profile(
         overall.metrics,
         per_request=overall.per_request,
-        draft_checkpoint={"id": checkpoint_id(str(draft_path)), "format": spec.format, "layout": spec.layout,
-                          "layout_source": spec.layout_source, "hidden_state_indices": list(spec.hidden_state_indices),
-                          "mask_token_id": spec.mask_token_id, "markov_head_type": spec.markov_head_type},
+        draft_checkpoint={
+            "id": checkpoint_id(str(draft_path)),
+            "format": spec.format,
+            "layout": spec.layout,
+            "layout_source": spec.layout_source,
+            "hidden_state_indices": list(spec.hidden_state_indices),
+            "mask_token_id": spec.mask_token_id,
+            "markov_head_type": spec.markov_head_type,
+        },
         target_model={"id": _target_id(args.target), "dtype": args.dtype},
         block_size=spec.block_size,
-        per_category={s.name: (table[s.name][arm.name].metrics, table[s.name][arm.name].requests)
-                      for s in sets if table[s.name][arm.name].metrics is not None},
+        per_category={
+            s.name: (table[s.name][arm.name].metrics, table[s.name][arm.name].requests)
+            for s in sets
+            if table[s.name][arm.name].metrics is not None
+        },
         measurement_conditions={
-            "engine": "dspark", "arm": arm.name, "verify_policy": arm.kind, "concurrency": arm.concurrency,
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "chat_template": chat,
-            "datasets": {s.name: len(s.prompts) for s in sets}, "dtype": args.dtype, "device": machine["device"],
-            "hardware": machine["gpu"] or machine["cpu"], "torch_threads": machine["torch_threads"],
-            "torch": machine["torch"], "transformers": machine["transformers"], "date": machine["date"],
+            "engine": "dspark",
+            "arm": arm.name,
+            "verify_policy": arm.kind,
+            "concurrency": arm.concurrency,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": args.ignore_eos,
+            "chat_template": chat,
+            "datasets": {s.name: len(s.prompts) for s in sets},
+            "dtype": args.dtype,
+            "device": machine["device"],
+            "hardware": machine["gpu"] or machine["cpu"],
+            "torch_threads": machine["torch_threads"],
+            "torch": machine["torch"],
+            "transformers": machine["transformers"],
+            "date": machine["date"],
         },
     )
     return write_profile(profile, out / "speculation_profile.json")
-

@@ -20,15 +20,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
     p.add_argument("--prompts", help="prompt file (JSONL or one per line; default: built-in chat prompts)")
-    p.add_argument("--concurrency", default="1,4,8,16",
-                   help="comma-separated concurrency levels (default 1,4,8,16; the largest sets --max-batch)")
-    p.add_argument("--arms", default="plain,full,threshold,adaptive",
-                   help="comma-separated subset of the four arms (they take the place of --verify; --threshold, "
-                        "--calibration, --cost-curve and --always-draft configure theirs)")
+    p.add_argument(
+        "--concurrency",
+        default="1,4,8,16",
+        help="comma-separated concurrency levels (default 1,4,8,16; the largest sets --max-batch)",
+    )
+    p.add_argument(
+        "--arms",
+        default="plain,full,threshold,adaptive",
+        help="comma-separated subset of the four arms (they take the place of --verify; --threshold, "
+        "--calibration, --cost-curve and --always-draft configure theirs)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x concurrency")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per arm and level, arms interleaved; the fastest is reported (default 1)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per arm and level, arms interleaved; the fastest is reported (default 1)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", help="also write the rows as JSON to this file")
@@ -54,9 +64,18 @@ def run(args: argparse.Namespace) -> int:
     raw = read_prompt_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     chat = args.chat or (not args.prompts and bool(getattr(engine.tokenizer, "chat_template", None)))
     rows = bench_batching(
-        engine, encode_prompts(engine, raw, chat), concurrency=levels, arms=arms, max_new_tokens=args.max_new_tokens,
-        requests_per_level=args.requests_per_level, temperature=args.temperature, seed=args.seed,
-        threshold=args.threshold, calibration=args.calibration, curve=args.cost_curve, skip=not args.always_draft,
+        engine,
+        encode_prompts(engine, raw, chat),
+        concurrency=levels,
+        arms=arms,
+        max_new_tokens=args.max_new_tokens,
+        requests_per_level=args.requests_per_level,
+        temperature=args.temperature,
+        seed=args.seed,
+        threshold=args.threshold,
+        calibration=args.calibration,
+        curve=args.cost_curve,
+        skip=not args.always_draft,
         repeats=args.repeats,
     )
     print_table(rows)
@@ -71,10 +90,17 @@ def print_table(rows: list[dict]) -> None:
     for col in ("conc", "arm", "tok/s", "x plain", "acc len", "verif/step", "drafting", "tokens", "s"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for r in rows:
-        table.add_row(str(r["concurrency"]), r["arm"], f"{r['tokens_per_s']:.1f}",
-                      "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}", f"{r['mean_accept_length']:.2f}",
-                      f"{r['verified_per_step']:.2f}", f"{r.get('drafting_steps', 0.0):.0%}", str(r["output_tokens"]),
-                      f"{r['seconds']:.2f}")
+        table.add_row(
+            str(r["concurrency"]),
+            r["arm"],
+            f"{r['tokens_per_s']:.1f}",
+            "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}",
+            f"{r['mean_accept_length']:.2f}",
+            f"{r['verified_per_step']:.2f}",
+            f"{r.get('drafting_steps', 0.0):.0%}",
+            str(r["output_tokens"]),
+            f"{r['seconds']:.2f}",
+        )
     console = Console()
     if not console.is_terminal:  # piped or captured: rich would squeeze the table into 80 columns
         console = Console(width=120)

@@ -17,17 +17,29 @@ from dspark.target.native import resolve_weights
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=SMOLLM2, help="'smollm2' (default) or a Hugging Face model directory")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS}; native-<weights>@torch runs torch's ops instead of dspark's CPU kernels); also {LLAMACPP}: llama.cpp decoding the target's "
-                        "GGUF file (needs the optional extra llama-cpp-python)")
+    p.add_argument(
+        "--arms",
+        default=DEFAULT_ARMS,
+        help=f"comma-separated (default {DEFAULT_ARMS}; native-<weights>@torch runs torch's ops instead of "
+        f"dspark's CPU kernels); also {LLAMACPP}: llama.cpp decoding the target's "
+        "GGUF file (needs the optional extra llama-cpp-python)",
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=200, help="cached tokens under the verify-cost forwards")
-    p.add_argument("--draft", default=None,
-                   help="draft whose drafting phase the native arms time (default: the bundled draft for smollm2)")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="draft whose drafting phase the native arms time (default: the bundled draft for smollm2)",
+    )
     p.add_argument("--no-draft", action="store_true", help="time no drafting phase")
-    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
-                   help="the draft's matrices on dspark's CPU kernels (as the engine flag)")
+    p.add_argument(
+        "--draft-weights",
+        default="auto",
+        choices=DRAFT_WEIGHTS,
+        help="the draft's matrices on dspark's CPU kernels (as the engine flag)",
+    )
 
 
 def run(args) -> int:
@@ -35,8 +47,17 @@ def run(args) -> int:
     if args.no_draft and args.draft:
         raise DSparkError("--draft and --no-draft: choose one")
     draft = None if args.no_draft else (args.draft or default_draft(args.target))
-    rows = run_arms(arms, args.threads, args.tokens, args.rounds, args.context, args.target, args.device,
-                    None if draft is None else str(draft), args.draft_weights)
+    rows = run_arms(
+        arms,
+        args.threads,
+        args.tokens,
+        args.rounds,
+        args.context,
+        args.target,
+        args.device,
+        None if draft is None else str(draft),
+        args.draft_weights,
+    )
     print(table(rows, args.threads, args.tokens, args.context, args.target))
     auto = resolve_weights(load_target(args.target, "fp32", args.device)[0], "auto", args.device)
     print(f"\nweights='auto' picks {auto!r} for this target here")

@@ -16,15 +16,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("soak")
     g.add_argument("--concurrency", type=int, default=16, help="clients in flight at once (default 16)")
     g.add_argument("--requests", type=int, default=None, help="requests to send (default 200 unless --seconds)")
-    g.add_argument("--seconds", type=float, default=None,
-                   help="stop starting requests after this long (with --requests: whichever comes first)")
-    g.add_argument("--warmup", type=int, default=None,
-                   help="requests before the memory baseline, not counted (default 2 x concurrency)")
-    g.add_argument("--max-tokens", type=int, default=32,
-                   help="the longest output asked for; requests ask for a quarter, a half or all of it (default 32)")
+    g.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="stop starting requests after this long (with --requests: whichever comes first)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="requests before the memory baseline, not counted (default 2 x concurrency)",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="the longest output asked for; requests ask for a quarter, a half or all of it (default 32)",
+    )
     g.add_argument("--malformed", type=float, default=0.1, help="share of malformed requests (default 0.1)")
-    g.add_argument("--disconnect", type=float, default=0.1,
-                   help="share of clients that disconnect mid-stream (default 0.1)")
+    g.add_argument(
+        "--disconnect", type=float, default=0.1, help="share of clients that disconnect mid-stream (default 0.1)"
+    )
     g.add_argument("--seed", type=int, default=0, help="the mix (same seed, same requests)")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take before it counts as hung")
     g.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
@@ -51,9 +64,17 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 
 def settings(args: argparse.Namespace) -> SoakSettings:
     requests = args.requests if args.requests is not None or args.seconds is not None else 200
-    return SoakSettings(concurrency=args.concurrency, requests=requests, seconds=args.seconds, warmup=args.warmup,
-                        max_tokens=args.max_tokens, malformed_share=args.malformed,
-                        disconnect_share=args.disconnect, seed=args.seed, timeout=args.timeout)
+    return SoakSettings(
+        concurrency=args.concurrency,
+        requests=requests,
+        seconds=args.seconds,
+        warmup=args.warmup,
+        max_tokens=args.max_tokens,
+        malformed_share=args.malformed,
+        disconnect_share=args.disconnect,
+        seed=args.seed,
+        timeout=args.timeout,
+    )
 
 
 def _mib(n: int | None) -> str:
@@ -99,7 +120,11 @@ def text(r: SoakReport) -> str:
 
 def run(args: argparse.Namespace) -> int:
     chosen = settings(args)  # a bad setting is refused before the server loads
-    report = run_soak(serve_args(args), chosen, port=args.port or None,
-                      on_phase=None if args.json else lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = run_soak(
+        serve_args(args),
+        chosen,
+        port=args.port or None,
+        on_phase=None if args.json else lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
     print(json.dumps(report.to_dict(), indent=2) if args.json else text(report))
     return 0 if report.passed else 1

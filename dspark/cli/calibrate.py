@@ -20,16 +20,26 @@ from dspark.prompts import encode_prompts, read_prompt_file
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
-    p.add_argument("--prompts", required=True, help="held-out prompts (JSONL or one per line), not the draft's training data")
+    p.add_argument(
+        "--prompts", required=True, help="held-out prompts (JSONL or one per line), not the draft's training data"
+    )
     p.add_argument("--out", required=True, help="calibration JSON to write (load it with --calibration FILE)")
     p.add_argument("--limit", type=int, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the recorded generations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="requests decoded together while recording (sets the engine's --max-batch; default 8)")
-    p.add_argument("--eval-fraction", type=float, default=0.25,
-                   help="share of prompts held out to report before/after metrics (0: report on the fitted data)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests decoded together while recording (sets the engine's --max-batch; default 8)",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.25,
+        help="share of prompts held out to report before/after metrics (0: report on the fitted data)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(engine_config(args, max_batch=args.concurrency, verify="full"))
     print_notes(engine)
     ids = encode_prompts(engine, prompts, args.chat)
-    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed + i)
-              for i in range(len(ids))]
+    params = [
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed + i)
+        for i in range(len(ids))
+    ]
     rec, reqs = record_generations(engine, ids, params)
     fit_ids, eval_ids = split_requests([r.id for r in reqs], args.eval_fraction)
     z_fit, a_fit, v_fit = rec.arrays(fit_ids)
@@ -54,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
     before = position_metrics(z_ev, a_ev, v_ev, [1.0] * g)
     after = position_metrics(z_ev, a_ev, v_ev, cal.temperatures)
     meta = {
-        "target": args.target, "draft": str(args.draft or "bundled"), "sampling_temperature": args.temperature,
-        "prompts": len(prompts), "records": {"fit": int(len(a_fit)), "eval": int(len(a_ev)) if eval_ids else 0},
+        "target": args.target,
+        "draft": str(args.draft or "bundled"),
+        "sampling_temperature": args.temperature,
+        "prompts": len(prompts),
+        "records": {"fit": int(len(a_fit)), "eval": int(len(a_ev)) if eval_ids else 0},
         "metrics_on": "held-out prompts" if eval_ids else "fitted data",
         "metrics": {"before": _clean(before), "after": _clean(after)},
     }

@@ -25,16 +25,32 @@ from dspark.prompts import read_prompt_file
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     b = Budget()
-    p.epilog = ("exit status: 0 healthy, 3 misread (or a failed static check; any warning with --strict), "
-                "4 undecided within --max-tokens, 2 bad input")
+    p.epilog = (
+        "exit status: 0 healthy, 3 misread (or a failed static check; any warning with --strict), "
+        "4 undecided within --max-tokens, 2 bad input"
+    )
     add_engine_flags(p)
-    p.add_argument("--tokens", type=int, default=b.tokens, help=f"tokens the target writes per text (default {b.tokens})")
-    p.add_argument("--prompts-first", type=int, default=b.prompts,
-                   help=f"texts in the first round; each later round doubles the text (default {b.prompts})")
-    p.add_argument("--max-tokens", type=int, default=b.max_tokens,
-                   help=f"bound on the text generated while the comparison is undecided (default {b.max_tokens})")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="a prompt to generate from before the built-in ones (repeatable)")
+    p.add_argument(
+        "--tokens", type=int, default=b.tokens, help=f"tokens the target writes per text (default {b.tokens})"
+    )
+    p.add_argument(
+        "--prompts-first",
+        type=int,
+        default=b.prompts,
+        help=f"texts in the first round; each later round doubles the text (default {b.prompts})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=b.max_tokens,
+        help=f"bound on the text generated while the comparison is undecided (default {b.max_tokens})",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="a prompt to generate from before the built-in ones (repeatable)",
+    )
     p.add_argument("--prompts", default=None, help="a prompt file (.jsonl or .txt) used before the built-in prompts")
     p.add_argument("--mask-candidates", default="", help="comma-separated extra mask token ids to try")
     p.add_argument("--strict", action="store_true", help="exit 3 on warnings too")
@@ -58,8 +74,14 @@ def run(args) -> int:
     draft = resolve_draft(args.target, args.draft, "")
     engine = build_engine(engine_config(args, no_spec=True, check=False))
     print_notes(engine)
-    report = diagnose(engine, str(draft), prompts=prompts or None, extra_masks=extra, layout=args.layout,
-                      budget=Budget(prompts=args.prompts_first, tokens=args.tokens, max_tokens=args.max_tokens))
+    report = diagnose(
+        engine,
+        str(draft),
+        prompts=prompts or None,
+        extra_masks=extra,
+        layout=args.layout,
+        budget=Budget(prompts=args.prompts_first, tokens=args.tokens, max_tokens=args.max_tokens),
+    )
     if args.json:
         print(json.dumps(report.to_json(args.strict), indent=2))
     else:
@@ -71,9 +93,13 @@ def print_report(report: Report) -> None:
     console = Console()
     d = report.declared
     console.print(RText(f"dspark doctor: draft {report.draft} on target {report.target}", style="bold"))
-    console.print(RText(f"declared: {d.format}, {PRETTY_LAYOUT[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
-                        f"block_size {d.block_size}, hidden_state_indices {list(d.hidden_state_indices)}, "
-                        f"mask_token_id {d.mask_token_id}"))
+    console.print(
+        RText(
+            f"declared: {d.format}, {PRETTY_LAYOUT[d.layout]} ({d.layout_source}), gamma {d.gamma}, "
+            f"block_size {d.block_size}, hidden_state_indices {list(d.hidden_state_indices)}, "
+            f"mask_token_id {d.mask_token_id}"
+        )
+    )
     ct = Table(title="static checks")
     for col in ("check", "status", "detail"):
         ct.add_column(col)
@@ -83,10 +109,12 @@ def print_report(report: Report) -> None:
     console.print(ct)
     if report.measured:
         t, th = report.texts, report.thresholds
-        rt = Table(title=f"greedy acceptance on the target's own text ({t['generated_tokens']} generated tokens, "
-                         f"{t['prompts']} texts, {t['anchors']} anchors, {len(report.rounds)} rounds; "
-                         f"better = {th['min_gain']:.0%} more tokens per step or {th['loglik_min_gain']} nats more "
-                         f"log-probability per slot, at z >= {th['z_better']:.2f})")
+        rt = Table(
+            title=f"greedy acceptance on the target's own text ({t['generated_tokens']} generated tokens, "
+            f"{t['prompts']} texts, {t['anchors']} anchors, {len(report.rounds)} rounds; "
+            f"better = {th['min_gain']:.0%} more tokens per step or {th['loglik_min_gain']} nats more "
+            f"log-probability per slot, at z >= {th['z_better']:.2f})"
+        )
         rt.add_column("reading", no_wrap=True)
         rt.add_column("tau", justify="right")
         rt.add_column("slots 1-4", no_wrap=True)
@@ -99,16 +127,24 @@ def print_report(report: Report) -> None:
         vt.add_column("nats gain (z)", justify="right", no_wrap=True)
         vt.add_column("status", no_wrap=True)
         # The declared reading, each single change, open ones and the explaining reading; --json lists all.
-        shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best
-                 or r.name in report.undecided]
+        shown = [r for r in report.readings if len(r.factors) <= 1 or r is report.best or r.name in report.undecided]
         for r in shown:
-            rt.add_row(r.name, f"{r.accept_length:.2f}", " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot[:4]),
-                       f"{r.mean_loglik:.3f}", f"{report.fits[r.name].misfit:.3f}" if r.name in report.fits else "-")
+            rt.add_row(
+                r.name,
+                f"{r.accept_length:.2f}",
+                " ".join(f"{x:.2f}".lstrip("0") for x in r.per_slot[:4]),
+                f"{r.mean_loglik:.3f}",
+                f"{report.fits[r.name].misfit:.3f}" if r.name in report.fits else "-",
+            )
             c = report.comparisons.get(r.name)
             if c is not None:
                 style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
-                vt.add_row(r.name, f"{c.gain:+.0%} ({c.z:+.1f})", f"{c.ll_gain:+.3f} ({c.ll_z:+.1f})",
-                           RText(c.status + (f" ({c.by})" if c.by else ""), style=style))
+                vt.add_row(
+                    r.name,
+                    f"{c.gain:+.0%} ({c.z:+.1f})",
+                    f"{c.ll_gain:+.3f} ({c.ll_z:+.1f})",
+                    RText(c.status + (f" ({c.by})" if c.by else ""), style=style),
+                )
         console.print(rt)
         console.print(vt)
     for w in report.warnings:
@@ -118,15 +154,26 @@ def print_report(report: Report) -> None:
     v = report.verdict
     if v == "healthy":
         extra = "" if not report.warnings else ", but see the warnings above"
-        console.print(RText(f"healthy: no other reading gives {report.thresholds['min_gain']:.0%} more tokens per step "
-                            f"or {report.thresholds['loglik_min_gain']} nats more log-probability per slot "
-                            f"({report.texts['anchors']} anchors, {report.seconds:.0f} s){extra}", style="bold green"))
+        console.print(
+            RText(
+                f"healthy: no other reading gives {report.thresholds['min_gain']:.0%} more tokens per step "
+                f"or {report.thresholds['loglik_min_gain']} nats more log-probability per slot "
+                f"({report.texts['anchors']} anchors, {report.seconds:.0f} s){extra}",
+                style="bold green",
+            )
+        )
     elif v == "undecided":
-        rows = [f"{n} ({c.gain:+.0%}, z {c.z:+.1f}; {c.ll_gain:+.3f} nats, z {c.ll_z:+.1f})"
-                for n, c in ((n, report.comparisons[n]) for n in report.undecided)]
-        console.print(RText(f"undecided after {report.texts['generated_tokens']} generated tokens: "
-                            f"{', '.join(rows)} neither clearly better nor excluded; rerun with a larger --max-tokens",
-                            style="bold yellow"))
+        rows = [
+            f"{n} ({c.gain:+.0%}, z {c.z:+.1f}; {c.ll_gain:+.3f} nats, z {c.ll_z:+.1f})"
+            for n, c in ((n, report.comparisons[n]) for n in report.undecided)
+        ]
+        console.print(
+            RText(
+                f"undecided after {report.texts['generated_tokens']} generated tokens: "
+                f"{', '.join(rows)} neither clearly better nor excluded; rerun with a larger --max-tokens",
+                style="bold yellow",
+            )
+        )
     elif v == "not measured":
         console.print(RText("undecided: no static check failed, but nothing was measured", style="bold yellow"))
     elif v == "unhealthy":

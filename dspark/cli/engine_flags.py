@@ -22,40 +22,90 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=SMOLLM2, help="HF model directory, or 'smollm2' (default)")
     g.add_argument("--draft", default=None, help="draft checkpoint directory (default: the bundled draft for smollm2)")
     g.add_argument("--no-spec", action="store_true", help="plain target decoding through the same code path")
-    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
-                   help=f"target and draft dtype (default {d.dtype}; auto: bf16 where the hardware has it natively)")
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPE_CHOICES,
+        help=f"target and draft dtype (default {d.dtype}; auto: bf16 where the hardware has it natively)",
+    )
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--runtime", default=d.runtime, choices=RUNTIMES,
-                   help="target runtime: auto (default: native where the architecture is supported, else hf), "
-                        "native (dspark's own), hf (transformers)")
-    g.add_argument("--weights", default=d.weights, choices=WEIGHTS,
-                   help="native weight format (default auto: the model's own numbers, int4 where they are exact 4-bit)")
-    g.add_argument("--draft-weights", default=d.draft_weights, choices=DRAFT_WEIGHTS,
-                   help="the draft's matrices on dspark's CPU kernels: q4 (Q4_1, the default auto: about a quarter "
-                        "cheaper a drafting phase than q8 for ~0.01 less first-slot acceptance on the bundled draft), "
-                        "q8 (Q8_0), bf16 (the draft's own numbers)")
+    g.add_argument(
+        "--runtime",
+        default=d.runtime,
+        choices=RUNTIMES,
+        help="target runtime: auto (default: native where the architecture is supported, else hf), "
+        "native (dspark's own), hf (transformers)",
+    )
+    g.add_argument(
+        "--weights",
+        default=d.weights,
+        choices=WEIGHTS,
+        help="native weight format (default auto: the model's own numbers, int4 where they are exact 4-bit)",
+    )
+    g.add_argument(
+        "--draft-weights",
+        default=d.draft_weights,
+        choices=DRAFT_WEIGHTS,
+        help="the draft's matrices on dspark's CPU kernels: q4 (Q4_1, the default auto: about a quarter "
+        "cheaper a drafting phase than q8 for ~0.01 less first-slot acceptance on the bundled draft), "
+        "q8 (Q8_0), bf16 (the draft's own numbers)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="force a block layout against the file (experts and diagnosis; warns loudly)")
-    g.add_argument("--verify", choices=POLICIES, default=d.verify, help="verification policy (default: adaptive with a draft, full without)")
-    g.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"confidence cut of --verify threshold (default {DEFAULT_THRESHOLD})")
+    g.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=None,
+        help="force a block layout against the file (experts and diagnosis; warns loudly)",
+    )
+    g.add_argument(
+        "--verify",
+        choices=POLICIES,
+        default=d.verify,
+        help="verification policy (default: adaptive with a draft, full without)",
+    )
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help=f"confidence cut of --verify threshold (default {DEFAULT_THRESHOLD})",
+    )
     g.add_argument("--calibration", default=None, help="STS file written by `dspark calibrate` (threshold, adaptive)")
-    g.add_argument("--cost-curve", default=None,
-                   help="--verify adaptive: cost-curve JSON (default: profile the target at start-up, cached)")
-    g.add_argument("--always-draft", action="store_true",
-                   help="--verify adaptive: draft every step, even when earlier steps say it does not pay")
-    g.add_argument("--max-batch", type=int, default=d.max_batch, help=f"requests decoded together (default {d.max_batch})")
+    g.add_argument(
+        "--cost-curve",
+        default=None,
+        help="--verify adaptive: cost-curve JSON (default: profile the target at start-up, cached)",
+    )
+    g.add_argument(
+        "--always-draft",
+        action="store_true",
+        help="--verify adaptive: draft every step, even when earlier steps say it does not pay",
+    )
+    g.add_argument(
+        "--max-batch", type=int, default=d.max_batch, help=f"requests decoded together (default {d.max_batch})"
+    )
     g.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig the flags describe; `overrides` are settings the command fixes itself."""
     config = EngineConfig(
-        target=args.target, draft=args.draft, no_spec=args.no_spec, dtype=args.dtype, device=args.device,
-        runtime=args.runtime, weights=args.weights, draft_weights=args.draft_weights, threads=args.threads, layout=args.layout, verify=args.verify, threshold=args.threshold,
-        calibration=args.calibration, cost_curve=args.cost_curve, always_draft=args.always_draft,
-        max_batch=args.max_batch, check=not args.no_check,
+        target=args.target,
+        draft=args.draft,
+        no_spec=args.no_spec,
+        dtype=args.dtype,
+        device=args.device,
+        runtime=args.runtime,
+        weights=args.weights,
+        draft_weights=args.draft_weights,
+        threads=args.threads,
+        layout=args.layout,
+        verify=args.verify,
+        threshold=args.threshold,
+        calibration=args.calibration,
+        cost_curve=args.cost_curve,
+        always_draft=args.always_draft,
+        max_batch=args.max_batch,
+        check=not args.no_check,
     )
     return replace(config, **overrides)
 

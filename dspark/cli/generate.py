@@ -29,8 +29,12 @@ from dspark.errors import DSparkError
 # the page's colours (dspark/serve/static/page.css) in the 8 standard terminal colours, which every
 # colour terminal shows (rich would fold the page's pale shades into one on such a terminal)
 MARK_STYLE = {"accepted": "black on green", "corrected": "white on red", "bonus": "black on cyan", "plain": ""}
-MARK_LEGEND = {"accepted": "drafted, accepted", "corrected": "corrected by the target", "bonus": "the target's bonus",
-               "plain": "plain step"}
+MARK_LEGEND = {
+    "accepted": "drafted, accepted",
+    "corrected": "corrected by the target",
+    "bonus": "the target's bonus",
+    "plain": "plain step",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,13 +47,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: text and all metrics")
-    p.add_argument("--show-drafts", action="store_true",
-                   help="mark each token by origin: drafted and accepted, corrected by the target, the target's bonus "
-                        "token, or a plain step (colours in a terminal; --json: a `tokens` list)")
+    p.add_argument(
+        "--show-drafts",
+        action="store_true",
+        help="mark each token by origin: drafted and accepted, corrected by the target, the target's bonus "
+        "token, or a plain step (colours in a terminal; --json: a `tokens` list)",
+    )
     p.add_argument("--compare", action="store_true", help="also decode without speculation and print the speedup")
-    p.add_argument("--compare-rounds", type=int, default=3,
-                   help="--compare: measured rounds after a warm-up of both arms; in each, the two arms decode "
-                        "side by side, one step each in turn, which arm steps first alternating")
+    p.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=3,
+        help="--compare: measured rounds after a warm-up of both arms; in each, the two arms decode "
+        "side by side, one step each in turn, which arm steps first alternating",
+    )
 
 
 def _streamer():
@@ -59,7 +70,7 @@ def _streamer():
     def on_tokens(req, _new):
         text = req.stream_text()
         if len(text) > printed[0]:
-            sys.stdout.write(text[printed[0]:])
+            sys.stdout.write(text[printed[0] :])
             sys.stdout.flush()
             printed[0] = len(text)
 
@@ -95,14 +106,24 @@ def run(args) -> int:
         raise DSparkError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
     engine = build_engine(engine_config(args))
     print_notes(engine)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     ids = engine.encode(args.prompt, chat=args.chat)
     compare = args.compare and engine.draft is not None
     plain = engine.derive(speculative=False) if compare else None
     if compare:  # both arms warmed up (allocator, kernels, caches) before anything is timed
-        warm = SamplingParams(max_new_tokens=min(16, args.max_new_tokens), temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        warm = SamplingParams(
+            max_new_tokens=min(16, args.max_new_tokens),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
         engine.generate(ids, warm)
         plain.generate(ids, warm)
     console = Console(highlight=False)
@@ -144,12 +165,16 @@ def run(args) -> int:
         out["compare_rounds"] = args.compare_rounds
         # each round's own ratio: their spread is the noise the overall figure carries
         out["speedup_rounds"] = rounds
-        out["plain"] = {"generated_tokens": len(base.output_ids), "seconds": round(base_s, 4),
-                        "tokens_per_second": round(plain_tok / base_s, 2),
-                        "same_output": base.output_ids == req.output_ids}
+        out["plain"] = {
+            "generated_tokens": len(base.output_ids),
+            "seconds": round(base_s, 4),
+            "tokens_per_second": round(plain_tok / base_s, 2),
+            "same_output": base.output_ids == req.output_ids,
+        }
         if not out["plain"]["same_output"] and params.greedy:
-            out["plain"]["first_difference"] = first_difference(engine.target.model, ids, req.output_ids,
-                                                                base.output_ids)
+            out["plain"]["first_difference"] = first_difference(
+                engine.target.model, ids, req.output_ids, base.output_ids
+            )
         ratio = round(out["tokens_per_second"] / out["plain"]["tokens_per_second"], 3)
         # the timed rounds' own steps: the streamed run above may have drafted where they did not
         out["drafted_steps"], out["timed_steps"] = drafted, steps
@@ -183,13 +208,18 @@ def _print_summary(out: dict) -> None:
         if m["plain_steps"]:
             t.add_row("steps without drafting", f"{m['plain_steps']}  (the policy judged that drafting would not pay)")
         if m["verify_steps"]:
-            t.add_row("mean acceptance length", f"{m['mean_accept_length']:.2f}  (tokens per verify step, bonus included)")
+            t.add_row(
+                "mean acceptance length", f"{m['mean_accept_length']:.2f}  (tokens per verify step, bonus included)"
+            )
             t.add_row("draft acceptance rate", f"{m['draft_acceptance_rate']:.3f}  (accepted / verified drafts)")
             t.add_row("conditional acceptance", " ".join(f"{x:.2f}" for x in m["conditional_accept_rates"]))
             t.add_row("marginal acceptance", " ".join(f"{x:.2f}" for x in m["marginal_accept_rates"]))
         ts = m["time_s"]
         tot = ts["total"] or 1.0
-        t.add_row("time split", f"draft {ts['draft'] / tot:.0%}  verify {ts['verify'] / tot:.0%}  other {ts['other'] / tot:.0%}")
+        t.add_row(
+            "time split",
+            f"draft {ts['draft'] / tot:.0%}  verify {ts['verify'] / tot:.0%}  other {ts['other'] / tot:.0%}",
+        )
     if "plain" in out:
         t.add_row("plain decoding tokens/s", f"{out['plain']['tokens_per_second']:.1f}")
         spread = out.get("speedup_rounds") or []
@@ -204,7 +234,9 @@ def _print_summary(out: dict) -> None:
             t.add_row("timed rounds", timed)
         same, diff = out["plain"]["same_output"], out["plain"].get("first_difference")
         if not same and diff and diff["logit_gap"] is not None:
-            same = (f"no: from token {diff['token']}, where the target's two candidates are "
-                    f"{diff['logit_gap']:.3f} logits apart (a {out.get('dtype', 'low-precision')} near-tie)")
+            same = (
+                f"no: from token {diff['token']}, where the target's two candidates are "
+                f"{diff['logit_gap']:.3f} logits apart (a {out.get('dtype', 'low-precision')} near-tie)"
+            )
         t.add_row("same output as plain", str(same))
     console.print(t)

@@ -27,17 +27,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=envs.api_key(),
-                   help="require 'Authorization: Bearer KEY' on every request (default: $DSPARK_API_KEY)")
-    p.add_argument("--model-name", default=None, help="model id clients send and /v1/models lists (default: the target)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests allowed to wait for a batch slot; beyond that: HTTP 429 (default 64)")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest request body accepted; beyond that: HTTP 413 "
-                        "(default: 64 bytes per token of the model's context, at least 4 MiB)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds after SIGTERM/SIGINT that requests in flight may take to finish; then each ends "
-                        "with a clean 503 and the process exits 0 (default 30; new requests get 503 at once)")
+    p.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="require 'Authorization: Bearer KEY' on every request (default: $DSPARK_API_KEY)",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="model id clients send and /v1/models lists (default: the target)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests allowed to wait for a batch slot; beyond that: HTTP 429 (default 64)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted; beyond that: HTTP 413 "
+        "(default: 64 bytes per token of the model's context, at least 4 MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds after SIGTERM/SIGINT that requests in flight may take to finish; then each ends "
+        "with a clean 503 and the process exits 0 (default 30; new requests get 503 at once)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -108,15 +125,22 @@ def run(args: argparse.Namespace) -> int:
     for note in engine.notes:
         log.info("dspark serve: %s", note)
     name = args.model_name or served_name(args.target)
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                     max_body_bytes=args.max_body_bytes)
+    app = create_app(
+        engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes
+    )
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("WARNING: listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    log.info("dspark serve: model %r (%s) on http://%s:%d (the page showing each token's origin: that address "
-             "in a browser)", name, "speculative" if engine.draft is not None else "no draft", args.host, args.port)
+    log.info(
+        "dspark serve: model %r (%s) on http://%s:%d (the page showing each token's origin: that address in a browser)",
+        name,
+        "speculative" if engine.draft is not None else "no draft",
+        args.host,
+        args.port,
+    )
     # uvicorn's own bound: connections still open a little after the drain's 503s are closed
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout + 5)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 5
+    )
     server = _Server(config, app.state.worker, args.drain_timeout)
     server.run()
     if not server.started:  # uvicorn logged why (the port is taken, say)

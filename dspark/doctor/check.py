@@ -44,8 +44,20 @@ from dspark.model.load import build_draft
 
 # ---- the sequential check ----------------------------------------------------------------------
 
-def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | None = None, extra_masks=(),
-            report: Report | None = None, full_grid: bool = True, rule: Rule | None = None) -> Report:
+
+def measure(
+    target,
+    draft,
+    tokenizer,
+    *,
+    eos,
+    prompts=None,
+    budget: Budget | None = None,
+    extra_masks=(),
+    report: Report | None = None,
+    full_grid: bool = True,
+    rule: Rule | None = None,
+) -> Report:
     """Write text round by round, measure the readings still open, decide (module docstring)."""
     t_start = time.perf_counter()
     spec = draft.spec
@@ -55,8 +67,10 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
     readings = readings_for(spec, target.num_layers, cands, full_grid)
     plan = budget.rounds()
     rule = rule or rule_for(len(readings) - 1, len(plan))
-    report.readings, report.thresholds = readings, {**rule.to_json(), "looks": len(plan),
-                                                    "alternatives": len(readings) - 1}
+    report.readings, report.thresholds = (
+        readings,
+        {**rule.to_json(), "looks": len(plan), "alternatives": len(readings) - 1},
+    )
     taps = sorted({i for r in readings for i in r.spec.hidden_state_indices})
     g_max = max(r.spec.gamma for r in readings)
     source = prompt_pool(tokenizer, target.vocab_size, prompts)
@@ -83,9 +97,17 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
             report.comparisons[r.name] = paired(declared, r, rule)
         if n_texts >= MIN_TEXTS_TO_EXCLUDE:
             open_ = [r for r in open_ if report.comparisons[r.name].status != "not better"]
-        report.rounds.append({"round": k + 1, "texts": len(texts), "generated_tokens": generated,
-                              "anchors": declared.anchors, "open": len(open_),
-                              "seconds_generate": round(t1 - t0, 2), "seconds_readings": round(time.perf_counter() - t1, 2)})
+        report.rounds.append(
+            {
+                "round": k + 1,
+                "texts": len(texts),
+                "generated_tokens": generated,
+                "anchors": declared.anchors,
+                "open": len(open_),
+                "seconds_generate": round(t1 - t0, 2),
+                "seconds_readings": round(time.perf_counter() - t1, 2),
+            }
+        )
         if declared.anchors == 0:
             continue
         if any(report.comparisons[r.name].status == "better" for r in open_):
@@ -93,14 +115,20 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
                 break  # otherwise more text decides which changes are needed
         if not open_:
             break
-        if budget.stop_when_quiet and n_texts >= MIN_TEXTS_TO_EXCLUDE and not any(leads(report.comparisons[r.name], rule, budget.quiet_z) for r in open_):
+        if (
+            budget.stop_when_quiet
+            and n_texts >= MIN_TEXTS_TO_EXCLUDE
+            and not any(leads(report.comparisons[r.name], rule, budget.quiet_z) for r in open_)
+        ):
             break
     report.measured = declared.anchors > 0
     report.texts = {"prompts": n_texts, "generated_tokens": generated, "anchors": declared.anchors}
     report.seconds += time.perf_counter() - t_start
     if not report.measured:
-        report.warnings.append(f"the target generated too few tokens for a block of {g_max}: nothing measured "
-                               "(raise --tokens or give longer prompts)")
+        report.warnings.append(
+            f"the target generated too few tokens for a block of {g_max}: nothing measured "
+            "(raise --tokens or give longer prompts)"
+        )
         return report
     best, evidence, _ = explain(readings, report.comparisons, rule)
     for _ in FACTORS:  # each pass can only remove a change, so this ends
@@ -111,20 +139,22 @@ def measure(target, draft, tokenizer, *, eos, prompts=None, budget: Budget | Non
             break
         with torch.inference_mode():
             for r in stale:
-                for text in kept[len(r.accepted):]:
+                for text in kept[len(r.accepted) :]:
                     add_scores(r, score_anchors(draft, r.spec, text, g_max, context_for(draft, r.spec, text)))
                 report.comparisons[r.name] = paired(declared, r, rule)
         best, evidence, _ = explain(readings, report.comparisons, rule)
     if best is not None:
         report.best, report.found_by = best, "behaviour"
-        report.diagnoses = [diagnosis(declared, best, f, report.comparisons[evidence.name], evidence)
-                            for f in best.factors]
+        report.diagnoses = [
+            diagnosis(declared, best, f, report.comparisons[evidence.name], evidence) for f in best.factors
+        ]
     weights_finding(report, readings, draft, kept)
     top = max(r.per_slot[0] if r.per_slot else 0.0 for r in readings if r.accepted)
     if best is None and top < LOW_FIRST_SLOT:
         report.warnings.append(
             f"the draft's first token is accepted {top:.0%} of the time under every reading tried: an untrained "
-            "draft, a draft for another target, or a mismatch this doctor does not vary (RoPE settings, dtype)")
+            "draft, a draft for another target, or a mismatch this doctor does not vary (RoPE settings, dtype)"
+        )
     return report
 
 
@@ -157,28 +187,53 @@ def weights_finding(report: Report, readings: list[Reading], draft, texts: list[
 
 def taps_diagnosis(d, r: Reading, base, fit, cmp: Comparison) -> str:
     key, now, want = taps_keys(d, r.spec)
-    return (f"{says(d)} {key} {now} but fc's weights were fitted to {want} (hidden_state_indices shifted by "
-            f"{r.shift:+d}): fc's column norms follow the per-dimension scale of those layers' hidden states "
-            f"(misfit {fit.misfit:.4f} against {base.misfit:.4f} for the declared layers, correlation "
-            f"{fit.correlation:.2f}; `dspark train` folds each tap's scale into fc), while this draft's behaviour "
-            f"cannot tell the two apart (acceptance length {cmp.tau_declared:.2f} -> {cmp.tau_alt:.2f}, "
-            f"log-likelihood {cmp.ll_declared:.2f} -> {cmp.ll_alt:.2f} nats per slot; {cmp.anchors} anchors). "
-            f"Fix: set {key}: {want}")
-
+    return (
+        f"{says(d)} {key} {now} but fc's weights were fitted to {want} (hidden_state_indices shifted by "
+        f"{r.shift:+d}): fc's column norms follow the per-dimension scale of those layers' hidden states "
+        f"(misfit {fit.misfit:.4f} against {base.misfit:.4f} for the declared layers, correlation "
+        f"{fit.correlation:.2f}; `dspark train` folds each tap's scale into fc), while this draft's behaviour "
+        f"cannot tell the two apart (acceptance length {cmp.tau_declared:.2f} -> {cmp.tau_alt:.2f}, "
+        f"log-likelihood {cmp.ll_declared:.2f} -> {cmp.ll_alt:.2f} nats per slot; {cmp.anchors} anchors). "
+        f"Fix: set {key}: {want}"
+    )
 
 
 # ---- entry points ------------------------------------------------------------------------------
 
-def check_engine(engine, *, prompts=None, budget: Budget | None = None, extra_masks=(), full_grid: bool = True,
-                 report: Report | None = None) -> Report:
+
+def check_engine(
+    engine,
+    *,
+    prompts=None,
+    budget: Budget | None = None,
+    extra_masks=(),
+    full_grid: bool = True,
+    report: Report | None = None,
+) -> Report:
     """The measured part of the doctor on an assembled engine (its target, draft, tokenizer, EOS).
     Leaves the engine as it found it (its target's taps are restored)."""
-    return measure(engine.target, engine.draft, engine.tokenizer, eos=engine.eos_token_ids, prompts=prompts,
-                   budget=budget, extra_masks=extra_masks, report=report, full_grid=full_grid)
+    return measure(
+        engine.target,
+        engine.draft,
+        engine.tokenizer,
+        eos=engine.eos_token_ids,
+        prompts=prompts,
+        budget=budget,
+        extra_masks=extra_masks,
+        report=report,
+        full_grid=full_grid,
+    )
 
 
-def diagnose(engine, draft_path: str, *, budget: Budget | None = None, prompts: list | None = None, extra_masks=(),
-             layout: str | None = None) -> Report:
+def diagnose(
+    engine,
+    draft_path: str,
+    *,
+    budget: Budget | None = None,
+    prompts: list | None = None,
+    extra_masks=(),
+    layout: str | None = None,
+) -> Report:
     """The full doctor: static checks, then the sequential check of every reading.
 
     engine: a target-only engine (dspark.api.build_engine with no_spec): the draft is built here,
@@ -193,8 +248,9 @@ def diagnose(engine, draft_path: str, *, budget: Budget | None = None, prompts: 
     report.checks = checks
     if tensors is None or any(c.status == "fail" for c in checks if c.name in ("vocabulary", "dtype")):
         return report  # a draft that cannot be built for this target is not measured
-    with_draft = Engine(target, build_draft(spec, target.model, tensors, dtype=target.dtype), tokenizer,
-                        engine.eos_token_ids)
+    with_draft = Engine(
+        target, build_draft(spec, target.model, tensors, dtype=target.dtype), tokenizer, engine.eos_token_ids
+    )
     report.seconds = time.perf_counter() - t0
     return check_engine(with_draft, prompts=prompts, budget=budget, extra_masks=extra_masks, report=report)
 

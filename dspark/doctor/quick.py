@@ -40,8 +40,15 @@ def quick_check(engine, *, budget: Budget | None = None, prompt: str | list[int]
         out.append(f"draft runs in {draft.fc.weight.dtype} but the target in {engine.target.dtype}")
     prompts = [prompt] if prompt is not None else None
     budget = budget or QUICK_BUDGET
-    report = measure(engine.target, draft, engine.tokenizer, eos=engine.eos_token_ids, prompts=prompts,
-                     budget=budget, full_grid=False)
+    report = measure(
+        engine.target,
+        draft,
+        engine.tokenizer,
+        eos=engine.eos_token_ids,
+        prompts=prompts,
+        budget=budget,
+        full_grid=False,
+    )
     out += [f"LIKELY MISREAD: {d} (run `dspark doctor` for the full check)" for d in report.diagnoses]
     out += report.warnings
     declared = report.readings[0].all_accepted if report.readings else None

@@ -21,6 +21,7 @@ from dspark.model.draft import ContextCache
 
 # ---- one reading -------------------------------------------------------------------------------
 
+
 def score_anchors(draft, spec, text: Text, g_max: int, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted [anchors], loglik [anchors, gamma]) at each anchor of `text` when the draft is read
     as `spec`: the drafts greedy verification accepts, and the log-probability of the target's
@@ -61,13 +62,19 @@ def context_for(draft, spec, text: Text):
 
 # ---- the readings ------------------------------------------------------------------------------
 
+
 def layout_readings(spec) -> list[tuple[object, str]]:
     """(spec, label): the declared layout, the other layout keeping gamma (a consistent file with
     the layout flag flipped), and the other layout keeping block_size (a flag read wrongly)."""
     other = "bonus_anchor" if spec.layout == "anchor_first" else "anchor_first"
     out = [(spec, PRETTY_LAYOUT[spec.layout])]
-    keep_gamma = replace(spec, layout=other, gamma=spec.gamma, query_slots=query_slots_for(other, spec.gamma),
-                         block_size=query_slots_for(other, spec.gamma))
+    keep_gamma = replace(
+        spec,
+        layout=other,
+        gamma=spec.gamma,
+        query_slots=query_slots_for(other, spec.gamma),
+        block_size=query_slots_for(other, spec.gamma),
+    )
     out.append((keep_gamma, PRETTY_LAYOUT[other]))
     if spec.block_size - (1 if other == "bonus_anchor" else 0) >= 1:
         keep_block = replace(force_layout(spec, other), layout_source=spec.layout_source, warnings=spec.warnings)

@@ -54,6 +54,7 @@ class Budget:
 
 # ---- data ------------------------------------------------------------------------------------
 
+
 @dataclass
 class Text:
     """One target-generated sequence and what one target forward over it yields."""
@@ -77,8 +78,11 @@ class Reading:
 
     @property
     def name(self) -> str:
-        parts = {"layout": self.label, "hidden_state_indices": f"taps{self.shift:+d}",
-                 "mask_token_id": f"mask={self.spec.mask_token_id}"}
+        parts = {
+            "layout": self.label,
+            "hidden_state_indices": f"taps{self.shift:+d}",
+            "mask_token_id": f"mask={self.spec.mask_token_id}",
+        }
         return " ".join(parts[f] for f in self.factors) or "declared"
 
     @property
@@ -146,7 +150,7 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        """"misread" | "unhealthy" (a static check failed) | "healthy" | "undecided" | "not measured"."""
+        """ "misread" | "unhealthy" (a static check failed) | "healthy" | "undecided" | "not measured"."""
         if self.diagnoses:
             return "misread"
         if any(c.status == "fail" for c in self.checks):
@@ -180,20 +184,34 @@ class Report:
         return {
             "target": self.target,
             "draft": self.draft,
-            "declared": {"format": s.format, "layout": s.layout, "layout_source": s.layout_source, "gamma": s.gamma,
-                         "block_size": s.block_size, "hidden_state_indices": list(s.hidden_state_indices),
-                         "mask_token_id": s.mask_token_id},
+            "declared": {
+                "format": s.format,
+                "layout": s.layout,
+                "layout_source": s.layout_source,
+                "gamma": s.gamma,
+                "block_size": s.block_size,
+                "hidden_state_indices": list(s.hidden_state_indices),
+                "mask_token_id": s.mask_token_id,
+            },
             "text": self.texts,
             "rounds": self.rounds,
             "thresholds": self.thresholds,
             "checks": [vars(c) for c in self.checks],
             "readings": [
-                {"name": r.name, "changes": list(r.factors), "layout": r.spec.layout, "gamma": r.spec.gamma,
-                 "block_size": r.spec.query_slots, "hidden_state_indices": list(r.spec.hidden_state_indices),
-                 "mask_token_id": r.spec.mask_token_id, "anchors": r.anchors,
-                 "accept_length": round(r.accept_length, 4), "per_slot_acceptance": [round(x, 4) for x in r.per_slot],
-                 "loglik": round(r.mean_loglik, 4) if r.loglik else None,
-                 **({"vs_declared": self.comparisons[r.name].to_json()} if r.name in self.comparisons else {})}
+                {
+                    "name": r.name,
+                    "changes": list(r.factors),
+                    "layout": r.spec.layout,
+                    "gamma": r.spec.gamma,
+                    "block_size": r.spec.query_slots,
+                    "hidden_state_indices": list(r.spec.hidden_state_indices),
+                    "mask_token_id": r.spec.mask_token_id,
+                    "anchors": r.anchors,
+                    "accept_length": round(r.accept_length, 4),
+                    "per_slot_acceptance": [round(x, 4) for x in r.per_slot],
+                    "loglik": round(r.mean_loglik, 4) if r.loglik else None,
+                    **({"vs_declared": self.comparisons[r.name].to_json()} if r.name in self.comparisons else {}),
+                }
                 for r in self.readings
             ],
             "explained_by": self.best.name if self.best is not None else None,

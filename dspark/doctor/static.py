@@ -14,6 +14,7 @@ from dspark.model.load import check_compatible
 
 # ---- static checks -----------------------------------------------------------------------------
 
+
 def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check], dict | None]:
     """Vocabulary, dtype and finiteness of the stored weights. Returns (checks, tensors or None)."""
 
@@ -21,18 +22,36 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
     vocab = target_model.get_output_embeddings().weight.shape[0]
     try:
         check_compatible(spec, target_model)
-        checks.append(Check("vocabulary", "ok", f"draft vocab {spec.vocab_size} (draft head {spec.draft_vocab_size}) "
-                                                f"= target vocab {vocab}; mask_token_id {spec.mask_token_id} in range"))
+        checks.append(
+            Check(
+                "vocabulary",
+                "ok",
+                f"draft vocab {spec.vocab_size} (draft head {spec.draft_vocab_size}) "
+                f"= target vocab {vocab}; mask_token_id {spec.mask_token_id} in range",
+            )
+        )
     except FormatError as exc:
         checks.append(Check("vocabulary", "fail", str(exc)))
     if tokenizer is not None:
         n = len(tokenizer)
         st = "ok" if n <= vocab else "fail"
-        checks.append(Check("tokenizer", st, f"tokenizer has {n} tokens, target vocabulary {vocab}"
-                            + ("" if st == "ok" else ": token ids past the vocabulary")))
+        checks.append(
+            Check(
+                "tokenizer",
+                st,
+                f"tokenizer has {n} tokens, target vocabulary {vocab}"
+                + ("" if st == "ok" else ": token ids past the vocabulary"),
+            )
+        )
     if spec.verifier:
-        checks.append(Check("verifier", "ok", f"the draft names its verifier {spec.verifier!r} (not compared: "
-                                              "names differ between hubs and local copies)"))
+        checks.append(
+            Check(
+                "verifier",
+                "ok",
+                f"the draft names its verifier {spec.verifier!r} (not compared: "
+                "names differ between hubs and local copies)",
+            )
+        )
 
     meta = WeightsMeta.from_dir(Path(spec.path)) if spec.path else None
     if meta is None:
@@ -40,10 +59,18 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
         return checks, None
     maps = {"d2t", "t2d"}
     kinds = sorted({i.dtype for n, i in meta.infos.items() if n not in maps})
-    quant = sorted({f"{n} ({i.dtype})" for n, i in meta.infos.items() if n not in maps and i.dtype not in FLOAT_STORAGE})
+    quant = sorted(
+        {f"{n} ({i.dtype})" for n, i in meta.infos.items() if n not in maps and i.dtype not in FLOAT_STORAGE}
+    )
     if quant:  # the weights are not loaded: load_weights refuses such storage
-        checks.append(Check("dtype", "fail", f"non-float draft weights {quant[:4]}: quantised storage (integers, "
-                                             "float8) without its scales, which no engine can run as it is"))
+        checks.append(
+            Check(
+                "dtype",
+                "fail",
+                f"non-float draft weights {quant[:4]}: quantised storage (integers, "
+                "float8) without its scales, which no engine can run as it is",
+            )
+        )
         return checks, None
     run = str(run_dtype).replace("torch.", "")
     note = "" if len(kinds) == 1 else "; mixed storage dtypes"
@@ -66,11 +93,23 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
     if 0 <= spec.mask_token_id < table.shape[0] and float(table[spec.mask_token_id].float().abs().max()) == 0.0:
         # a padding row: every mask row then enters the draft as the same zero vector, and the
         # rows can no longer tell their slots apart
-        checks.append(Check("mask embedding", "warn", f"mask_token_id {spec.mask_token_id} has an all-zero embedding "
-                                                      "(a padding row?): mask rows carry no signal"))
+        checks.append(
+            Check(
+                "mask embedding",
+                "warn",
+                f"mask_token_id {spec.mask_token_id} has an all-zero embedding "
+                "(a padding row?): mask rows carry no signal",
+            )
+        )
     if emb is not None and tuple(emb.shape) == tuple(tgt.shape):
         cos = float(torch.nn.functional.cosine_similarity(emb.float(), tgt.detach().float().cpu(), dim=-1).mean())
         st = "ok" if cos >= EMBED_COSINE_MIN else "warn"
-        checks.append(Check("embeddings", st, f"the draft's own embed_tokens vs the target's: mean cosine {cos:.3f}"
-                            + ("" if st == "ok" else ": trained against another target or tokenizer?")))
+        checks.append(
+            Check(
+                "embeddings",
+                st,
+                f"the draft's own embed_tokens vs the target's: mean cosine {cos:.3f}"
+                + ("" if st == "ok" else ": trained against another target or tokenizer?"),
+            )
+        )
     return checks, tensors

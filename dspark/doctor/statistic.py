@@ -12,6 +12,7 @@ from dspark.formats.spec import query_slots_for
 
 # ---- the statistic -----------------------------------------------------------------------------
 
+
 @dataclass
 class Rule:
     """The decision thresholds for one check (paired.compare)."""
@@ -22,8 +23,13 @@ class Rule:
     ll_min_gain: float = LL_MIN_GAIN
 
     def to_json(self) -> dict:
-        return {"min_gain": self.min_gain, "loglik_min_gain": self.ll_min_gain, "alpha": ALPHA,
-                "z_better": round(self.z_better, 3), "z_not_better": round(self.z_not_better, 3)}
+        return {
+            "min_gain": self.min_gain,
+            "loglik_min_gain": self.ll_min_gain,
+            "alpha": ALPHA,
+            "z_better": round(self.z_better, 3),
+            "z_not_better": round(self.z_not_better, 3),
+        }
 
 
 def rule_for(alternatives: int, looks: int, min_gain: float = MIN_GAIN, alpha: float = ALPHA) -> Rule:
@@ -43,12 +49,28 @@ def paired(a: Reading, b: Reading, rule: Rule) -> Comparison:
     n = min(len(a.accepted), len(b.accepted))
     x, y = a.accepted[:n], b.accepted[:n]
     if not n:
-        return compare(torch.zeros(0), torch.zeros(0), [], 1, min_gain=rule.min_gain, z_better=rule.z_better,
-                       z_not_better=rule.z_not_better)
+        return compare(
+            torch.zeros(0),
+            torch.zeros(0),
+            [],
+            1,
+            min_gain=rule.min_gain,
+            z_better=rule.z_better,
+            z_not_better=rule.z_not_better,
+        )
     slots = min(a.spec.gamma, b.spec.gamma)
     ll = (torch.cat(a.loglik[:n]), torch.cat(b.loglik[:n]))
-    return compare(torch.cat(x), torch.cat(y), [int(t.numel()) for t in x], slots, min_gain=rule.min_gain,
-                   z_better=rule.z_better, z_not_better=rule.z_not_better, ll=ll, ll_min_gain=rule.ll_min_gain)
+    return compare(
+        torch.cat(x),
+        torch.cat(y),
+        [int(t.numel()) for t in x],
+        slots,
+        min_gain=rule.min_gain,
+        z_better=rule.z_better,
+        z_not_better=rule.z_not_better,
+        ll=ll,
+        ll_min_gain=rule.ll_min_gain,
+    )
 
 
 def leads(c: Comparison, rule: Rule, z: float) -> bool:
@@ -80,7 +102,9 @@ def explain(readings: list[Reading], comparisons: dict, rule: Rule) -> tuple[Rea
     def undos(r, f):
         if f == "layout":
             keep_gamma = query_slots_for(r.spec.layout, d.gamma)
-            first = [(r.spec.layout, keep_gamma, r.shift, r.spec.mask_token_id)] if r.spec.query_slots != keep_gamma else []
+            first = (
+                [(r.spec.layout, keep_gamma, r.shift, r.spec.mask_token_id)] if r.spec.query_slots != keep_gamma else []
+            )
             return first + [(d.layout, d.query_slots, r.shift, r.spec.mask_token_id)]
         if f == "hidden_state_indices":
             return [(r.spec.layout, r.spec.query_slots, 0, r.spec.mask_token_id)]
@@ -92,8 +116,12 @@ def explain(readings: list[Reading], comparisons: dict, rule: Rule) -> tuple[Rea
         for f in best.factors:
             for key in undos(best, f):
                 simpler = by_key.get(key)
-                if (simpler is None or simpler is declared or comparisons[simpler.name].status == "not better"
-                        or paired(simpler, best, rule).status == "better"):
+                if (
+                    simpler is None
+                    or simpler is declared
+                    or comparisons[simpler.name].status == "not better"
+                    or paired(simpler, best, rule).status == "better"
+                ):
                     continue
                 settled = settled and comparisons[simpler.name].status == "better"
                 best, changed = simpler, True
@@ -105,6 +133,7 @@ def explain(readings: list[Reading], comparisons: dict, rule: Rule) -> tuple[Rea
 
 def simpler_readings(readings: list[Reading], best: Reading) -> list[Reading]:
     """The readings that make some, not all, of `best`'s changes, each the way `best` makes it."""
+
     def same(r: Reading, f: str) -> bool:
         if f == "layout":
             return (r.spec.layout, r.spec.query_slots) == (best.spec.layout, best.spec.query_slots)
@@ -131,12 +160,19 @@ def layout_fix(declared, alt) -> str:
     """The config keys that make a file read as `alt` (docs/DESIGN.md §3)."""
     flag = "true" if alt.layout == "anchor_first" else "false"
     if declared.format == "speculators":
-        return (f"set sample_from_anchor: {flag}, block_size: {alt.query_slots} and speculative_tokens: {alt.gamma} "
-                f"in config.json, or run with --layout {alt.layout}")
+        return (
+            f"set sample_from_anchor: {flag}, block_size: {alt.query_slots} and speculative_tokens: {alt.gamma} "
+            f"in config.json, or run with --layout {alt.layout}"
+        )
     if alt.layout == "bonus_anchor":
-        return (f"{declared.format} files are read anchor-first: write it as a speculators file with "
-                f"sample_from_anchor: false and block_size: {alt.query_slots}, or run with --layout bonus_anchor")
-    return f"write it as a speculators file with sample_from_anchor: true and block_size: {alt.query_slots}, or run with --layout anchor_first"
+        return (
+            f"{declared.format} files are read anchor-first: write it as a speculators file with "
+            f"sample_from_anchor: false and block_size: {alt.query_slots}, or run with --layout bonus_anchor"
+        )
+    return (
+        f"write it as a speculators file with sample_from_anchor: true and block_size: {alt.query_slots}, "
+        "or run with --layout anchor_first"
+    )
 
 
 def taps_keys(d, a) -> tuple[str, list[int], list[int]]:
@@ -149,20 +185,28 @@ def diagnosis(declared: Reading, best: Reading, factor: str, cmp: Comparison, ev
     """One finding: what the file says, what the weights behave like, the numbers (of `evidence`,
     the better reading measured), and the config keys to change."""
     d, a = declared.spec, best.spec
-    nums = (f"acceptance length {cmp.tau_declared:.2f} -> {cmp.tau_alt:.2f} tokens per step ({cmp.gain:+.0%}, "
-            f"z {cmp.z:.1f}, p {cmp.p:.1g}), log-likelihood of the target's tokens {cmp.ll_declared:.2f} -> "
-            f"{cmp.ll_alt:.2f} nats per slot (z {cmp.ll_z:.1f}, p {cmp.ll_p:.1g}); {cmp.anchors} anchors, {cmp.slots} slots")
+    nums = (
+        f"acceptance length {cmp.tau_declared:.2f} -> {cmp.tau_alt:.2f} tokens per step ({cmp.gain:+.0%}, "
+        f"z {cmp.z:.1f}, p {cmp.p:.1g}), log-likelihood of the target's tokens {cmp.ll_declared:.2f} -> "
+        f"{cmp.ll_alt:.2f} nats per slot (z {cmp.ll_z:.1f}, p {cmp.ll_p:.1g}); {cmp.anchors} anchors, {cmp.slots} slots"
+    )
     if len(evidence.factors) > 1 or evidence is not best:
         nums += f" reading it as {evidence.name}"
     if factor == "layout":
-        return (f"{says(d)} {PRETTY_LAYOUT[d.layout]} (gamma {d.gamma}, block_size {d.query_slots}) but the weights behave "
-                f"like {PRETTY_LAYOUT[a.layout]} (gamma {a.gamma}, block_size {a.query_slots}): {nums}. Fix: "
-                f"{layout_fix(d, a)} (docs/DESIGN.md §3)")
+        return (
+            f"{says(d)} {PRETTY_LAYOUT[d.layout]} (gamma {d.gamma}, block_size {d.query_slots}) but the weights behave "
+            f"like {PRETTY_LAYOUT[a.layout]} (gamma {a.gamma}, block_size {a.query_slots}): {nums}. Fix: "
+            f"{layout_fix(d, a)} (docs/DESIGN.md §3)"
+        )
     if factor == "hidden_state_indices":
         key, now, want = taps_keys(d, a)
-        return (f"{says(d)} {key} {now} but the weights behave like {want} (hidden_state_indices shifted by "
-                f"{best.shift:+d}: DeepSpec target_layer_ids t are speculators aux_hidden_state_layer_ids t+1): {nums}. "
-                f"Fix: set {key}: {want}")
+        return (
+            f"{says(d)} {key} {now} but the weights behave like {want} (hidden_state_indices shifted by "
+            f"{best.shift:+d}: DeepSpec target_layer_ids t are speculators aux_hidden_state_layer_ids t+1): {nums}. "
+            f"Fix: set {key}: {want}"
+        )
     mask_key = _KEYS.get(d.format, ("hidden_state_indices", 0, "mask_token_id"))[2]
-    return (f"{says(d)} {mask_key} {d.mask_token_id} but the weights behave like {mask_key} {a.mask_token_id}: "
-            f"{nums}. Fix: set {mask_key}: {a.mask_token_id}")
+    return (
+        f"{says(d)} {mask_key} {d.mask_token_id} but the weights behave like {mask_key} {a.mask_token_id}: "
+        f"{nums}. Fix: set {mask_key}: {a.mask_token_id}"
+    )

@@ -14,6 +14,7 @@ from dspark.target.text import encode_prompt
 
 # ---- text --------------------------------------------------------------------------------------
 
+
 def prompt_pool(tokenizer, vocab: int, texts: list | None = None):
     """Prompts as token ids, without end: the given ones, then the built-in ones (three short
     prompts, then the held-out training set interleaved by category), then seeded random ids (a

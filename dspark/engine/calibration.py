@@ -59,8 +59,14 @@ class Calibration:
         return torch.sigmoid(conf_logits.double() / t)
 
     def to_json(self) -> dict:
-        return {"format": CALIBRATION_FORMAT, "version": 1, "method": "sequential_temperature_scaling",
-                "gamma": self.gamma, "temperatures": list(self.temperatures), **self.meta}
+        return {
+            "format": CALIBRATION_FORMAT,
+            "version": 1,
+            "method": "sequential_temperature_scaling",
+            "gamma": self.gamma,
+            "temperatures": list(self.temperatures),
+            **self.meta,
+        }
 
     def save(self, path) -> None:
         write_json(path, self.to_json())
@@ -69,17 +75,20 @@ class Calibration:
     def load(cls, path) -> "Calibration":
         data = read_json(path, "calibration")
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
-            raise DSparkError(f"{path} is not a calibration file (expected \"format\": \"{CALIBRATION_FORMAT}\")")
+            raise DSparkError(f'{path} is not a calibration file (expected "format": "{CALIBRATION_FORMAT}")')
         temps = data.get("temperatures")
         if not isinstance(temps, list):
-            raise DSparkError(f"{path}: \"temperatures\" must be a list")
+            raise DSparkError(f'{path}: "temperatures" must be a list')
         if data.get("gamma") != len(temps):
-            raise DSparkError(f"{path}: \"gamma\" ({data.get('gamma')}) differs from the number of temperatures ({len(temps)})")
+            raise DSparkError(
+                f'{path}: "gamma" ({data.get("gamma")}) differs from the number of temperatures ({len(temps)})'
+            )
         meta = {k: v for k, v in data.items() if k not in ("format", "version", "method", "gamma", "temperatures")}
         return cls(tuple(temps), meta)
 
 
 # ---- labels and metrics (numpy, float64) -------------------------------------------------
+
 
 def prefix_labels(accepted: np.ndarray, verified: np.ndarray, gamma: int) -> tuple[np.ndarray, np.ndarray]:
     """accepted, verified [N] -> (y [N, g], known [N, g]).
@@ -139,12 +148,22 @@ def position_metrics(conf_logits: np.ndarray, accepted: np.ndarray, verified: np
     for k in range(conf_logits.shape[1]):
         m = known[:, k]
         p, t = surv[m, k], y[m, k]
-        out.append({"position": k + 1, "samples": int(m.sum()), "accept_rate": float(t.mean()) if t.size else float("nan"),
-                    "ece": ece(p, t), "auc": auc(p, t), "brier": brier(p, t)})
+        out.append(
+            {
+                "position": k + 1,
+                "samples": int(m.sum()),
+                "accept_rate": float(t.mean()) if t.size else float("nan"),
+                "ece": ece(p, t),
+                "auc": auc(p, t),
+                "brier": brier(p, t),
+            }
+        )
     return out
 
 
-def fit_sts(conf_logits: np.ndarray, accepted: np.ndarray, verified: np.ndarray, grid: np.ndarray = TEMPERATURE_GRID) -> Calibration:
+def fit_sts(
+    conf_logits: np.ndarray, accepted: np.ndarray, verified: np.ndarray, grid: np.ndarray = TEMPERATURE_GRID
+) -> Calibration:
     """conf_logits [N, g], accepted [N], verified [N] (records of full-verification steps) -> Calibration."""
     z = np.asarray(conf_logits, dtype=np.float64)
     if z.ndim != 2 or z.shape[0] == 0:
@@ -169,6 +188,7 @@ def fit_sts(conf_logits: np.ndarray, accepted: np.ndarray, verified: np.ndarray,
 
 
 # ---- collecting records from the engine -----------------------------------------------------
+
 
 class StepRecorder:
     """Engine step observer: one record per (step, request) of (raw conf logits [g], verified, accepted)."""

@@ -57,7 +57,9 @@ class CostCurve:
         if len(self.tokens) != len(self.seconds) or not self.tokens:
             raise DSparkError("cost curve: tokens and seconds must be non-empty lists of the same length")
         if any(not isinstance(t, int) or t < 1 for t in self.tokens) or list(self.tokens) != sorted(set(self.tokens)):
-            raise DSparkError(f"cost curve: tokens must be strictly increasing positive integers, got {list(self.tokens)}")
+            raise DSparkError(
+                f"cost curve: tokens must be strictly increasing positive integers, got {list(self.tokens)}"
+            )
         if any(not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0) for s in self.seconds):
             raise DSparkError(f"cost curve: seconds must be positive finite numbers, got {list(self.seconds)}")
 
@@ -100,7 +102,7 @@ class CostCurve:
     @classmethod
     def from_json(cls, data: dict) -> "CostCurve":
         if not isinstance(data, dict) or data.get("format") != CURVE_FORMAT:
-            raise DSparkError(f"not a cost curve file (expected \"format\": \"{CURVE_FORMAT}\")")
+            raise DSparkError(f'not a cost curve file (expected "format": "{CURVE_FORMAT}")')
         return cls.from_points(data.get("tokens") or [], data.get("seconds") or [], data.get("meta") or {})
 
     def save(self, path) -> None:
@@ -123,8 +125,16 @@ def default_grid(max_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float = math.inf, seed: int = 0,
-                  context: int = PROFILE_CONTEXT, small_repeats: int = 0) -> dict[int, list[float]]:
+def forward_times(
+    target,
+    grid: list[int],
+    *,
+    repeats: int = 3,
+    budget_s: float = math.inf,
+    seed: int = 0,
+    context: int = PROFILE_CONTEXT,
+    small_repeats: int = 0,
+) -> dict[int, list[float]]:
     """Seconds of target.forward of [1, T] random tokens for T in grid, greedy (the target's argmax
     alone), on a scratch state of `context` committed tokens (the timed entries dropped after each).
 
@@ -162,8 +172,12 @@ def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float 
             times[t].append(t1 - t0)
         now = time.perf_counter()
         if rep == 0 and now - start > budget_s:
-            log.warning("WARNING: profiling the verify cost curve overran its %.1fs budget in the warm-up pass "
-                        "(%.1fs): the machine looks loaded; using the warm-up timings (rough)", budget_s, now - start)
+            log.warning(
+                "WARNING: profiling the verify cost curve overran its %.1fs budget in the warm-up pass "
+                "(%.1fs): the machine looks loaded; using the warm-up timings (rough)",
+                budget_s,
+                now - start,
+            )
             break
         if rep == 0:
             times = {t: [] for t in grid}  # warm-up timings include one-time set-up: drop them
@@ -172,8 +186,9 @@ def forward_times(target, grid: list[int], *, repeats: int = 3, budget_s: float 
     return times
 
 
-def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0,
-                       small_repeats: int = 0) -> CostCurve:
+def profile_cost_curve(
+    target, grid: list[int], *, repeats: int = 3, budget_s: float = 3.0, seed: int = 0, small_repeats: int = 0
+) -> CostCurve:
     """The cost curve of `target` over grid (`forward_times` within budget_s, on a scratch state
     of PROFILE_CONTEXT tokens): the minimum per point, because load from other processes only
     ever adds time, and the adaptive scheduler rescales the whole curve to observed steps anyway.
@@ -181,8 +196,12 @@ def profile_cost_curve(target, grid: list[int], *, repeats: int = 3, budget_s: f
     either way; the attention share is small at these lengths)."""
     start = time.perf_counter()
     times = forward_times(target, grid, repeats=repeats, budget_s=budget_s, seed=seed, small_repeats=small_repeats)
-    meta = {"repeats": len(times[grid[0]]), "repeats_largest": len(times[grid[-1]]), "context": PROFILE_CONTEXT,
-            "profile_s": round(time.perf_counter() - start, 3)}
+    meta = {
+        "repeats": len(times[grid[0]]),
+        "repeats_largest": len(times[grid[-1]]),
+        "context": PROFILE_CONTEXT,
+        "profile_s": round(time.perf_counter() - start, 3),
+    }
     return CostCurve.from_points(grid, [min(times[t]) for t in grid], meta)
 
 
@@ -229,12 +248,16 @@ def warn_if_flat(curve: CostCurve) -> bool:
         "WARNING: the verify cost curve is flat (%d tokens cost %.2fx one token): the adaptive scheduler "
         "will see no price for verification and verify (almost) everything. Re-profile on a quiet machine "
         "(delete %s) or pass a measured curve.",
-        curve.tokens[-1], curve.ratio, curve.meta.get("cache_file", "the cached curve"),
+        curve.tokens[-1],
+        curve.ratio,
+        curve.meta.get("cache_file", "the cached curve"),
     )
     return True
 
 
-def cost_curve_for(target, max_tokens: int, *, cache: bool = True, refresh: bool = False, budget_s: float = 3.0) -> CostCurve:
+def cost_curve_for(
+    target, max_tokens: int, *, cache: bool = True, refresh: bool = False, budget_s: float = 3.0
+) -> CostCurve:
     """The cached curve for this target/dtype/device/threads, profiled (and cached) when absent."""
     grid = default_grid(max_tokens)
     ident = curve_identity(target, grid)

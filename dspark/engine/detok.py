@@ -28,10 +28,10 @@ class Detokenizer:
         """Extend `text` with what ids[read_offset:] add; returns the new text ('' while incomplete)."""
         if len(ids) <= self.read_offset:
             return ""
-        prefix = self.decode(ids[self.prefix_offset:self.read_offset])
-        full = self.decode(ids[self.prefix_offset:])
+        prefix = self.decode(ids[self.prefix_offset : self.read_offset])
+        full = self.decode(ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd") and full.startswith(prefix):
-            new = full[len(prefix):]
+            new = full[len(prefix) :]
             self.text += new
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
             return new

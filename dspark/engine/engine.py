@@ -34,7 +34,8 @@ log = logging.getLogger("dspark")
 # Slot 0 rather than the mean acceptance length: a verification policy that trims (threshold,
 # adaptive) lowers the length of a healthy draft, never the acceptance of what it verifies.
 # A draft that accepts next to nothing (random weights, another target's draft) sits near 0%,
-# the bundled SmolLM2 draft at 29% on average and at 10% on its worst prompts. Subtler misreads of a weak draft are `dspark doctor`'s job:
+# the bundled SmolLM2 draft at 29% on average and at 10% on its worst prompts. Subtler misreads of a weak
+# draft are `dspark doctor`'s job:
 # on the bundled draft, taps off by one still agree on 35% of first slots (declared: 40%).
 DEGRADED_AFTER_VERIFIED = 64
 DEGRADED_FIRST_SLOT_RATE = 0.05
@@ -110,16 +111,18 @@ class Engine:
         self.notes: list[str] = []
         self.prior = None
 
-    def derive(self, *, speculative: bool = True, policy: VerifyPolicy | None = None,
-               max_batch: int | None = None) -> "Engine":
+    def derive(
+        self, *, speculative: bool = True, policy: VerifyPolicy | None = None, max_batch: int | None = None
+    ) -> "Engine":
         """Another engine over the same loaded target and draft: nothing is loaded twice, the new
         engine has its own requests and metrics. speculative=False: the plain-decoding twin (a
         target view without taps, so it pays for nothing a draft would read). policy: the new
         engine's verification policy, default full (policies keep running state: never shared)."""
         draft = self.draft if speculative else None
         target = self.target if draft is not None else self.target.view()
-        other = Engine(target, draft, self.tokenizer, self.eos_token_ids, policy=policy,
-                       max_batch=max_batch or self.max_batch)
+        other = Engine(
+            target, draft, self.tokenizer, self.eos_token_ids, policy=policy, max_batch=max_batch or self.max_batch
+        )
         other.prior = self.prior if draft is not None else None
         return other
 
@@ -140,8 +143,9 @@ class Engine:
         forward runs anchor + gamma drafts)."""
         return self.target.max_length - prompt_len - (self.gamma + 1)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None,
-                    marks: bool = False) -> Request:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, on_tokens=None, request_id=None, marks: bool = False
+    ) -> Request:
         """Queue a request. marks: record where each output token came from (Request.marks)."""
         if not prompt_ids:
             raise RequestError("prompt is empty")
@@ -175,7 +179,9 @@ class Engine:
         dev = self.target.device
         state = self.target.new_state(1)
         prompt = torch.tensor([req.prompt_ids], device=dev)
-        logits, taps = self.target.forward(state, prompt, logits="last")  # [1, 1, V]: the head on the last position only
+        logits, taps = self.target.forward(
+            state, prompt, logits="last"
+        )  # [1, 1, V]: the head on the last position only
         self.target.commit(state, torch.tensor([prompt.shape[1]], device=dev))
         ctx, pending = None, []
         if self.draft is not None:
@@ -219,12 +225,24 @@ class Engine:
         _, taps = self.target.forward(state, torch.tensor([ids], device=dev), logits="last")
         self.target.commit(state, torch.tensor([len(ids)], device=dev))
         ctx = self.draft.new_context_cache(1, dev) if self.draft is not None else None
-        return Batch(state, ctx, torch.tensor([req.output_ids[-1]], device=dev), [req.params], [gen],
-                     [taps] if self.draft is not None else [])
+        return Batch(
+            state,
+            ctx,
+            torch.tensor([req.output_ids[-1]], device=dev),
+            [req.params],
+            [gen],
+            [taps] if self.draft is not None else [],
+        )
 
     def _fail(self, req: Request, err: BaseException, where: str) -> None:
-        log.error("dspark: request %s failed in its %s: %s: %s", req.id, where, type(err).__name__, err,
-                  exc_info=not isinstance(err, DSparkError))
+        log.error(
+            "dspark: request %s failed in its %s: %s: %s",
+            req.id,
+            where,
+            type(err).__name__,
+            err,
+            exc_info=not isinstance(err, DSparkError),
+        )
         req.finish_reason = "error"
         req.error = str(err) if isinstance(err, DSparkError) else f"internal error in the {where}"
         req.t_finish = time.perf_counter()
@@ -234,8 +252,13 @@ class Engine:
         rebuilt alone from its tokens (generators as before the step) and steps once alone;
         those that fail alone (or that the error names) end with "error", the others go on as
         if nothing happened. Returns the requests this finished."""
-        log.error("dspark: a decode step of %d requests failed (%s: %s); isolating them", len(self.running),
-                  type(err).__name__, err, exc_info=not isinstance(err, DSparkError))
+        log.error(
+            "dspark: a decode step of %d requests failed (%s: %s); isolating them",
+            len(self.running),
+            type(err).__name__,
+            err,
+            exc_info=not isinstance(err, DSparkError),
+        )
         named = set(getattr(err, "rows", None) or ())
         reqs, gens = self.running, self.batch.generators
         self.running, self.batch = [], None
@@ -367,9 +390,15 @@ class Engine:
             committed = res.committed[b]
             marks = None
             if req.marks is not None:
-                marks = step_marks(req.steps, committed, res.drafted[b], res.verified[b], res.accepted[b],
-                                   res.proposed[b] if res.proposed is not None else None,
-                                   conf[b] if conf is not None else None)
+                marks = step_marks(
+                    req.steps,
+                    committed,
+                    res.drafted[b],
+                    res.verified[b],
+                    res.accepted[b],
+                    res.proposed[b] if res.proposed is not None else None,
+                    conf[b] if conf is not None else None,
+                )
             try:
                 kept = self._emit(req, committed, marks)
             except Exception as err:
@@ -434,4 +463,3 @@ class Engine:
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run_until_done()
         return reqs
-

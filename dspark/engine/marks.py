@@ -35,12 +35,19 @@ class TokenMark:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def step_marks(step: int, committed: list[int], drafted: int, verified: int, accepted: int,
-               drafts: list[int] | None, confidences: list[float] | None) -> list[TokenMark]:
+def step_marks(
+    step: int,
+    committed: list[int],
+    drafted: int,
+    verified: int,
+    accepted: int,
+    drafts: list[int] | None,
+    confidences: list[float] | None,
+) -> list[TokenMark]:
     """The marks of one request's tokens committed by one decode step (StepResult's row)."""
     if drafted == 0:
         return [TokenMark(committed[0], "plain", step, 0)]
-    conf = (lambda k: round(confidences[k], 4) if confidences is not None and k < len(confidences) else None)
+    conf = lambda k: round(confidences[k], 4) if confidences is not None and k < len(confidences) else None
     out = [TokenMark(t, "accepted", step, k + 1, conf(k)) for k, t in enumerate(committed[:accepted])]
     last = committed[accepted]
     if verified > accepted:  # the target rejected the draft at slot accepted+1 and wrote its own token
@@ -65,7 +72,7 @@ class TextPieces:
         """The marks of tokens committed since the last call, each with its text."""
         marks, ids = req.marks, req.output_ids
         if req.detok is None:  # a target without a tokenizer: token ids only
-            new, self.done = marks[self.done:], len(marks)
+            new, self.done = marks[self.done :], len(marks)
             return new
         if self.detok is None:
             self.detok = Detokenizer(req.detok.tokenizer, req.detok.stop)
@@ -78,7 +85,7 @@ class TextPieces:
             else:  # the final text, cut at a stop string; its last token takes whatever is left
                 text = final
                 upto = len(final) if i == len(marks) - 1 else min(len(self.detok.text), len(final))
-            piece = text[self.chars:upto]
+            piece = text[self.chars : upto]
             self.chars += len(piece)
             new.append(replace(marks[i], text=piece))
         self.done = len(marks)

@@ -38,12 +38,16 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise RequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}")
+            raise RequestError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}"
+            )
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_p < MIN_TOP_P:

@@ -36,7 +36,8 @@ REALISED_MIN = 16  # verified requests at a depth before its measured acceptance
 SKIP_PROBE_MAX = 256  # a probe that confirms skipping doubles the wait before the next, up to this
 # probes may cost at most this share of the time spent decoding plainly: a draft pass dearer than a
 # target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share)).
-# Measured on SmolLM2 (docs/history/benchmarks.md "what a draft that does not pay still costs ..."): a probe that confirms skipping costs ~6 ms
+# Measured on SmolLM2 (docs/history/benchmarks.md "what a draft that does not pay still costs ..."): a probe
+# that confirms skipping costs ~6 ms
 # against a ~11 ms plain step; at 0.5 % and waits up to 128 steps probes took 0.4-0.8 % of decoding,
 # most of what a draft that never pays still cost against plain decoding.
 PROBE_SHARE = 0.0025
@@ -87,6 +88,7 @@ class DraftPrior:
 
 
 # ---- Algorithm 1 -------------------------------------------------------------------------
+
 
 def batch_tokens(n: np.ndarray) -> int:
     """Tokens the target computes to verify n [R] drafts per request: the target runs one padded
@@ -140,6 +142,7 @@ def threshold_lengths(conf: np.ndarray, threshold: float) -> np.ndarray:
 
 # ---- policies the engine calls ---------------------------------------------------------
 
+
 class VerifyPolicy:
     """The interface decode_step and the engine call; subclasses decide `verify_lengths`."""
 
@@ -168,7 +171,9 @@ class VerifyPolicy:
     def confidences(self, prop) -> np.ndarray:
         """Proposal -> calibrated per-slot confidences c [B, g] (float64, CPU)."""
         if prop.conf_logits is None:
-            raise DSparkError(f"verification policy '{self.name}' needs the draft's confidence head, and this draft has none")
+            raise DSparkError(
+                f"verification policy '{self.name}' needs the draft's confidence head, and this draft has none"
+            )
         z = prop.conf_logits.detach()
         c = self.calibration.confidences(z) if self.calibration is not None else torch.sigmoid(z.double())
         return c.cpu().numpy()
@@ -217,8 +222,15 @@ class AdaptiveScheduler(VerifyPolicy):
 
     name = "adaptive"
 
-    def __init__(self, curve: CostCurve, calibration: Calibration | None = None, learn: bool = True, skip: bool = True,
-                 prior: DraftPrior | None = None, probe_share: float = PROBE_SHARE):
+    def __init__(
+        self,
+        curve: CostCurve,
+        calibration: Calibration | None = None,
+        learn: bool = True,
+        skip: bool = True,
+        prior: DraftPrior | None = None,
+        probe_share: float = PROBE_SHARE,
+    ):
         super().__init__(calibration)
         self.curve, self.learn, self.skip, self.probe_share = curve, learn, skip, probe_share
         # overhead: a drafting step's fixed time at depth 1; each slot past the first adds slot_cost
@@ -325,7 +337,8 @@ class AdaptiveScheduler(VerifyPolicy):
         at least one more verified token per request)."""
         plain_step = self._plain_step(R)
         extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
-            0.0, self._step_time(2 * R) - self._step_time(R))
+            0.0, self._step_time(2 * R) - self._step_time(R)
+        )
         return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
 
     def summary(self, R: int = 1) -> str:
@@ -338,12 +351,16 @@ class AdaptiveScheduler(VerifyPolicy):
         if self.prior is not None:
             at = f" at {self.prior.depth} slot{'s' if self.prior.depth > 1 else ''}" if self.prior.depth else ""
             more = f", +{self.prior.slot_seconds * 1e3:.1f} ms a slot" if self.prior.slot_seconds else ""
-            src = (f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
-                   f"{at}{more}")
+            src = (
+                f"load-time check, {self.prior.anchors} anchors; draft phase {self.prior.draft_seconds * 1e3:.1f} ms"
+                f"{at}{more}"
+            )
         need = self.break_even(R)
         even = f"slot 1 breaks even at {need:.2f}" if need <= 1 else "slot 1 cannot break even"
-        head = (f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against "
-                f"{plain:.0f} plain ({even})")
+        head = (
+            f"adaptive: acceptance by depth {surv} ... ({src}): expected {spec:.0f} tokens/s drafting against "
+            f"{plain:.0f} plain ({even})"
+        )
         if not (self.skip and self.learn) or spec >= plain:
             return head + ", so it drafts"
         return head + f", so it decodes plainly, drafting once after {self._probe_wait(R)} plain steps to look again"
@@ -416,6 +433,7 @@ class AdaptiveScheduler(VerifyPolicy):
 
 
 # ---- factory -----------------------------------------------------------------------------
+
 
 def make_scheduler(
     name: str,

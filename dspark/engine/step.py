@@ -86,8 +86,15 @@ class Block:
 
 
 @torch.inference_mode()
-def draft_block(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, depth: int | None = None,
-                taps: torch.Tensor | None = None, counts: torch.Tensor | None = None, walk: bool = False) -> Block:
+def draft_block(
+    draft: DSparkDraft,
+    anchors: torch.Tensor,
+    ctx: ContextCache,
+    depth: int | None = None,
+    taps: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    walk: bool = False,
+) -> Block:
     """The draft's network for one drafting phase: commit the first counts[b] of taps [B, n, F]
     to the context (when given), then the block [anchor, MASK, ...] over it, the head on the first
     `depth` sampled rows (all g by default) and, with walk, the greedy Markov walk and the
@@ -180,8 +187,9 @@ def target_step(target):
 
 
 @torch.inference_mode()
-def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None,
-                        depth: int | None = None) -> float:
+def draft_phase_seconds(
+    draft: DSparkDraft, context: int = 64, reps: int = 5, evict=None, depth: int | None = None
+) -> float:
     """Wall time of one drafting step's own work at batch 1 (`propose`, with the context update of
     two positions the last step committed in its call, as decoding runs it), on a context of
     `context` positions: what the adaptive policy
@@ -192,10 +200,16 @@ def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, ev
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     width = draft.fc.weight.shape[1]
     ctx = draft.new_context_cache(1, dev)
-    draft.extend_context(ctx, torch.zeros(1, context, width, device=dev, dtype=dtype),
-                         torch.tensor([context], device=dev))
-    batch = Batch(target=None, ctx=ctx, anchors=torch.zeros(1, dtype=torch.long, device=dev),
-                  params=[SamplingParams()], generators=[None])
+    draft.extend_context(
+        ctx, torch.zeros(1, context, width, device=dev, dtype=dtype), torch.tensor([context], device=dev)
+    )
+    batch = Batch(
+        target=None,
+        ctx=ctx,
+        anchors=torch.zeros(1, dtype=torch.long, device=dev),
+        params=[SamplingParams()],
+        generators=[None],
+    )
     committed = (torch.zeros(1, 3, width, device=dev, dtype=dtype), torch.tensor([2], device=dev))
     times = []
     for _ in range(reps + 1):
@@ -211,8 +225,9 @@ def draft_phase_seconds(draft: DSparkDraft, context: int = 64, reps: int = 5, ev
 
 
 @torch.inference_mode()
-def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, targets: torch.Tensor,
-                   floor: float = -10.0) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced(
+    draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache, targets: torch.Tensor, floor: float = -10.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block of `propose` with the Markov head fed the given tokens instead of its own:
     targets [B, g] -> (the draft's greedy token per slot [B, g], log q(target) per slot [B, g],
     clamped at `floor`; a target outside a reduced draft vocabulary scores the floor).
@@ -237,7 +252,9 @@ def teacher_forced(draft: DSparkDraft, anchors: torch.Tensor, ctx: ContextCache,
     return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
-def accept(logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, batch: Batch, q) -> tuple[torch.Tensor, torch.Tensor]:
+def accept(
+    logits: torch.Tensor, prop_tokens: torch.Tensor, n: torch.Tensor, batch: Batch, q
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, 1+m, V] of the target on [anchor, drafts[:m]] -> (accepted [B], next [B])."""
     accepted, nxt = greedy_accept(logits, prop_tokens[:, : logits.shape[1] - 1], n)
     for b, p in enumerate(batch.params):
@@ -344,7 +361,13 @@ def decode_step(
         acc, drafts, verified = accepted.tolist(), prop.tokens.tolist(), n.tolist()
         committed = [drafts[b][: acc[b]] + [nxt_ids[b]] for b in range(B)]
     return StepResult(
-        drafted=[g] * B, verified=verified, accepted=acc, committed=committed,
-        t_draft=(t1 - t0) + (t5 - t4), t_verify=t3 - t2, t_other=(t2 - t1) + (t4 - t3),
-        conf_logits=prop.conf_logits if prop is not None else None, proposed=drafts if g else None,
+        drafted=[g] * B,
+        verified=verified,
+        accepted=acc,
+        committed=committed,
+        t_draft=(t1 - t0) + (t5 - t4),
+        t_verify=t3 - t2,
+        t_other=(t2 - t1) + (t4 - t3),
+        conf_logits=prop.conf_logits if prop is not None else None,
+        proposed=drafts if g else None,
     )

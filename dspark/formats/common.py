@@ -178,8 +178,16 @@ ROPE_REQUIRED = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "proportional": (),
 }
-ROPE_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-                "low_freq_factor", "high_freq_factor")
+ROPE_NUMBERS = (
+    "factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "low_freq_factor",
+    "high_freq_factor",
+)
 
 
 def check_rope(extra: dict, where: str, head_dim: int) -> None:
@@ -199,12 +207,16 @@ def check_rope(extra: dict, where: str, head_dim: int) -> None:
         get_int(extra, "original_max_position_embeddings", where, minimum=1)
     if extra.get("partial_rotary_factor") not in (None, 1, 1.0):
         # dspark's draft layers rotate the whole head: a partly rotated head would not match
-        raise FormatError(f"{where}.partial_rotary_factor {extra['partial_rotary_factor']!r} is not supported "
-                          "(only 1: the whole head rotated)")
+        raise FormatError(
+            f"{where}.partial_rotary_factor {extra['partial_rotary_factor']!r} is not supported "
+            "(only 1: the whole head rotated)"
+        )
     for key in ("short_factor", "long_factor"):
         v = extra.get(key)
-        if v is not None and (not isinstance(v, list) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+        if v is not None and (
+            not isinstance(v, list)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+        ):
             raise FormatError(f"{where}.{key} must be a list of finite numbers, got {v!r}")
         if v is not None and len(v) != head_dim // 2:  # one per rotated frequency
             raise FormatError(f"{where}.{key} has {len(v)} entries, expected head_dim / 2 = {head_dim // 2}")
@@ -242,8 +254,10 @@ def parse_backbone(cfg: dict, prefix: str, *, family: str, qk_norm: bool, warnin
         act = "silu"
         warnings.append(f"{key_path(prefix, 'hidden_act')} absent: using silu")
     if act not in ACTIVATIONS:
-        raise FormatError(f"{key_path(prefix, act_key)} is {act!r}: not an activation transformers knows "
-                          f"({', '.join(sorted(ACTIVATIONS))})")
+        raise FormatError(
+            f"{key_path(prefix, act_key)} is {act!r}: not an activation transformers knows "
+            f"({', '.join(sorted(ACTIVATIONS))})"
+        )
     return Backbone(
         hidden_size=hidden,
         num_layers=get_int(cfg, "num_hidden_layers", prefix, minimum=1),
@@ -265,11 +279,34 @@ def parse_backbone(cfg: dict, prefix: str, *, family: str, qk_norm: bool, warnin
 # transformers 5.19's activation names (its ACT2CLS): the draft's MLP looks hidden_act up there, and
 # a name it lacks is a KeyError when the draft is built (held against transformers' table by
 # tests/test_fuzz_files.py).
-ACTIVATIONS = frozenset({
-    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
-    "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
-    "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
-})
+ACTIVATIONS = frozenset(
+    {
+        "gelu",
+        "gelu_10",
+        "gelu_accurate",
+        "gelu_fast",
+        "gelu_new",
+        "gelu_python",
+        "gelu_python_tanh",
+        "gelu_pytorch_tanh",
+        "hardswish",
+        "laplace",
+        "leaky_relu",
+        "linear",
+        "mish",
+        "prelu",
+        "quick_gelu",
+        "relu",
+        "relu2",
+        "relu6",
+        "sigmoid",
+        "silu",
+        "sqrtsoftplus",
+        "swish",
+        "tanh",
+        "xielu",
+    }
+)
 
 
 # Config classes whose __post_init__ sets sliding_window to None unless use_sliding_window is true.

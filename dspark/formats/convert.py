@@ -102,7 +102,9 @@ def _speculators_attention(spec: DraftSpec) -> tuple[list[str], int | None, bool
     sliding = [a for a in spec.layer_attention if a.sliding_window is not None]
     for i, a in enumerate(spec.layer_attention):
         if a.sliding_window is None and a.causal:
-            raise FormatError(f"layer {i} is causal full attention: speculators full-attention layers are bidirectional")
+            raise FormatError(
+                f"layer {i} is causal full attention: speculators full-attention layers are bidirectional"
+            )
     if len({(a.sliding_window, a.causal) for a in sliding}) > 1:
         raise FormatError("speculators stores one sliding_window and one causality for all sliding layers")
     types = ["sliding_attention" if a.sliding_window is not None else "full_attention" for a in spec.layer_attention]
@@ -233,5 +235,7 @@ def _dtype_name(tensors: dict) -> str:
 def _write(dst, config: dict, tensors: dict) -> None:
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"}
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

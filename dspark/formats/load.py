@@ -9,8 +9,7 @@ from pathlib import Path
 from dspark.errors import FormatError
 from dspark.formats import deepseek_v4, deepspec, specforge, speculators
 from dspark.formats.spec import DraftSpec, query_slots_for
-from dspark.formats.weights import (WeightsMeta, check_dtypes, check_finite, check_shapes, check_vocab_maps,
-                                    iter_tensors)
+from dspark.formats.weights import WeightsMeta, check_dtypes, check_finite, check_shapes, check_vocab_maps, iter_tensors
 
 LAYOUTS = ("anchor_first", "bonus_anchor")
 # Most specific first; a file matching two of them is refused (its layout would be a guess).

@@ -65,7 +65,9 @@ def read(config: dict, weights_meta) -> DraftSpec:
             mask_key=f"{DC}.mask_token_id",
             vocab_size=vocab,
             draft_vocab_size=vocab,
-            heads=parse_heads(_head_keys(config, dc), "", defaults=HEAD_DEFAULTS, warnings=warnings, source="SpecForge"),
+            heads=parse_heads(
+                _head_keys(config, dc), "", defaults=HEAD_DEFAULTS, warnings=warnings, source="SpecForge"
+            ),
             backbone=backbone,
             # SpecForge loads every draft config through Qwen3Config.
             layer_attention=layer_attention_from(

@@ -171,7 +171,9 @@ def _default_method_index(sc: dict, methods: list[dict]) -> int:
 
 def _tokens_key(config: dict) -> str:
     sc = config.get("speculators_config") or {}
-    return f"speculators_config.proposal_methods[{_default_method_index(sc, sc['proposal_methods'])}].speculative_tokens"
+    return (
+        f"speculators_config.proposal_methods[{_default_method_index(sc, sc['proposal_methods'])}].speculative_tokens"
+    )
 
 
 # ---------------------------------------------------------------- the rest

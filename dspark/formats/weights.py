@@ -152,10 +152,26 @@ def check_finite(name: str, tensor) -> None:
 # Storage a draft's weights may have: what the layers compute in once cast. Anything else (integers,
 # float8) is quantised storage without its scales: cast to float it loads and runs, on numbers that
 # mean nothing. Names as safetensors writes them, and as torch does for in-memory tensors.
-FLOAT_STORAGE = frozenset({"F64", "F32", "F16", "BF16",
-                           "torch.float64", "torch.float32", "torch.float16", "torch.bfloat16"})
-INT_STORAGE = frozenset({"I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64",
-                         "torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8"})
+FLOAT_STORAGE = frozenset(
+    {"F64", "F32", "F16", "BF16", "torch.float64", "torch.float32", "torch.float16", "torch.bfloat16"}
+)
+INT_STORAGE = frozenset(
+    {
+        "I64",
+        "I32",
+        "I16",
+        "I8",
+        "U8",
+        "U16",
+        "U32",
+        "U64",
+        "torch.int64",
+        "torch.int32",
+        "torch.int16",
+        "torch.int8",
+        "torch.uint8",
+    }
+)
 BOOL_STORAGE = frozenset({"BOOL", "torch.bool"})
 
 
@@ -272,7 +288,8 @@ def _unexpected_reason(spec: DraftSpec, name: str) -> str:
     if name.startswith("confidence_head."):
         return f"config says the confidence head is {'on' if spec.confidence_head else 'off'}"
     if name.startswith("layers."):
-        return f"config says {spec.num_layers} draft layer(s) (qk_norm={spec.backbone.qk_norm}, attention_bias={spec.backbone.attention_bias})"
+        b = spec.backbone
+        return f"config says {spec.num_layers} draft layer(s) (qk_norm={b.qk_norm}, attention_bias={b.attention_bias})"
     return "not part of a DSpark draft"
 
 

@@ -24,7 +24,8 @@ from dspark.ragged import merge_rows
 BORROWABLE = ("embed_tokens.weight", "lm_head.weight")
 
 
-GROUP_BLOCKS = 32  # blocks of one context row attended together: past this the masked-out cross-block scores cost more than a context copy
+# blocks of one context row attended together: past this the masked-out cross-block scores cost more than a context copy
+GROUP_BLOCKS = 32
 CONTEXT_CHUNK = 256  # context capacity grows in multiples of this (doubling): growth copies are rare
 
 
@@ -133,8 +134,10 @@ class DSparkDraft(nn.Module):
         size, other taps or another mask token. `dspark doctor` runs every reading of a file
         through the one propose path this way. Only the tap count is fixed by the weights (fc)."""
         if len(spec.hidden_state_indices) != len(self.spec.hidden_state_indices):
-            raise FormatError(f"cannot read a draft of {len(self.spec.hidden_state_indices)} taps with "
-                              f"{len(spec.hidden_state_indices)} taps")
+            raise FormatError(
+                f"cannot read a draft of {len(self.spec.hidden_state_indices)} taps with "
+                f"{len(spec.hidden_state_indices)} taps"
+            )
         view = copy.copy(self)  # shares parameters, buffers and submodules
         view.spec = spec
         return view
@@ -161,10 +164,14 @@ class DSparkDraft(nn.Module):
         missing = sorted(set(own) - set(tensors) - {"rope.rotary.inv_freq", "rope.rotary.original_inv_freq"})
         unexpected = sorted(set(tensors) - set(own))
         if missing or unexpected:
-            raise FormatError(f"draft weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise FormatError(
+                f"draft weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         for name, t in tensors.items():
             if tuple(t.shape) != tuple(own[name].shape):
-                raise FormatError(f"tensor {name}: shape {tuple(t.shape)} but the config implies {tuple(own[name].shape)}")
+                raise FormatError(
+                    f"tensor {name}: shape {tuple(t.shape)} but the config implies {tuple(own[name].shape)}"
+                )
         self.load_state_dict(tensors, strict=False)
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:
@@ -203,8 +210,9 @@ class DSparkDraft(nn.Module):
             out.append(cache[key])
         return out
 
-    def forward(self, block_ids: torch.Tensor, ctx: list[LayerKV], ctx_len: torch.Tensor,
-                seq: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, block_ids: torch.Tensor, ctx: list[LayerKV], ctx_len: torch.Tensor, seq: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """block_ids [N, S] (row 0 = anchor, then MASK), ctx K/V [B, kv, T, D], ctx_len [N] (each
         block's anchor position), seq [N]: the row of ctx each block reads (default: its own when
         B == N, else row 0).
@@ -303,7 +311,9 @@ class DSparkDraft(nn.Module):
         b = self.spec.backbone
         dtype = fast.context_dtype(self) if dtype is None else dtype
         empty = torch.zeros(batch, b.num_key_value_heads, 0, b.head_dim, device=device, dtype=dtype)
-        return ContextCache([LayerKV(empty, empty) for _ in self.layers], torch.zeros(batch, dtype=torch.long, device=device))
+        return ContextCache(
+            [LayerKV(empty, empty) for _ in self.layers], torch.zeros(batch, dtype=torch.long, device=device)
+        )
 
     @torch.inference_mode()
     def extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:

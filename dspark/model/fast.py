@@ -68,11 +68,16 @@ def _matrices(draft) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     out = [(draft.fc.weight, None)]
     for layer in draft.layers:
         a, m = layer.self_attn, layer.mlp
-        out += [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj)),
-                (torch.cat([a.k_proj.weight, a.v_proj.weight]), kernels.fused_bias(a.k_proj, a.v_proj)),
-                (a.o_proj.weight, a.o_proj.bias),
-                (torch.cat([m.gate_proj.weight, m.up_proj.weight]), kernels.fused_bias(m.gate_proj, m.up_proj)),
-                (m.down_proj.weight, m.down_proj.bias)]
+        out += [
+            (
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
+            ),
+            (torch.cat([a.k_proj.weight, a.v_proj.weight]), kernels.fused_bias(a.k_proj, a.v_proj)),
+            (a.o_proj.weight, a.o_proj.bias),
+            (torch.cat([m.gate_proj.weight, m.up_proj.weight]), kernels.fused_bias(m.gate_proj, m.up_proj)),
+            (m.down_proj.weight, m.down_proj.bias),
+        ]
     return out
 
 
@@ -83,8 +88,13 @@ def _shapes(draft) -> list[tuple[int, int]]:
         a, m = layer.self_attn, layer.mlp
         H = a.q_proj.weight.shape[1]
         kv = a.k_proj.weight.shape[0] + a.v_proj.weight.shape[0]
-        out += [(a.q_proj.weight.shape[0] + kv, H), (kv, H), tuple(a.o_proj.weight.shape),
-                (2 * m.gate_proj.weight.shape[0], H), tuple(m.down_proj.weight.shape)]
+        out += [
+            (a.q_proj.weight.shape[0] + kv, H),
+            (kv, H),
+            tuple(a.o_proj.weight.shape),
+            (2 * m.gate_proj.weight.shape[0], H),
+            tuple(m.down_proj.weight.shape),
+        ]
     return out + [tuple(draft.lm_head.weight.shape)]
 
 
@@ -109,34 +119,48 @@ class FastDraft:
         if vanilla:
             head = torch.cat([head.float(), mh.markov_w2.weight.detach().float()], 1)
         head = torch.nn.functional.pad(head, (0, -head.shape[1] % 32))  # inputs in groups of 32
-        mats = [_pack(w, bias, fmt) for w, bias in _matrices(draft)] + [_pack(head, None, "q4" if fmt == "q4" else "q8")]
+        mats = [_pack(w, bias, fmt) for w, bias in _matrices(draft)] + [
+            _pack(head, None, "q4" if fmt == "q4" else "q8")
+        ]
         # a drafting step reads these right after the target's step evicted them: in 2 MB pages
         streamed = iter(_in_huge_pages([t for m in mats for t in m[:3] if t.numel()]))
         mats = [[next(streamed) if t.numel() else t for t in m[:3]] + m[3:] for m in mats]
         self.head = tuple(t for t in mats.pop()[:3] if t.numel())
         flat = [
-            _bf16(draft.embed_tokens.weight), _bf16(draft.hidden_norm.weight), _bf16(draft.norm.weight),
+            _bf16(draft.embed_tokens.weight),
+            _bf16(draft.hidden_norm.weight),
+            _bf16(draft.norm.weight),
             _bf16(mh.markov_w1.weight) if vanilla else none,
             _bf16(mh.w2_transposed()) if vanilla else none,
             draft.d2t if draft.d2t is not None else torch.zeros(0, dtype=torch.long),
             _bf16(ch.proj.weight) if conf else none,
             _bf16(ch.proj.bias) if conf else none,
-            *mats[0], *self.head, *[none] * (4 - len(self.head)),
+            *mats[0],
+            *self.head,
+            *[none] * (4 - len(self.head)),
         ]
         for i, layer in enumerate(draft.layers):
             a = layer.self_attn
             flat += [
                 _bf16(layer.input_layernorm.weight),
                 # Qwen3's q_norm on every query head, k_norm on every key head: a weight row a head
-                none if a.q_norm is None else _bf16(torch.cat([a.q_norm.weight.expand(self.Hq, -1),
-                                                               a.k_norm.weight.expand(self.Hkv, -1)])),
+                none
+                if a.q_norm is None
+                else _bf16(torch.cat([a.q_norm.weight.expand(self.Hq, -1), a.k_norm.weight.expand(self.Hkv, -1)])),
                 none if a.k_norm is None else _bf16(a.k_norm.weight.expand(self.Hkv, -1)),
                 _bf16(layer.post_attention_layernorm.weight),
                 *[t for m in mats[1 + 5 * i : 6 + 5 * i] for t in m],
             ]
         self.ext = kernels.extension()
-        self.id = self.ext.draft_register(flat, len(draft.layers), self.Hq, self.Hkv, self.D,
-                                          conf and draft.spec.confidence_head_with_markov, self.eps)
+        self.id = self.ext.draft_register(
+            flat,
+            len(draft.layers),
+            self.Hq,
+            self.Hkv,
+            self.D,
+            conf and draft.spec.confidence_head_with_markov,
+            self.eps,
+        )
         self._flat = flat  # the extension holds references too; kept for the lifetime of the handle
         rot = draft.rope.rotary
         self.inv_freq = rot.inv_freq.float()
@@ -173,8 +197,17 @@ class FastDraft:
     def stale(self, draft) -> bool:
         return draft.fc.weight is not self.fc_weight or any(t._version != v for t, v in self.versions)
 
-    def call(self, spec, ctx, taps: torch.Tensor | None, counts: torch.Tensor | None, anchors: torch.Tensor | None = None,
-             row0: int = 0, depth: int = 1, walk: bool = False) -> list[torch.Tensor]:
+    def call(
+        self,
+        spec,
+        ctx,
+        taps: torch.Tensor | None,
+        counts: torch.Tensor | None,
+        anchors: torch.Tensor | None = None,
+        row0: int = 0,
+        depth: int = 1,
+        walk: bool = False,
+    ) -> list[torch.Tensor]:
         """One phase in one call: commit the first counts[b] of taps [B, n, F] to each row's context,
         then (anchors given) the block [anchor, MASK, ...] of spec.query_slots rows over it, the head
         on rows row0 .. row0 + depth - 1 and, with walk, the greedy Markov walk and the confidences.
@@ -187,9 +220,21 @@ class FastDraft:
         kv = [t for layer in ctx.layers for t in (layer.k, layer.v)]
         none = _NO_IDS
         out = self.ext.draft_forward(
-            self.id, kv, ctx.lengths, kernels.NO_TENSOR if taps is None else taps.to(torch.bfloat16),
-            none if counts is None else counts, none if anchors is None else anchors, cos, sin,
-            [att.causal for att in spec.layer_attention] if S else [], spec.mask_token_id if S else 0, S, row0, depth, walk)
+            self.id,
+            kv,
+            ctx.lengths,
+            kernels.NO_TENSOR if taps is None else taps.to(torch.bfloat16),
+            none if counts is None else counts,
+            none if anchors is None else anchors,
+            cos,
+            sin,
+            [att.causal for att in spec.layer_attention] if S else [],
+            spec.mask_token_id if S else 0,
+            S,
+            row0,
+            depth,
+            walk,
+        )
         ctx.lengths = out[0]
         return out[1:]
 
@@ -254,8 +299,13 @@ def applies(draft, ctx, rows: int) -> bool:
     draft, no gradient is wanted, and ctx holds one bf16 context row of its own per block row.)"""
     k = ctx.layers[0].k if ctx.layers else None
     return (
-        k is not None and not ctx.shared and k.shape[0] == rows and k.dtype == torch.bfloat16 and k.is_contiguous()
-        and not torch.is_grad_enabled() and why_not(draft) is None
+        k is not None
+        and not ctx.shared
+        and k.shape[0] == rows
+        and k.dtype == torch.bfloat16
+        and k.is_contiguous()
+        and not torch.is_grad_enabled()
+        and why_not(draft) is None
     )
 
 
@@ -287,7 +337,9 @@ def describe(draft) -> str:
         return f"draft decodes through its modules ({reason})"
     w = weights(draft)
     fmt, head = {"q4": ("Q4_1", "Q4_1"), "q8": ("Q8_0", "Q8_0"), "bf16": ("bf16", "Q8_0")}[w]
-    acts = "8-bit activations in its matmuls" if w != "bf16" and kernels.q4_activations() == "int8" else "bf16 activations"
+    acts = (
+        "8-bit activations in its matmuls" if w != "bf16" and kernels.q4_activations() == "int8" else "bf16 activations"
+    )
     return f"draft phase: one call into dspark's CPU kernels ({fmt} matrices, head {head}, {acts})"
 
 

@@ -56,4 +56,3 @@ def load_draft(path: str, target_model, layout: str | None = None, dtype=None) -
     for w in spec.warnings:
         log.warning("WARNING: draft %s: %s", path, w)
     return build_draft(spec, target_model, load_weights(spec), dtype)
-

@@ -83,8 +83,11 @@ def _require_json(request: Request) -> None:
     declared = request.headers.get("content-type")
     if (declared or "").partition(";")[0].strip().lower() != "application/json":
         got = "no Content-Type" if declared is None else f"Content-Type {quote(declared)}"
-        raise APIError(415, f"the request body must be sent as Content-Type: application/json, got {got}",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"the request body must be sent as Content-Type: application/json, got {got}",
+            code="unsupported_media_type",
+        )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -103,12 +106,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int, why: str) -> APIError:
-    return APIError(413, f"the request body is over this server's limit of {limit} bytes ({why}); "
-                    "the limit is dspark serve's --max-body-bytes", code="request_too_large")
+    return APIError(
+        413,
+        f"the request body is over this server's limit of {limit} bytes ({why}); "
+        "the limit is dspark serve's --max-body-bytes",
+        code="request_too_large",
+    )
 
 
-def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None, max_queue: int = 64,
-               max_body_bytes: int | None = None) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    model_name: str = "dspark",
+    api_key: str | None = None,
+    max_queue: int = 64,
+    max_body_bytes: int | None = None,
+) -> FastAPI:
     """max_body_bytes: the largest request body accepted (413 beyond); None: default_max_body_bytes."""
     if engine.tokenizer is None:
         raise DSparkError("dspark serve needs an engine with a tokenizer (this target has none)")
@@ -134,8 +147,9 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
     async def check_key(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
 
     # every route but /health: liveness reveals nothing but "ok", and probes rarely carry keys
     keyed = [Depends(check_key)] if api_key else []
@@ -186,8 +200,14 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "dspark",
-                "max_model_len": max_context, "speculative": engine.draft is not None}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "dspark",
+            "max_model_len": max_context,
+            "speculative": engine.draft is not None,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics", dependencies=keyed)
@@ -227,15 +247,21 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
                 raise first.error
             return Response(status_code=499)  # the client is gone; nobody reads this
         if req.stream:
-            return StreamingResponse(_stream(job, watcher), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.id})
+            return StreamingResponse(
+                _stream(job, watcher),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": job.id},
+            )
         try:
             while True:
                 ev = await job.events.get()
                 if isinstance(ev, Done):
                     job.settled = True
-                    return JSONResponse(protocol.response_body(req, job.id, job.created, model_name, ev.text,
-                                                               ev.finish_reason, ev.usage, ev.spec, ev.marks))
+                    return JSONResponse(
+                        protocol.response_body(
+                            req, job.id, job.created, model_name, ev.text, ev.finish_reason, ev.usage, ev.spec, ev.marks
+                        )
+                    )
                 if isinstance(ev, Failed):
                     job.settled = True
                     raise ev.error
@@ -265,7 +291,9 @@ def create_app(engine, *, model_name: str = "dspark", api_key: str | None = None
                     last[EXTENSION] = ev.spec  # stats reach streaming clients even without include_usage
                     yield protocol.sse(last)
                     if req.include_usage:
-                        yield protocol.sse(protocol.usage_chunk(req, job.id, job.created, model_name, ev.usage, ev.spec))
+                        yield protocol.sse(
+                            protocol.usage_chunk(req, job.id, job.created, model_name, ev.usage, ev.spec)
+                        )
                     yield protocol.SSE_DONE
                     return
                 elif isinstance(ev, Failed):

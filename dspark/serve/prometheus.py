@@ -29,41 +29,67 @@ class ServerMetrics:
     def __init__(self, gamma: int):
         self.registry = r = CollectorRegistry()
         self.gamma = gamma
-        self.requests = Counter("dspark_requests", "Requests by outcome: finish reason, aborted (client went "
-                                "away), error (engine failure), or refused (invalid, unauthorized, queue_full)",
-                                ["status"], registry=r)
+        self.requests = Counter(
+            "dspark_requests",
+            "Requests by outcome: finish reason, aborted (client went "
+            "away), error (engine failure), or refused (invalid, unauthorized, queue_full)",
+            ["status"],
+            registry=r,
+        )
         for s in STATUSES:
             self.requests.labels(status=s)  # every series exists from the start: rates never see a gap
         self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("dspark_generation_tokens", "Tokens generated (delivered to requests)",
-                                         registry=r)
-        self.verify_steps = Counter("dspark_spec_verify_steps", "Verify steps, counted once per request per step",
-                                    registry=r)
-        self.plain_steps = Counter("dspark_spec_plain_steps", "Steps decoded without drafting (the adaptive policy "
-                                   "judged the draft pass not worth it), counted once per request per step",
-                                   registry=r)
+        self.generation_tokens = Counter(
+            "dspark_generation_tokens", "Tokens generated (delivered to requests)", registry=r
+        )
+        self.verify_steps = Counter(
+            "dspark_spec_verify_steps", "Verify steps, counted once per request per step", registry=r
+        )
+        self.plain_steps = Counter(
+            "dspark_spec_plain_steps",
+            "Steps decoded without drafting (the adaptive policy "
+            "judged the draft pass not worth it), counted once per request per step",
+            registry=r,
+        )
         self.drafted = Counter("dspark_spec_draft_tokens", "Draft tokens proposed", registry=r)
-        self.verified = Counter("dspark_spec_verified_tokens", "Draft tokens sent to the target for verification",
-                                registry=r)
+        self.verified = Counter(
+            "dspark_spec_verified_tokens", "Draft tokens sent to the target for verification", registry=r
+        )
         self.accepted = Counter("dspark_spec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
-        self.accepted_pos = Counter("dspark_spec_accepted_per_position",
-                                    "Verify steps whose draft at this 0-based position was accepted "
-                                    "(marginal rate = this / verify steps)", ["position"], registry=r)
-        self.reached_pos = Counter("dspark_spec_reached_per_position",
-                                   "Verify steps where this position was verified with all earlier drafts accepted "
-                                   "(conditional rate = accepted_per_position / this)", ["position"], registry=r)
+        self.accepted_pos = Counter(
+            "dspark_spec_accepted_per_position",
+            "Verify steps whose draft at this 0-based position was accepted (marginal rate = this / verify steps)",
+            ["position"],
+            registry=r,
+        )
+        self.reached_pos = Counter(
+            "dspark_spec_reached_per_position",
+            "Verify steps where this position was verified with all earlier drafts accepted "
+            "(conditional rate = accepted_per_position / this)",
+            ["position"],
+            registry=r,
+        )
         for i in range(gamma):
             self.accepted_pos.labels(position=str(i))
             self.reached_pos.labels(position=str(i))
-        self.mean_accept_length = Gauge("dspark_spec_mean_acceptance_length",
-                                        "Tokens committed per verify step since start, bonus token included "
-                                        "(0 before the first step or without a draft)", registry=r)
-        self.step_time = Histogram("dspark_step_seconds", "Wall time of one engine step (admission + decode)",
-                                   buckets=STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram("dspark_step_batch_size", "Requests decoded together in one step",
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.ttft = Histogram("dspark_time_to_first_token_seconds", "From request received to first token",
-                              buckets=TTFT_BUCKETS, registry=r)
+        self.mean_accept_length = Gauge(
+            "dspark_spec_mean_acceptance_length",
+            "Tokens committed per verify step since start, bonus token included "
+            "(0 before the first step or without a draft)",
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "dspark_step_seconds", "Wall time of one engine step (admission + decode)", buckets=STEP_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "dspark_step_batch_size", "Requests decoded together in one step", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "dspark_time_to_first_token_seconds",
+            "From request received to first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("dspark_queue_depth", "Requests accepted but not yet decoding", registry=r)
         self.running = Gauge("dspark_running_requests", "Requests in the decode batch", registry=r)
         self._seen = SpecMetrics(gamma)  # engine totals already exported

@@ -80,13 +80,19 @@ class PromptEncoder:
     def _check_chars(self, req: GenRequest) -> None:
         # a chat template adds at least a role header per message: empty contents still cost tokens
         if req.kind == "chat" and len(req.prompt) > self.context:
-            raise bad("messages", f"messages holds {len(req.prompt)} messages: more than the model's context of "
-                      f"{self.context} tokens can hold (each message adds at least one token)")
+            raise bad(
+                "messages",
+                f"messages holds {len(req.prompt)} messages: more than the model's context of "
+                f"{self.context} tokens can hold (each message adds at least one token)",
+            )
         n = prompt_chars(req)
         if n > self.max_chars:
-            raise bad(req.prompt_param, f"the prompt is {n} characters: more than the model's context of "
-                      f"{self.context} tokens can hold (at most {self.chars_per_token} characters a token, "
-                      f"{self.max_chars} in all)")
+            raise bad(
+                req.prompt_param,
+                f"the prompt is {n} characters: more than the model's context of "
+                f"{self.context} tokens can hold (at most {self.chars_per_token} characters a token, "
+                f"{self.max_chars} in all)",
+            )
 
     def _tokenize(self, req: GenRequest) -> list[int]:
         """On a pool thread; one tokenizer copy per call in flight (there are as many as threads)."""
@@ -111,11 +117,17 @@ class PromptEncoder:
         ctx, reserve = self.context, self.engine.gamma + 1
         room = self.engine.room(len(ids))
         if room < 1:
-            raise bad(req.prompt_param, f"the prompt is {len(ids)} tokens but the model's context is {ctx} "
-                      f"tokens, {reserve} of which are reserved for the draft block: no room for any output")
+            raise bad(
+                req.prompt_param,
+                f"the prompt is {len(ids)} tokens but the model's context is {ctx} "
+                f"tokens, {reserve} of which are reserved for the draft block: no room for any output",
+            )
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens(req, room)
         if max_tokens > room:
-            raise bad(req.max_tokens_param, f"{req.max_tokens_param} is {max_tokens}, but with a {len(ids)}-token "
-                      f"prompt and {reserve} tokens reserved for the draft block only {room} fit in the "
-                      f"model's context of {ctx}")
+            raise bad(
+                req.max_tokens_param,
+                f"{req.max_tokens_param} is {max_tokens}, but with a {len(ids)}-token "
+                f"prompt and {reserve} tokens reserved for the draft block only {room} fit in the "
+                f"model's context of {ctx}",
+            )
         return max_tokens

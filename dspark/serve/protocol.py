@@ -45,8 +45,9 @@ _UNSUPPORTED_CHAT = {
 class APIError(Exception):
     """An HTTP error in OpenAI's shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type_: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -218,8 +219,12 @@ def _common(body: dict, kind: str, prompt, model_name: str, max_context: int, ma
     if model is not None and not isinstance(model, str):
         raise bad("model", "model must be a string")
     if model is not None and _text("model", model) != model_name:
-        raise APIError(404, f"the model {quote(model)} does not exist; this server serves {quote(model_name)}",
-                       "model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {quote(model)} does not exist; this server serves {quote(model_name)}",
+            "model",
+            code="model_not_found",
+        )
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise bad("n", f"only n = 1 is supported, got {quote(n)}")
@@ -276,8 +281,10 @@ def _content(i: int, content) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]", "only text content parts ({\"type\": \"text\", \"text\": ...}) "
-                          "are supported")
+                raise bad(
+                    f"messages[{i}].content[{j}]",
+                    'only text content parts ({"type": "text", "text": ...}) are supported',
+                )
             parts.append(_text(f"messages[{i}].content[{j}].text", part["text"]))
         return "".join(parts)
     raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
@@ -317,28 +324,60 @@ def default_max_tokens(req: GenRequest, room: int) -> int:
 
 # ---- responses ---------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def response_body(req: GenRequest, rid: str, created: int, model: str, text: str, finish: str, use: dict,
-                  spec: dict | None, marks: list[dict] | None = None) -> dict:
+def response_body(
+    req: GenRequest,
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str,
+    use: dict,
+    spec: dict | None,
+    marks: list[dict] | None = None,
+) -> dict:
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use,
-            EXTENSION: spec}
+    body = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        EXTENSION: spec,
+    }
     if marks is not None:
         body[MARKS] = {"tokens": marks}
     return body
 
 
-def chunk(req: GenRequest, rid: str, created: int, model: str, *, text: str | None = None, role: bool = False,
-          finish: str | None = None, marks: list[dict] | None = None) -> dict:
+def chunk(
+    req: GenRequest,
+    rid: str,
+    created: int,
+    model: str,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish: str | None = None,
+    marks: list[dict] | None = None,
+) -> dict:
     if req.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -355,8 +394,7 @@ def chunk(req: GenRequest, rid: str, created: int, model: str, *, text: str | No
 def usage_chunk(req: GenRequest, rid: str, created: int, model: str, use: dict, spec: dict | None) -> dict:
     """OpenAI's stream_options.include_usage chunk: no choices, usage set (plus our extension)."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use,
-            EXTENSION: spec}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use, EXTENSION: spec}
 
 
 def sse(obj: dict) -> str:

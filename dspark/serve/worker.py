@@ -63,8 +63,14 @@ class Failed:
 class Job:
     """One HTTP generation request as the worker sees it."""
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, t_received: float, prompt_ids: list[int],
-                 max_tokens: int):
+    def __init__(
+        self,
+        req: GenRequest,
+        loop: asyncio.AbstractEventLoop,
+        t_received: float,
+        prompt_ids: list[int],
+        max_tokens: int,
+    ):
         self.req, self.loop, self.t_received = req, loop, t_received
         self.prompt_ids, self.max_tokens = prompt_ids, max_tokens  # tokenized and fitted to the context
         self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -148,7 +154,9 @@ class EngineWorker:
                     429,
                     f"the server is at capacity: {self._in_flight} requests in flight "
                     f"({self.engine.max_batch} decoding + a queue of {self.max_queue}); retry later",
-                    None, type_="rate_limit_error", code="queue_full",
+                    None,
+                    type_="rate_limit_error",
+                    code="queue_full",
                 )
             self._in_flight += 1
             self.submitted += 1
@@ -165,8 +173,10 @@ class EngineWorker:
                 if not self._iteration():
                     return
             except Exception:  # the thread must outlive any bug: a dead worker hangs every request
-                log.exception("dspark serve: worker iteration failed; failing the requests in flight: %s",
-                              ", ".join(self._jobs) or "none")
+                log.exception(
+                    "dspark serve: worker iteration failed; failing the requests in flight: %s",
+                    ", ".join(self._jobs) or "none",
+                )
                 self._engine_failed()
 
     def _iteration(self) -> bool:
@@ -196,10 +206,17 @@ class EngineWorker:
     def _add(self, job: Job) -> None:
         req, ids = job.req, job.prompt_ids
         try:
-            params = SamplingParams(max_new_tokens=job.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                    top_p=req.top_p, seed=req.seed, stop=req.stop)
-            job.engine_req = self.engine.add_request(ids, params, on_tokens=self._on_tokens, request_id=job.id,
-                                                     marks=req.marks)
+            params = SamplingParams(
+                max_new_tokens=job.max_tokens,
+                temperature=req.temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=req.stop,
+            )
+            job.engine_req = self.engine.add_request(
+                ids, params, on_tokens=self._on_tokens, request_id=job.id, marks=req.marks
+            )
         except DSparkError as err:  # RequestError: the engine's own checks, a backstop to prompts.py's
             return self._reject(job, bad(req.prompt_param, str(err)))
         self._jobs[job.id] = job
@@ -241,7 +258,7 @@ class EngineWorker:
             return
         text = r.stream_text()  # the engine's incremental detokenizer (a stop string's start held back)
         if len(text) > len(job.sent):
-            delta = text[len(job.sent):]
+            delta = text[len(job.sent) :]
             job.sent += delta
             job.push(Delta(delta))
 
@@ -264,8 +281,9 @@ class EngineWorker:
             finished = eng.step()
         except Exception:
             # the ids let the 500s that name them be found here (their bodies carry no details)
-            log.exception("dspark serve: engine step failed; failing the requests in flight: %s",
-                          ", ".join(self._jobs) or "none")
+            log.exception(
+                "dspark serve: engine step failed; failing the requests in flight: %s", ", ".join(self._jobs) or "none"
+            )
             self._engine_failed()
             return
         seconds = time.perf_counter() - t0
@@ -326,8 +344,17 @@ class EngineWorker:
         spec = r.metrics.to_dict() if self.engine.draft is not None else None
         tail_marks = self._take_marks(job) if job.pieces is not None else None
         self.metrics.count(r.finish_reason)  # before the client can see the answer: /metrics never lags it
-        job.push(Done(r.finish_reason, text, text[len(job.sent):], usage(len(r.prompt_ids), len(r.output_ids)), spec,
-                      tail_marks, job.marks))
+        job.push(
+            Done(
+                r.finish_reason,
+                text,
+                text[len(job.sent) :],
+                usage(len(r.prompt_ids), len(r.output_ids)),
+                spec,
+                tail_marks,
+                job.marks,
+            )
+        )
 
     def _abort(self, job: Job) -> None:
         if job.closed or job.engine_req is None:

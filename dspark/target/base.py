@@ -25,8 +25,9 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     if bool(torch.isfinite(x).all()):
         return
     ok = torch.isfinite(x).flatten(1).all(dim=1)
-    raise NonFiniteError(f"the target computed non-finite values (NaN/inf) in its {what}",
-                         (~ok).nonzero().flatten().tolist())
+    raise NonFiniteError(
+        f"the target computed non-finite values (NaN/inf) in its {what}", (~ok).nonzero().flatten().tolist()
+    )
 
 
 @runtime_checkable
@@ -55,8 +56,9 @@ class Target(Protocol):
 
     def new_state(self, batch: int = 1) -> TargetState: ...
 
-    def forward(self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None,
-                logits: str = "all") -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B, S] (row b valid for its first counts[b]) at positions continuing each row ->
         (the `logits` mode's output, taps [B, S, n_taps * H] or None), written past the committed
         lengths, pending until `commit`. Raises RequestError past max_length and NonFiniteError

@@ -50,7 +50,9 @@ class HFTarget:
         self.num_layers = len(self.layers)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.hidden_size = model.get_input_embeddings().weight.shape[1]
-        self.max_length = int(getattr(self.config, "max_position_embeddings", 0) or getattr(self.config, "n_positions", 0) or 1 << 30)
+        self.max_length = int(
+            getattr(self.config, "max_position_embeddings", 0) or getattr(self.config, "n_positions", 0) or 1 << 30
+        )
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._captured: dict[int, torch.Tensor] = {}
@@ -91,7 +93,9 @@ class HFTarget:
         return state.cache.get_seq_length() if state.cache.is_initialized else 0
 
     @torch.inference_mode()
-    def forward(self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"):
+    def forward(
+        self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
+    ):
         """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*Hidden].
 
         Positions continue each row's committed length; padding rows/keys are masked out.
@@ -141,7 +145,9 @@ class HFTarget:
         keep = keep.to(state.lengths.device)
         for layer in state.cache.layers:
             if type(layer) is not DynamicLayer:
-                raise RequestError(f"target cache layer {type(layer).__name__} is not supported (full-attention layers only)")
+                raise RequestError(
+                    f"target cache layer {type(layer).__name__} is not supported (full-attention layers only)"
+                )
             layer.keys = pack(layer.keys, state.lengths, old, keep)
             layer.values = pack(layer.values, state.lengths, old, keep)
         state.lengths = state.lengths + keep

@@ -25,11 +25,19 @@ from dspark.target.native import FLOAT_NAMES, WEIGHTS, NativeTarget, resolve_wei
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 # What the command line offers (`--dtype`): the short names, torch's spellings, and "auto".
 # fp16 stays out: CPUs do not run it (parse_dtype says so), and no GPU path is tested with it.
 DTYPE_CHOICES = ("bf16", "fp32", "auto", "bfloat16", "float32")
+
+
 def cpu_model_and_flags() -> tuple[str | None, set[str]]:
     """(model name, ISA flags) from /proc/cpuinfo; (None, empty) where the system does not expose it."""
     name, flags = None, set()
@@ -169,8 +177,13 @@ def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
 RUNTIMES = ("auto", "native", "hf")  # auto: native where the architecture is supported, else hf (said so)
 
 
-def make_target(model, runtime: str = "native", weights: str = "auto", tap_indices: tuple[int, ...] = (),
-                act_dtype: torch.dtype | None = None) -> Target:
+def make_target(
+    model,
+    runtime: str = "native",
+    weights: str = "auto",
+    tap_indices: tuple[int, ...] = (),
+    act_dtype: torch.dtype | None = None,
+) -> Target:
     """The engine's view of a loaded HF model: 'native' (dspark.target.native) or 'hf' (HFTarget).
 
     'native' refuses an architecture it does not implement with an error naming it; a caller
@@ -189,8 +202,15 @@ def make_target(model, runtime: str = "native", weights: str = "auto", tap_indic
     raise DSparkError(f"unknown runtime {runtime!r} (choose native or hf)")
 
 
-def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto", weights: str = "auto", *,
-                dtype_given: bool = True):
+def open_target(
+    name_or_path: str,
+    dtype: str,
+    device: str,
+    runtime: str = "auto",
+    weights: str = "auto",
+    *,
+    dtype_given: bool = True,
+):
     """Load a target and wrap it in its runtime -> (target, tokenizer, notes for the user).
 
     dtype: the activation dtype, already resolved ("auto" decided by the caller); dtype_given: the
@@ -217,8 +237,10 @@ def open_target(name_or_path: str, dtype: str, device: str, runtime: str = "auto
     if weights == "auto":
         if resolve_weights(model, "auto", device) == "int4" and (not dtype_given or act == torch.bfloat16):
             act = torch.bfloat16  # weights stay "auto": int4 layers, a head that is not 4-bit kept in float
-            notes.append("weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
-                         "ships them), bf16 activations")
+            notes.append(
+                "weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
+                "ships them), bf16 activations"
+            )
         else:
             weights = FLOAT_NAMES[act]
     target = make_target(model, "native", weights, act_dtype=act)  # refuses an unsupported model by name

@@ -19,7 +19,8 @@ step is bound by reading the weights and by per-op overhead, not by FLOPs:
   int4 (group 32, the layout of the GGUF Q4_0/Q4_1 files, so a model dequantised from such a
   file is held exactly as shipped) through torch's CPU weight-only kernels.
 
-The `dspark.target.base.Target` interface, as `dspark.target.hf.HFTarget`: new_state / forward / commit / select / merge /
+The `dspark.target.base.Target` interface, as `dspark.target.hf.HFTarget`: new_state / forward / commit /
+select / merge /
 set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
 """
 
@@ -62,11 +63,16 @@ def supports(model) -> tuple[bool, str]:
         return False, f"{type(model).__name__}: activation {cfg.hidden_act!r} (only silu is implemented)"
     rope = _rope_type(cfg)
     if rope not in STATIC_ROPE:
-        return False, f"{type(model).__name__}: rope type {rope!r} depends on the sequence length (static variants: {', '.join(STATIC_ROPE)})"
+        return (
+            False,
+            f"{type(model).__name__}: rope type {rope!r} depends on the sequence length "
+            f"(static variants: {', '.join(STATIC_ROPE)})",
+        )
     layer_types = getattr(cfg, "layer_types", None) or []
     window = getattr(cfg, "sliding_window", None)
     sliding = any(t != "full_attention" for t in layer_types) or (
-        mt == "mistral" and window is not None and window < getattr(cfg, "max_position_embeddings", 1 << 30))
+        mt == "mistral" and window is not None and window < getattr(cfg, "max_position_embeddings", 1 << 30)
+    )
     if sliding:
         return False, f"{type(model).__name__}: sliding-window attention layers are not implemented"
     base = getattr(model, "model", None)
@@ -144,15 +150,19 @@ class Linear:
             self.s = s.to(act)
         elif fmt == "q8_0":  # group 32, w = q * d (the GGUF Q8_0 rule), dspark's kernel only
             if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape)):
-                raise DSparkError(f"q8_0 weights need dspark's matmul tile (AVX2 or AVX512-BF16 builds) and bf16 "
-                                  f"activations ({kernels.q4_status()})")
+                raise DSparkError(
+                    f"q8_0 weights need dspark's matmul tile (AVX2 or AVX512-BF16 builds) and bf16 "
+                    f"activations ({kernels.q4_status()})"
+                )
             q, d = q8_groups(w)
             self.exact = is_q8_exact(w)
             self.q8, self.w, self.kernel = kernels.pack_q8(q, d), None, kernels.tile_name()
         elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
             if w.shape[1] % GROUP or w.shape[0] % 16:
-                raise DSparkError(f"int4 weights need an input size divisible by {GROUP} and an output size "
-                                  f"divisible by 16, got {w.shape[0]} x {w.shape[1]}")
+                raise DSparkError(
+                    f"int4 weights need an input size divisible by {GROUP} and an output size "
+                    f"divisible by 16, got {w.shape[0]} x {w.shape[1]}"
+                )
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
             if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape):
@@ -162,8 +172,13 @@ class Linear:
                 self.q4, self.w = kernels.pack_q4(q, d, lo), None
                 self.kernel = kernels.tile_name()
             else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
-                self.kernel = ("torch (asked for)" if ops == "torch" else
-                               kernels.q4_status() if act == torch.bfloat16 else "torch (fp32 activations)")
+                self.kernel = (
+                    "torch (asked for)"
+                    if ops == "torch"
+                    else kernels.q4_status()
+                    if act == torch.bfloat16
+                    else "torch (fp32 activations)"
+                )
                 self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
                 self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
         else:
@@ -205,7 +220,12 @@ class _LayerStack:
     def __init__(self, ext, layers: list[Layer], head: "Linear | None" = None):
         def weight(lin):
             packed = lin.q4 or lin.q8 or lin.packed
-            return [packed[0], packed[1], packed[2] if len(packed) > 2 else NO_TENSOR, NO_TENSOR if lin.b is None else lin.b]
+            return [
+                packed[0],
+                packed[1],
+                packed[2] if len(packed) > 2 else NO_TENSOR,
+                NO_TENSOR if lin.b is None else lin.b,
+            ]
 
         flat = []
         for ly in layers:
@@ -323,8 +343,15 @@ class NativeTarget:
       norms, attention by position; dspark.kernels) | 'torch' (torch's ops throughout, to compare).
     """
 
-    def __init__(self, model, tap_indices: tuple[int, ...] = (), weights: str = "auto", head: str | None = None,
-                 act_dtype: torch.dtype | None = None, ops: str = "auto"):
+    def __init__(
+        self,
+        model,
+        tap_indices: tuple[int, ...] = (),
+        weights: str = "auto",
+        head: str | None = None,
+        act_dtype: torch.dtype | None = None,
+        ops: str = "auto",
+    ):
         if ops not in ("auto", "torch"):
             raise DSparkError(f"unknown ops {ops!r} (choose auto or torch)")
         self.ops = ops
@@ -353,7 +380,9 @@ class NativeTarget:
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach().to(act)  # [V, H]: a gather, any format is cheap
             self.layers = self._build(base, self.weights, act)
-            if requested == "auto" and not all(lin.exact for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)):
+            if requested == "auto" and not all(
+                lin.exact for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)
+            ):
                 # the 64-row screen passed but a later row is not 4-bit: keep the model's own numbers
                 self.weights, self.dtype = "fp32", torch.float32
                 act = self.dtype
@@ -361,16 +390,24 @@ class NativeTarget:
                 self.layers = self._build(base, self.weights, act)
             self.norm = base.norm.weight.detach().to(act)
             # the norms and attention of dspark's extension (bf16 only; torch's ops otherwise)
-            self._ext = kernels.extension() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
+            self._ext = (
+                kernels.extension() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
+            )
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
             if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
                 # not 4-bit: an exact Q8_0 head (the GGUF's, for SmolLM2) runs on dspark's int8
                 # kernel where it can, else the head stays in float; it is never re-quantised
-                q8 = (ops == "auto" and act == torch.bfloat16 and kernels.tile_applies(*lm_head.weight.shape)
-                      and is_q8_exact(lm_head.weight, rows=64))
+                q8 = (
+                    ops == "auto"
+                    and act == torch.bfloat16
+                    and kernels.tile_applies(*lm_head.weight.shape)
+                    and is_q8_exact(lm_head.weight, rows=64)
+                )
                 head = "q8_0" if q8 else "fp32" if act == torch.float32 else "bf16"
             head = head or self.weights
-            if head == "int4" and lm_head.weight.shape[0] % 16:  # no int4 kernel holds it: the head stays float (describe() says so)
+            if (
+                head == "int4" and lm_head.weight.shape[0] % 16
+            ):  # no int4 kernel holds it: the head stays float (describe() says so)
                 head = "fp32" if act == torch.float32 else "bf16"
             self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act), ops)
             if auto_int4_head and not self.head.exact:
@@ -391,7 +428,9 @@ class NativeTarget:
             # every weight a step streams in 2 MB pages, where the OS gives them (before the
             # extension's layer stack takes its references)
             lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
-            self.huge_pages = kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")]) > 0
+            self.huge_pages = (
+                kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")]) > 0
+            )
         self._stack = _LayerStack.of(self)
         self.set_taps(tap_indices)
 
@@ -399,18 +438,36 @@ class NativeTarget:
         layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
-            layers.append(Layer(
-                ln1=layer.input_layernorm.weight.detach().to(act),
-                wqkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                            kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj), fmt, act, self.ops),
-                qk_norm=torch.cat([a.q_norm.weight.detach().expand(self.n_heads, -1),
-                                   a.k_norm.weight.detach().expand(self.n_kv, -1)]).to(act)
-                if hasattr(a, "q_norm") else None,
-                wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.ops),
-                ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                w13=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), kernels.fused_bias(m.gate_proj, m.up_proj), fmt, act, self.ops),
-                w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.ops),
-            ))
+            layers.append(
+                Layer(
+                    ln1=layer.input_layernorm.weight.detach().to(act),
+                    wqkv=Linear(
+                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
+                        fmt,
+                        act,
+                        self.ops,
+                    ),
+                    qk_norm=torch.cat(
+                        [
+                            a.q_norm.weight.detach().expand(self.n_heads, -1),
+                            a.k_norm.weight.detach().expand(self.n_kv, -1),
+                        ]
+                    ).to(act)
+                    if hasattr(a, "q_norm")
+                    else None,
+                    wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.ops),
+                    ln2=layer.post_attention_layernorm.weight.detach().to(act),
+                    w13=Linear(
+                        torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        kernels.fused_bias(m.gate_proj, m.up_proj),
+                        fmt,
+                        act,
+                        self.ops,
+                    ),
+                    w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.ops),
+                )
+            )
         return layers
 
     def _int4_linears(self) -> list[Linear]:
@@ -431,12 +488,16 @@ class NativeTarget:
         int4 = self._int4_linears()
         if int4:
             ours = sum(lin.q4 is not None for lin in int4)
-            kernel = (f", int4 kernel: {kernels.tile_name()} ({ours} of {len(int4)} matrices"
-                      f"{kernels.q4_note()})" if ours
-                      else f", int4 kernel: {int4[0].kernel}")
+            kernel = (
+                f", int4 kernel: {kernels.tile_name()} ({ours} of {len(int4)} matrices{kernels.q4_note()})"
+                if ours
+                else f", int4 kernel: {int4[0].kernel}"
+            )
         ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
-        return (f"native runtime, weights {self.weights} (head {self.head_format}), "
-                f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{ext}")
+        return (
+            f"native runtime, weights {self.weights} (head {self.head_format}), "
+            f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{ext}"
+        )
 
     # ---- hidden-state taps -------------------------------------------------------------
     def view(self, tap_indices: tuple[int, ...] = ()) -> "NativeTarget":
@@ -461,8 +522,11 @@ class NativeTarget:
             if i >= 1 and self._tap_cols[i - 1] < 0:
                 self._tap_cols[i - 1] = k * H
         # the rest, copied after the layers: tap 0 (the embeddings: source None) and repeats of an index
-        self._tap_fill = [(k * H, None if i == 0 else self._tap_cols[i - 1]) for k, i in enumerate(self.tap_indices)
-                          if i == 0 or self._tap_cols[i - 1] != k * H]
+        self._tap_fill = [
+            (k * H, None if i == 0 else self._tap_cols[i - 1])
+            for k, i in enumerate(self.tap_indices)
+            if i == 0 or self._tap_cols[i - 1] != k * H
+        ]
 
     # ---- cache ---------------------------------------------------------------------------
     def new_state(self, batch: int = 1) -> NativeState:
@@ -486,7 +550,9 @@ class NativeTarget:
         state.kv = kv
 
     @torch.inference_mode()
-    def forward(self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"):
+    def forward(
+        self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
+    ):
         """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*H].
 
         logits="last": only each row's last valid position -> [B, 1, V] (prefill needs no more).
@@ -514,8 +580,22 @@ class NativeTarget:
         if self._stack is not None:  # the embedding, `_layers` (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and self._stack.head
             # the call makes the taps [B, S, n*H] and writes each tap as its layer runs
-            out = self._ext.layers_forward(self._stack.id, tokens, self.embed, state.kv, self.cos, self.sin, lengths,
-                                           self.norm, self.eps, self.n_heads, self.n_kv, width, self._tap_cols, argmax)
+            out = self._ext.layers_forward(
+                self._stack.id,
+                tokens,
+                self.embed,
+                state.kv,
+                self.cos,
+                self.sin,
+                lengths,
+                self.norm,
+                self.eps,
+                self.n_heads,
+                self.n_kv,
+                width,
+                self._tap_cols,
+                argmax,
+            )
             embedded, x, h = out[:3]
             tapped = out[3] if width else None
             ids = out[4] if argmax else None
@@ -594,7 +674,7 @@ class NativeTarget:
                 # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
                 # no mask to build, no transposes
                 q = self._ext.rope_cache_bf16(qk, v, self.cos, self.sin, kc, vc, pos)  # [B, S, Hq, D]
-                o = self._ext.attn_bf16(q, kc, vc, pos, D ** -0.5)  # [B, S, Hq*D]
+                o = self._ext.attn_bf16(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
             else:
                 qk = _rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
                 q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
@@ -610,16 +690,21 @@ class NativeTarget:
             x, h = self._add_norm(x, layer.wo(o), layer.ln2)
             # the residual add and the next layer's input norm (the final norm after the last)
             # the last layer's output is tapped before the final norm, like the HF target's hook
-            x, h = self._add_norm(x, layer.w2(kernels.silu_mul(layer.w13(h), self._ext)),
-                                  self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm,
-                                  tapped, self._tap_cols[li])
+            x, h = self._add_norm(
+                x,
+                layer.w2(kernels.silu_mul(layer.w13(h), self._ext)),
+                self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm,
+                tapped,
+                self._tap_cols[li],
+            )
         return x, h
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self._ext.rms_bf16(x, w, self.eps) if self._ext is not None else _rms(x, w, self.eps)
 
-    def _add_norm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, taps: torch.Tensor | None = None,
-                  col: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(
+        self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, taps: torch.Tensor | None = None, col: int = -1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + r, its norm with weight w): one call on dspark's extension. With col >= 0, x + r
         is also written to taps[..., col : col + H]."""
         if self._ext is not None:

@@ -21,9 +21,20 @@ FEATURE_RUNTIMES = ("auto", "native", "hf")  # the target runtime of training fe
 INIT_LAYERS = ("random", "target")
 
 # May differ between a run and its resume: they do not change what is computed.
-RESUMABLE_CHANGES = {"eval_every", "ckpt_every", "eval_max_anchors", "feature_batch_tokens", "chunk_anchors", "feature_runtime",
-                     "out", "features",
-                     "heldout", "export_format", "verifier", "time_budget"}
+RESUMABLE_CHANGES = {
+    "eval_every",
+    "ckpt_every",
+    "eval_max_anchors",
+    "feature_batch_tokens",
+    "chunk_anchors",
+    "feature_runtime",
+    "out",
+    "features",
+    "heldout",
+    "export_format",
+    "verifier",
+    "time_budget",
+}
 
 
 @dataclass
@@ -50,16 +61,22 @@ class DraftOptions:
         if self.markov_rank < 0:
             raise TrainError(f"--markov-rank must be >= 0, got {self.markov_rank}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise TrainError(f"--markov-type must be one of {', '.join(MARKOV_HEAD_TYPES)}, got {self.markov_head_type!r}")
+            raise TrainError(
+                f"--markov-type must be one of {', '.join(MARKOV_HEAD_TYPES)}, got {self.markov_head_type!r}"
+            )
         if self.taps is not None:
             bad = [t for t in self.taps if not 0 <= t <= num_target_layers]
             if bad or not self.taps:
-                raise TrainError(f"--taps {list(self.taps)}: each must lie in 0..{num_target_layers} (input of layer i)")
+                raise TrainError(
+                    f"--taps {list(self.taps)}: each must lie in 0..{num_target_layers} (input of layer i)"
+                )
         if not 0 <= self.mask_token_id < vocab_size:
             raise TrainError(f"--mask-token-id {self.mask_token_id} outside the target vocabulary [0, {vocab_size})")
         if self.draft_vocab is not None and not 1 <= self.draft_vocab < vocab_size:
-            raise TrainError(f"--draft-vocab must lie in [1, {vocab_size}) (leave it out for the full vocabulary), "
-                             f"got {self.draft_vocab}")
+            raise TrainError(
+                f"--draft-vocab must lie in [1, {vocab_size}) (leave it out for the full vocabulary), "
+                f"got {self.draft_vocab}"
+            )
         if self.kv_heads is not None and self.kv_heads < 1:
             raise TrainError(f"--kv-heads must be >= 1, got {self.kv_heads}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
@@ -108,10 +125,18 @@ class TrainConfig:
     time_budget: float | None = None  # seconds: stop (and save) once a session has trained this long
 
     def check(self) -> None:
-        positive = {"batch_size": self.batch_size, "lr": self.lr, "decay": self.decay, "max_seq_len": self.max_seq_len,
-                    "eval_every": self.eval_every, "ckpt_every": self.ckpt_every, "epochs": self.epochs,
-                    "feature_batch_tokens": self.feature_batch_tokens,
-                    "chunk_anchors": self.chunk_anchors, "eval_max_anchors": self.eval_max_anchors}
+        positive = {
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "decay": self.decay,
+            "max_seq_len": self.max_seq_len,
+            "eval_every": self.eval_every,
+            "ckpt_every": self.ckpt_every,
+            "epochs": self.epochs,
+            "feature_batch_tokens": self.feature_batch_tokens,
+            "chunk_anchors": self.chunk_anchors,
+            "eval_max_anchors": self.eval_max_anchors,
+        }
         for name, v in positive.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
@@ -134,7 +159,9 @@ class TrainConfig:
         if self.grad_clip <= 0 or self.weight_decay < 0 or min(self.ce_weight, self.l1_weight, self.conf_weight) < 0:
             raise TrainError("--grad-clip must be > 0; --weight-decay and the loss weights >= 0")
         if self.feature_runtime not in FEATURE_RUNTIMES:
-            raise TrainError(f"--feature-runtime must be one of {', '.join(FEATURE_RUNTIMES)}, got {self.feature_runtime!r}")
+            raise TrainError(
+                f"--feature-runtime must be one of {', '.join(FEATURE_RUNTIMES)}, got {self.feature_runtime!r}"
+            )
         if self.head_dtype not in ("bf16", "fp32"):
             raise TrainError(f"--head-dtype must be bf16 or fp32, got {self.head_dtype!r}")
         if self.export_format not in ("speculators", "deepspec"):

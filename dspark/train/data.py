@@ -42,11 +42,15 @@ class GenSettings:
         if self.max_new_tokens < 2:
             raise TrainError(f"--max-new-tokens must be >= 2, got {self.max_new_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise TrainError(f"need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0, got {self.temperature}, "
-                             f"{self.top_p}, {self.top_k}")
+            raise TrainError(
+                f"need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0, got {self.temperature}, "
+                f"{self.top_p}, {self.top_k}"
+            )
         if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
-            raise TrainError(f"--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all "
-                             f"the same), got {self.samples}")
+            raise TrainError(
+                f"--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all "
+                f"the same), got {self.samples}"
+            )
 
 
 @dataclass
@@ -87,8 +91,18 @@ def _check_meta(out: Path, meta: dict) -> None:
         side.write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSettings, *, target_name: str,
-                   batch_size: int = 8, progress: bool = True, engine: Engine | None = None) -> GenStats:
+def generate_shard(
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    out,
+    settings: GenSettings,
+    *,
+    target_name: str,
+    batch_size: int = 8,
+    progress: bool = True,
+    engine: Engine | None = None,
+) -> GenStats:
     """Answer every prompt (settings.samples times) into `out`, skipping answers already there.
 
     engine: decode through dspark's batched engine (continuous batching: a finished row is refilled
@@ -102,8 +116,15 @@ def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSe
     out.parent.mkdir(parents=True, exist_ok=True)
     vocab = model.get_output_embeddings().weight.shape[0]
     # answers of the two generators can differ in bf16 near-ties: one shard holds one generator's answers
-    _check_meta(out, {"target": target_name, "vocab_size": vocab, **asdict(settings),
-                      "generator": "hf" if engine is None else "engine"})
+    _check_meta(
+        out,
+        {
+            "target": target_name,
+            "vocab_size": vocab,
+            **asdict(settings),
+            "generator": "hf" if engine is None else "engine",
+        },
+    )
     prompts = dedupe(prompts)
     done = {r.get("key") for r in read_records(out, repair=True)}
     jobs = [(p, sample_key(p.key, k)) for p in prompts for k in range(settings.samples)]
@@ -135,8 +156,15 @@ def generate_shard(model, tokenizer, prompts: list[Prompt], out, settings: GenSe
 
 
 def _write(f, stats: GenStats, p: Prompt, key: str, prompt_ids: list[int], answer: list[int], finish: str) -> None:
-    rec = {"key": key, "prompt": p.text, "category": p.category, "ids": prompt_ids + answer,
-           "loss_mask": [0] * len(prompt_ids) + [1] * len(answer), "prompt_len": len(prompt_ids), "finish": finish}
+    rec = {
+        "key": key,
+        "prompt": p.text,
+        "category": p.category,
+        "ids": prompt_ids + answer,
+        "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
+        "prompt_len": len(prompt_ids),
+        "finish": finish,
+    }
     f.write(json.dumps(rec) + "\n")
     stats.written += 1
     stats.tokens += len(answer)
@@ -152,15 +180,21 @@ def _sync(f, stats: GenStats, bar, n: int, t0: float) -> None:
     bar.set_postfix(tokens=stats.tokens, tok_s=f"{stats.tokens_per_s:.0f}")
 
 
-def _engine_answers(engine: Engine, tokenizer, todo, settings: GenSettings, batch_size: int, f, stats: GenStats,
-                    bar, t0: float) -> None:
+def _engine_answers(
+    engine: Engine, tokenizer, todo, settings: GenSettings, batch_size: int, f, stats: GenStats, bar, t0: float
+) -> None:
     eng = engine.derive(speculative=False, max_batch=batch_size)
     pending, order = {}, []
     for p, key in todo:
         ids = encode_prompt(tokenizer, p.text, settings.chat_template)
         seed = zlib.crc32(f"{settings.seed}:{key}".encode())
-        params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                                top_k=settings.top_k, top_p=settings.top_p, seed=seed)
+        params = SamplingParams(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            seed=seed,
+        )
         req = eng.add_request(ids, params)
         pending[id(req)] = (req, p, key, ids)
         order.append(req)
@@ -188,13 +222,25 @@ def sample_key(key: str, k: int) -> str:
 
 
 @torch.inference_mode()
-def _generate(model, encoded: list[list[int]], s: GenSettings, pad: int, stops: set[int], dev) -> list[tuple[list[int], str]]:
+def _generate(
+    model, encoded: list[list[int]], s: GenSettings, pad: int, stops: set[int], dev
+) -> list[tuple[list[int], str]]:
     width = max(len(e) for e in encoded)
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=dev)
     attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=dev)
-    kw = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k) if s.temperature > 0 else dict(do_sample=False)
-    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=s.max_new_tokens, pad_token_id=pad,
-                         eos_token_id=sorted(stops), **kw)
+    kw = (
+        dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+        if s.temperature > 0
+        else dict(do_sample=False)
+    )
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        max_new_tokens=s.max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=sorted(stops),
+        **kw,
+    )
     answers = []
     for row in out[:, width:].tolist():
         cut = next((j for j, t in enumerate(row) if t in stops), None)

@@ -71,7 +71,7 @@ def load_sequences(path, vocab_size: int | None = None, max_len: int | None = No
     for n, rec in enumerate(records, 1):
         ids, mask = rec.get("ids"), rec.get("loss_mask")
         if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
-            raise TrainError(f"{path} record {n}: needs lists \"ids\" and \"loss_mask\" of equal length")
+            raise TrainError(f'{path} record {n}: needs lists "ids" and "loss_mask" of equal length')
         if not all(isinstance(t, int) for t in ids) or not all(m in (0, 1) for m in mask):
             raise TrainError(f"{path} record {n}: ids must be integers and loss_mask 0/1")
         if vocab_size is not None and ids and not 0 <= min(ids) <= max(ids) < vocab_size:
@@ -134,8 +134,14 @@ def read_packed(path) -> list[dict]:
     for i in range(len(plen)):
         seq = ids[off[i] : off[i + 1]].tolist()
         p = int(plen[i])
-        out.append({"key": str(keys[i]), "ids": seq, "loss_mask": [0] * p + [1] * (len(seq) - p), "prompt_len": p,
-                    "finish": "stop" if finish[i] else "length", "category": m["categories"][int(cat[i])]})
+        out.append(
+            {
+                "key": str(keys[i]),
+                "ids": seq,
+                "loss_mask": [0] * p + [1] * (len(seq) - p),
+                "prompt_len": p,
+                "finish": "stop" if finish[i] else "length",
+                "category": m["categories"][int(cat[i])],
+            }
+        )
     return out
-
-

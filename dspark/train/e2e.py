@@ -15,8 +15,14 @@ from dspark.train.data import encode_prompt
 from dspark.train.prompts import Prompt
 
 
-def engine_eval(engine: Engine, prompts: list[Prompt], *, max_new_tokens: int = 128, chat_template: bool = True,
-                progress: bool = True) -> dict:
+def engine_eval(
+    engine: Engine,
+    prompts: list[Prompt],
+    *,
+    max_new_tokens: int = 128,
+    chat_template: bool = True,
+    progress: bool = True,
+) -> dict:
     """engine: the speculative engine (dspark.api.build_engine); its plain twin decodes the same prompts."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     plain_engine = engine.derive(speculative=False)

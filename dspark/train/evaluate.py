@@ -17,8 +17,9 @@ from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, r
 
 
 @torch.no_grad()
-def evaluate(draft, features, seqs, target, *, max_anchors: int, weights: LossWeights, seed: int = 0,
-             head_weight=None) -> dict:
+def evaluate(
+    draft, features, seqs, target, *, max_anchors: int, weights: LossWeights, seed: int = 0, head_weight=None
+) -> dict:
     """target: a TargetHead over `seqs` laid end to end (its memo keys), or the target's LM head."""
     spec = draft.spec
     g = spec.gamma
@@ -34,16 +35,30 @@ def evaluate(draft, features, seqs, target, *, max_anchors: int, weights: LossWe
         anchors = valid_anchors(seq.loss_mask)
         if anchors.numel() == 0:
             continue
-        blocks = make_blocks(seq.ids, seq.loss_mask, anchors, layout=spec.layout, gamma=g,
-                             mask_token_id=spec.mask_token_id, decay=weights.decay)
+        blocks = make_blocks(
+            seq.ids,
+            seq.loss_mask,
+            anchors,
+            layout=spec.layout,
+            gamma=g,
+            mask_token_id=spec.mask_token_id,
+            decay=weights.decay,
+        )
         full = blocks.slot_valid.sum(dim=1) == g
         if not bool(full.any()):
             continue
         keep = full.nonzero().squeeze(-1)
         if keep.numel() > max_anchors:
             keep = keep[torch.randperm(keep.numel(), generator=gen)[:max_anchors]].sort().values
-        blocks = make_blocks(seq.ids, seq.loss_mask, anchors[keep], layout=spec.layout, gamma=g,
-                             mask_token_id=spec.mask_token_id, decay=weights.decay)
+        blocks = make_blocks(
+            seq.ids,
+            seq.loss_mask,
+            anchors[keep],
+            layout=spec.layout,
+            gamma=g,
+            mask_token_id=spec.mask_token_id,
+            decay=weights.decay,
+        )
         taps, final = features.get([i])[0]
         dev = draft.fc.weight.device
         ctx = draft.context_kv(taps[None].to(dev, draft.fc.weight.dtype), torch.arange(len(seq.ids), device=dev)[None])

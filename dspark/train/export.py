@@ -39,16 +39,19 @@ def default_verifier(target: str, target_config) -> dict:
     return {"name_or_path": name, "architectures": list(getattr(target_config, "architectures", None) or [])}
 
 
-def checkpoint_tensors(state: dict[str, torch.Tensor], vocab_size: int,
-                       tap_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(
+    state: dict[str, torch.Tensor], vocab_size: int, tap_scale: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Trained weights -> the file's tensors: bf16 floats; fc reading raw taps when training read
     taps / tap_scale (features.tap_scale); a reduced vocabulary's d2t with its t2d mask, as
     speculators/EAGLE-3 files carry both."""
     state = dict(state)
     if tap_scale is not None:
         state["fc.weight"] = fold_tap_scale(state["fc.weight"].detach().cpu(), tap_scale)
-    out = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
-           for k, v in state.items()}
+    out = {
+        k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in state.items()
+    }
     if "d2t" in out:
         d2t = out["d2t"]
         out["t2d"] = t2d_mask(d2t + torch.arange(d2t.numel()), vocab_size)
@@ -79,16 +82,28 @@ def write_draft(spec, tensors: dict, dst, fmt: str, verifier=None, *, replace: b
 
 def check_written(spec, path: Path, fmt: str) -> None:
     back = load_spec(path)
-    for name in ("layout", "gamma", "query_slots", "hidden_state_indices", "mask_token_id", "markov_rank",
-                 "markov_head_type", "confidence_head", "num_layers"):
+    for name in (
+        "layout",
+        "gamma",
+        "query_slots",
+        "hidden_state_indices",
+        "mask_token_id",
+        "markov_rank",
+        "markov_head_type",
+        "confidence_head",
+        "num_layers",
+    ):
         if getattr(back, name) != getattr(spec, name):
-            raise TrainError(f"exported {fmt} draft reads back with {name}={getattr(back, name)!r}, "
-                             f"trained {getattr(spec, name)!r}")
+            raise TrainError(
+                f"exported {fmt} draft reads back with {name}={getattr(back, name)!r}, trained {getattr(spec, name)!r}"
+            )
     if fmt == "speculators":
         cfg = json.loads((path / "config.json").read_text())
         methods = cfg["speculators_config"]["proposal_methods"]
         if not isinstance(cfg.get("sample_from_anchor"), bool) or methods[0]["speculative_tokens"] != spec.gamma:
-            raise TrainError("exported speculators config lacks an explicit sample_from_anchor or has wrong speculative_tokens")
+            raise TrainError(
+                "exported speculators config lacks an explicit sample_from_anchor or has wrong speculative_tokens"
+            )
 
 
 def size_mb(path: Path) -> float:
@@ -101,8 +116,11 @@ def export_run(run_dir, dst, fmt: str | None = None, verifier: str | None = None
     cfg = read_run_config(run_dir)
     state = load_state(run_dir)
     target_config = AutoConfig.from_pretrained(resolve_target(cfg.target))
-    ver = {"name_or_path": verifier, "architectures": list(target_config.architectures or [])} if verifier else \
-        default_verifier(cfg.target, target_config)
+    ver = (
+        {"name_or_path": verifier, "architectures": list(target_config.architectures or [])}
+        if verifier
+        else default_verifier(cfg.target, target_config)
+    )
     spec = draft_spec(cfg, target_config, verifier=ver["name_or_path"])
     tensors = checkpoint_tensors(state["draft"], spec.vocab_size, state.get("tap_scale"))
     return write_draft(spec, tensors, dst, fmt or cfg.export_format, ver)

@@ -147,8 +147,7 @@ def batches(indices: list[int], seqs: list[Sequence], max_tokens: int):
 
 
 class OnlineFeatures:
-    def __init__(self, model, taps: tuple[int, ...], seqs: list[Sequence], max_tokens: int = 4096,
-                 runtime: str = "hf"):
+    def __init__(self, model, taps: tuple[int, ...], seqs: list[Sequence], max_tokens: int = 4096, runtime: str = "hf"):
         self.model, self.seqs, self.max_tokens = model, seqs, max_tokens
         self.extract = Extractor(model, taps, runtime)
         check_head(model, seqs[0])
@@ -173,8 +172,17 @@ def _bf16_bytes(x: torch.Tensor) -> bytes:
     return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().astype("<i2").tobytes()
 
 
-def build_cache(model, taps: tuple[int, ...], seqs: list[Sequence], out, *, target_name: str,
-                max_tokens: int = 4096, progress: bool = True, runtime: str = "hf") -> Path:
+def build_cache(
+    model,
+    taps: tuple[int, ...],
+    seqs: list[Sequence],
+    out,
+    *,
+    target_name: str,
+    max_tokens: int = 4096,
+    progress: bool = True,
+    runtime: str = "hf",
+) -> Path:
     """Write features of every sequence to `out` (bf16); returns out. Reuses a matching complete cache."""
     out = Path(out)
     digest = data_digest(seqs)
@@ -200,8 +208,16 @@ def build_cache(model, taps: tuple[int, ...], seqs: list[Sequence], out, *, targ
         extract.close()
         bar.close()
     lengths = [len(s.ids) for s in seqs]
-    meta = {"version": CACHE_VERSION, "target": target_name, "taps": list(taps), "tap_width": widths[0],
-            "hidden": widths[1], "lengths": lengths, "data_digest": digest, "dtype": "bfloat16"}
+    meta = {
+        "version": CACHE_VERSION,
+        "target": target_name,
+        "taps": list(taps),
+        "tap_width": widths[0],
+        "hidden": widths[1],
+        "lengths": lengths,
+        "data_digest": digest,
+        "dtype": "bfloat16",
+    }
     (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -221,11 +237,15 @@ class CachedFeatures:
         if meta.get("version") != CACHE_VERSION:
             raise TrainError(f"{path}: feature cache version {meta.get('version')} (this dspark reads {CACHE_VERSION})")
         if tuple(meta["taps"]) != tuple(taps):
-            raise TrainError(f"{path} caches taps {meta['taps']} but the draft taps {list(taps)}: "
-                             "delete it to rebuild it, or use another cache directory")
+            raise TrainError(
+                f"{path} caches taps {meta['taps']} but the draft taps {list(taps)}: "
+                "delete it to rebuild it, or use another cache directory"
+            )
         if meta["lengths"] != [len(s.ids) for s in seqs] or meta["data_digest"] != data_digest(seqs):
-            raise TrainError(f"{path} was built from other training data (or another --max-seq-len): "
-                             "delete it to rebuild it, or use another cache directory")
+            raise TrainError(
+                f"{path} was built from other training data (or another --max-seq-len): "
+                "delete it to rebuild it, or use another cache directory"
+            )
         offsets = np.concatenate([[0], np.cumsum(meta["lengths"])]).astype(np.int64)
         total = int(offsets[-1])
         self.taps = np.memmap(path / "taps.bin", dtype="<i2", mode="r", shape=(total, meta["tap_width"]))
@@ -243,6 +263,7 @@ class CachedFeatures:
 
 
 # ---- input conditioning ---------------------------------------------------------------------
+
 
 def tap_scale(features, indices: list[int], n_taps: int, outlier: float = SINK_OUTLIER) -> torch.Tensor:
     """[W] per-dimension RMS of the tapped states over the sequences `indices`.

@@ -85,8 +85,16 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int | None, generator: 
     return cand[pick].sort().values
 
 
-def make_blocks(ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, *, layout: str, gamma: int,
-                mask_token_id: int, decay: float = 4.0) -> Blocks:
+def make_blocks(
+    ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    *,
+    layout: str,
+    gamma: int,
+    mask_token_id: int,
+    decay: float = 4.0,
+) -> Blocks:
     """ids/loss_mask [L] of one sequence, anchors [N] -> the rows, labels and weights of every block."""
     L = ids.shape[0]
     start = first_row(layout)
@@ -165,7 +173,9 @@ class RowOutputs:
 
     logits: torch.Tensor  # [M, Vd] fp32 Markov-corrected draft logits (the q that decoding samples from)
     conf_logits: torch.Tensor | None  # [M]
-    target_logp: torch.Tensor  # [U, Vd] fp32 target log-probabilities over the draft vocabulary, one per distinct position
+    target_logp: (
+        torch.Tensor
+    )  # [U, Vd] fp32 target log-probabilities over the draft vocabulary, one per distinct position
     target_top: torch.Tensor  # [U] the target's argmax there (a target id, maybe outside the draft vocabulary)
     target_index: torch.Tensor  # [M] row -> its entry of target_logp
     labels: torch.Tensor  # [M] data tokens
@@ -179,9 +189,17 @@ class RowOutputs:
         return top if self.draft_ids is None else self.draft_ids[top]
 
 
-def draft_rows(draft, ctx_kv, blocks: Blocks, ids: torch.Tensor, final_hidden: torch.Tensor, target,
-               head_weight: torch.Tensor | None = None, seq: torch.Tensor | None = None,
-               keys: torch.Tensor | None = None) -> RowOutputs:
+def draft_rows(
+    draft,
+    ctx_kv,
+    blocks: Blocks,
+    ids: torch.Tensor,
+    final_hidden: torch.Tensor,
+    target,
+    head_weight: torch.Tensor | None = None,
+    seq: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+) -> RowOutputs:
     """Run the draft on all blocks of one sequence (or of several, see pack_blocks); keep the rows
     that carry weight.
 

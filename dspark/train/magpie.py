@@ -119,16 +119,88 @@ class NearDuplicates:
 
 
 CATEGORIES = (
-    ("code", ("python", "code", "function", "program", "javascript", "java", "sql", "script", "html", "css",
-              "c++", "algorithm", "debug", "compile", "api", "class ", "variable", "regex")),
-    ("math", ("calculate", "solve", "equation", "how many", "how much", "sum of", "percent", "probability",
-              "integer", "fraction", "math", "area of", "average", "multiply", "divide", "+", "=")),
-    ("writing", ("write a", "write an", "story", "poem", "essay", "letter", "email", "blog", "speech",
-                 "article", "summarize", "rewrite", "paraphrase", "slogan", "tweet")),
+    (
+        "code",
+        (
+            "python",
+            "code",
+            "function",
+            "program",
+            "javascript",
+            "java",
+            "sql",
+            "script",
+            "html",
+            "css",
+            "c++",
+            "algorithm",
+            "debug",
+            "compile",
+            "api",
+            "class ",
+            "variable",
+            "regex",
+        ),
+    ),
+    (
+        "math",
+        (
+            "calculate",
+            "solve",
+            "equation",
+            "how many",
+            "how much",
+            "sum of",
+            "percent",
+            "probability",
+            "integer",
+            "fraction",
+            "math",
+            "area of",
+            "average",
+            "multiply",
+            "divide",
+            "+",
+            "=",
+        ),
+    ),
+    (
+        "writing",
+        (
+            "write a",
+            "write an",
+            "story",
+            "poem",
+            "essay",
+            "letter",
+            "email",
+            "blog",
+            "speech",
+            "article",
+            "summarize",
+            "rewrite",
+            "paraphrase",
+            "slogan",
+            "tweet",
+        ),
+    ),
     ("advice", ("how can i", "how do i", "should i", "tips", "advice", "recommend", "help me", "best way")),
     ("list", ("list ", "give me", "name ", "examples of", "ideas", "suggest")),
-    ("explanation", ("explain", "what is", "what are", "why ", "how does", "describe", "difference between",
-                     "define", "meaning of", "tell me about")),
+    (
+        "explanation",
+        (
+            "explain",
+            "what is",
+            "what are",
+            "why ",
+            "how does",
+            "describe",
+            "difference between",
+            "define",
+            "meaning of",
+            "tell me about",
+        ),
+    ),
 )
 
 
@@ -158,7 +230,9 @@ def protected_shingles(paths: list[Path]) -> set[tuple[str, ...]]:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     rec = {"prompt": line}
-                texts = rec.get("turns") if isinstance(rec.get("turns"), list) else [rec.get("prompt", rec.get("text", ""))]
+                texts = (
+                    rec.get("turns") if isinstance(rec.get("turns"), list) else [rec.get("prompt", rec.get("text", ""))]
+                )
                 for t in texts:
                     if isinstance(t, str):
                         spans |= shingles(t)
@@ -173,8 +247,12 @@ class FilterReport:
     categories: Counter = field(default_factory=Counter)
 
     def to_dict(self) -> dict:
-        return {"sampled": self.sampled, "kept": self.kept, "rejected": dict(self.rejected.most_common()),
-                "categories": dict(self.categories.most_common())}
+        return {
+            "sampled": self.sampled,
+            "kept": self.kept,
+            "rejected": dict(self.rejected.most_common()),
+            "categories": dict(self.categories.most_common()),
+        }
 
 
 class PromptFilter:
@@ -219,16 +297,26 @@ class PromptSampling:
 
 
 @torch.inference_mode()
-def sample_user_turns(model, tokenizer, n: int, s: PromptSampling, stops: set[int], batch_index: int) -> list[tuple[str, bool]]:
+def sample_user_turns(
+    model, tokenizer, n: int, s: PromptSampling, stops: set[int], batch_index: int
+) -> list[tuple[str, bool]]:
     """n user turns sampled from the bare prefix; (text, finished with an end-of-turn token)."""
     prefix = tokenizer(user_prefix(tokenizer), add_special_tokens=False, return_tensors="pt").input_ids
     dev = next(model.parameters()).device
     ids = prefix.repeat(n, 1).to(dev)
     torch.manual_seed(s.seed * 1_000_003 + batch_index)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.max_new_tokens,
-                         do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0,
-                         pad_token_id=pad, eos_token_id=sorted(stops))
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=s.max_new_tokens,
+        do_sample=True,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=0,
+        pad_token_id=pad,
+        eos_token_id=sorted(stops),
+    )
     turns = []
     for row in out[:, ids.shape[1] :].tolist():
         cut = next((j for j, t in enumerate(row) if t in stops), None)
@@ -237,9 +325,19 @@ def sample_user_turns(model, tokenizer, n: int, s: PromptSampling, stops: set[in
     return turns
 
 
-def write_prompts(model, tokenizer, n: int, out, *, sampling: PromptSampling, stops: set[int],
-                  filters: FilterSettings | None = None, protected: set[tuple[str, ...]] = frozenset(),
-                  max_batches: int | None = None, progress: bool = True) -> FilterReport:
+def write_prompts(
+    model,
+    tokenizer,
+    n: int,
+    out,
+    *,
+    sampling: PromptSampling,
+    stops: set[int],
+    filters: FilterSettings | None = None,
+    protected: set[tuple[str, ...]] = frozenset(),
+    max_batches: int | None = None,
+    progress: bool = True,
+) -> FilterReport:
     """Append kept prompts to `out` (.jsonl, {"prompt", "category"}) until it holds n. Resumable: prompts
     already in the file count and are deduplicated against; batch seeds continue from the file's sidecar."""
     out = Path(out)
@@ -266,8 +364,9 @@ def write_prompts(model, tokenizer, n: int, out, *, sampling: PromptSampling, st
         while have < n:
             if max_batches is not None and batches >= max_batches:
                 break
-            for text, finished in sample_user_turns(model, tokenizer, sampling.batch_size, sampling, stops,
-                                                    state["batches"]):
+            for text, finished in sample_user_turns(
+                model, tokenizer, sampling.batch_size, sampling, stops, state["batches"]
+            ):
                 p = filt.keep(text, finished)
                 if p is not None and have < n:
                     f.write(json.dumps({"prompt": p.text, "category": p.category}) + "\n")

@@ -78,8 +78,10 @@ class ProbeSettings:
         parse_inputs(",".join(self.inputs))
         for n in self.taps() if num_layers is not None else ():
             if not 0 <= n <= num_layers:
-                raise TrainError(f"--inputs 'tap:{n}': N must be in 0..{num_layers} for this {num_layers}-layer "
-                                 f"target ({num_layers}: the last layer's output before the final norm)")
+                raise TrainError(
+                    f"--inputs 'tap:{n}': N must be in 0..{num_layers} for this {num_layers}-layer "
+                    f"target ({num_layers}: the last layer's output before the final norm)"
+                )
         for k in ("pairs", "width", "batch", "curve_points", "curve_anchors"):
             if getattr(self, k) < 1:
                 raise TrainError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
@@ -157,8 +159,16 @@ def draw_sequences(seqs: list[Sequence], pairs: int, seed: int) -> list[int]:
     return chosen
 
 
-def collect(features, seqs: list[Sequence], indices: list[int], inputs: tuple[str, ...], taps: tuple[int, ...],
-            hidden: int, progress: bool = False, desc: str = "probe features") -> Pairs:
+def collect(
+    features,
+    seqs: list[Sequence],
+    indices: list[int],
+    inputs: tuple[str, ...],
+    taps: tuple[int, ...],
+    hidden: int,
+    progress: bool = False,
+    desc: str = "probe features",
+) -> Pairs:
     """The pairs of the sequences `indices`, one target pass each (`features.get([i])` ->
     (taps [L, n*H] in the order `taps`, final [L, H])); only the rows at a-1 of the chosen inputs
     are kept, in bf16."""
@@ -184,8 +194,12 @@ def collect(features, seqs: list[Sequence], indices: list[int], inputs: tuple[st
         bar.update(len(seqs[i].ids))
     bar.close()
     if not labels:
-        return Pairs(torch.zeros(0, 0, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.long),
-                     torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long))
+        return Pairs(
+            torch.zeros(0, 0, dtype=torch.bfloat16),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, 2, dtype=torch.long),
+        )
     return Pairs(torch.cat(states), torch.cat(anchors), torch.cat(labels), torch.cat(where))
 
 
@@ -214,8 +228,15 @@ class Probe(nn.Module):
     wrong). The head matmul runs in `head_dtype` (bf16: a third less time on a CPU with bf16
     units), the loss in fp32."""
 
-    def __init__(self, in_states: int, embed: torch.Tensor | None, head: torch.Tensor, width: int,
-                 eps: float = 1e-5, head_dtype=torch.bfloat16):
+    def __init__(
+        self,
+        in_states: int,
+        embed: torch.Tensor | None,
+        head: torch.Tensor,
+        width: int,
+        eps: float = 1e-5,
+        head_dtype=torch.bfloat16,
+    ):
         super().__init__()
         H = head.shape[1]
         self.register_buffer("head", head.detach().to(head_dtype), persistent=False)
@@ -279,16 +300,18 @@ def fit(probe: Probe, train: Pairs, held: Pairs, cfg: ProbeSettings, progress: b
     gen = torch.Generator().manual_seed(cfg.seed)
     steps = cfg.steps or (None if cfg.time_budget else max(1, math.ceil(5 * len(train) / cfg.batch)))
     budget = cfg.time_budget
-    opt = torch.optim.AdamW([p for p in probe.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        [p for p in probe.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
     held_c, train_c = held.sample(cfg.curve_anchors, cfg.seed + 1), train.sample(cfg.curve_anchors, cfg.seed + 2)
 
     def done(step: int, elapsed: float) -> float:
         return min(1.0, max(step / steps if steps else 0.0, elapsed / budget if budget else 0.0))
 
     curve, fit_s, curve_s, step, next_point, losses = [], 0.0, 0.0, 0, 1, []
-    bar = tqdm(total=steps or int(math.ceil(budget)), desc="probe fit", unit="step" if steps else "s",
-               disable=not progress)
+    bar = tqdm(
+        total=steps or int(math.ceil(budget)), desc="probe fit", unit="step" if steps else "s", disable=not progress
+    )
     while True:
         t0 = time.perf_counter()
         lr = cfg.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * done(step, fit_s)))
@@ -310,10 +333,18 @@ def fit(probe: Probe, train: Pairs, held: Pairs, cfg: ProbeSettings, progress: b
             next_point = int(f * cfg.curve_points) + 1
             h_hits, h_loss = agreement(probe, held_c)
             t_hits, t_loss = agreement(probe, train_c)
-            curve.append({"step": step, "seconds": round(fit_s, 2), "lr": lr,
-                          "train_loss": sum(losses) / len(losses), "train_top1": t_hits / max(len(train_c), 1),
-                          "heldout_loss": h_loss, "heldout_top1": h_hits / max(len(held_c), 1),
-                          "heldout_anchors": len(held_c)})
+            curve.append(
+                {
+                    "step": step,
+                    "seconds": round(fit_s, 2),
+                    "lr": lr,
+                    "train_loss": sum(losses) / len(losses),
+                    "train_top1": t_hits / max(len(train_c), 1),
+                    "heldout_loss": h_loss,
+                    "heldout_top1": h_hits / max(len(held_c), 1),
+                    "heldout_anchors": len(held_c),
+                }
+            )
             losses = []
             curve_s += time.perf_counter() - t1
         if f >= 1.0:
@@ -343,8 +374,16 @@ def bigram_hits(seqs: list[Sequence], held: Pairs, vocab: int) -> int:
 
 
 @torch.inference_mode()
-def draft_slot1_tokens(draft, features, taps: tuple[int, ...], hidden: int, seqs: list[Sequence], held: Pairs,
-                       chunk: int = 256, progress: bool = False) -> torch.Tensor:
+def draft_slot1_tokens(
+    draft,
+    features,
+    taps: tuple[int, ...],
+    hidden: int,
+    seqs: list[Sequence],
+    held: Pairs,
+    chunk: int = 256,
+    progress: bool = False,
+) -> torch.Tensor:
     """A draft's own first-slot greedy token at each pair's anchor ([N], the pairs' order).
 
     Per sequence its context keys/values are computed once from the draft's taps (taken out of

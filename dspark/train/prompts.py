@@ -46,7 +46,7 @@ def load_prompts(source: str) -> list[Prompt]:
             continue
         text = rec.get("prompt") if isinstance(rec, dict) else None
         if not isinstance(text, str) or not text.strip():
-            raise TrainError(f"{path}:{n}: each line needs a non-empty string field \"prompt\"")
+            raise TrainError(f'{path}:{n}: each line needs a non-empty string field "prompt"')
         prompts.append(Prompt(text, str(rec.get("category", ""))))
     if not prompts:
         raise TrainError(f"prompt set {path} is empty")

@@ -1,10 +1,10 @@
 """The run directory of `dspark train fit`: what lives where, read back by resume and by export.
 
-    train_config.json  the TrainConfig of the run (a resume must match its locked settings)
-    state.pt           fp32 draft weights, optimizer, scheduler, step, tap scale, data digest
-    metrics.jsonl      one record per step, plus one per held-out evaluation
-    draft/             the latest checkpoint exported in bf16 (read by `dspark inspect` and the engine)
-    best/, best.json   the checkpoint with the best held-out greedy acceptance so far, and its figures
+train_config.json  the TrainConfig of the run (a resume must match its locked settings)
+state.pt           fp32 draft weights, optimizer, scheduler, step, tap scale, data digest
+metrics.jsonl      one record per step, plus one per held-out evaluation
+draft/             the latest checkpoint exported in bf16 (read by `dspark inspect` and the engine)
+best/, best.json   the checkpoint with the best held-out greedy acceptance so far, and its figures
 """
 
 from __future__ import annotations

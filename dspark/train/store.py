@@ -27,7 +27,6 @@ from dspark.train.dataset import FORMAT, MANIFEST, TOKENS, read_packed, read_rec
 from dspark.train.errors import TrainError
 
 
-
 def pack(shards: list, out, *, target_file=None, chat_template: str | None = None, note: str = "") -> dict:
     """Pack JSONL shards (written by `dspark train data`) into `out`; returns the manifest."""
     out = Path(out)
@@ -70,14 +69,19 @@ def pack(shards: list, out, *, target_file=None, chat_template: str | None = Non
         "created": datetime.date.today().isoformat(),
         "note": note,
         "target": sorted({str(pt["settings"].get("target", "")) for pt in parts}),
-        "target_file": None if target_file is None else {"name": Path(target_file).name, "sha256": _sha256(Path(target_file))},
+        "target_file": None
+        if target_file is None
+        else {"name": Path(target_file).name, "sha256": _sha256(Path(target_file))},
         "chat_template_sha256": None if chat_template is None else hashlib.sha256(chat_template.encode()).hexdigest(),
         "vocab_size": next(iter(vocab), None),
         "parts": parts,
         "categories": cats,
-        "counts": {"sequences": len(records), "prompt_tokens": prompt_tokens,
-                   "answer_tokens": int(lengths.sum()) - prompt_tokens,
-                   "cut_at_length": int((arrays["finish"] == 0).sum())},
+        "counts": {
+            "sequences": len(records),
+            "prompt_tokens": prompt_tokens,
+            "answer_tokens": int(lengths.sum()) - prompt_tokens,
+            "cut_at_length": int((arrays["finish"] == 0).sum()),
+        },
         "tokens_sha256": _sha256(out / TOKENS),
     }
     write_json(out / MANIFEST, manifest)
@@ -88,10 +92,12 @@ def _with_prompt_len(r: dict, shard: Path) -> dict:
     """The mask must be 'prompt (0) then answer (1)': that is all a packed set can represent."""
     ids, mask = r.get("ids"), r.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
-        raise TrainError(f"{shard}: record {r.get('key')!r} needs lists \"ids\" and \"loss_mask\" of equal length")
+        raise TrainError(f'{shard}: record {r.get("key")!r} needs lists "ids" and "loss_mask" of equal length')
     p = r.get("prompt_len", mask.index(1) if 1 in mask else len(mask))
     if mask != [0] * p + [1] * (len(ids) - p):
-        raise TrainError(f"{shard}: record {r.get('key')!r}: its loss mask is not 'answer after the prompt': not packable")
+        raise TrainError(
+            f"{shard}: record {r.get('key')!r}: its loss mask is not 'answer after the prompt': not packable"
+        )
     return {**r, "prompt_len": p}
 
 

@@ -31,8 +31,15 @@ from dspark.train.dataset import load_sequences, token_subset
 from dspark.train.errors import TrainError
 from dspark.train.evaluate import evaluate
 from dspark.train.export import checkpoint_tensors, default_verifier, write_draft
-from dspark.train.features import (CachedFeatures, OnlineFeatures, ScaledFeatures, build_cache, cache_bytes, data_digest,
-                                   tap_scale)
+from dspark.train.features import (
+    CachedFeatures,
+    OnlineFeatures,
+    ScaledFeatures,
+    build_cache,
+    cache_bytes,
+    data_digest,
+    tap_scale,
+)
 from dspark.train.loss import LossWeights, TargetHead, draft_rows, loss_sums, make_blocks, pack_blocks, sample_anchors
 from dspark.train.rundir import BEST, CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
 from dspark.train.vocab import d2t_offsets, select_draft_vocab
@@ -104,7 +111,7 @@ def init_layers_from_target(draft, target_model) -> list[str]:
     projections, MLP, the two norms). Those layers already map late hidden states to the next
     token, which is what the draft's block must learn; the draft's own q/k norms (Qwen3-style
     layers) have no counterpart in a Llama target and stay at 1. Returns the parameters copied."""
-    source = list(target_model.get_decoder().layers)[-len(draft.layers):]
+    source = list(target_model.get_decoder().layers)[-len(draft.layers) :]
     copied, skipped = [], []
     with torch.no_grad():
         for i, (mine, theirs) in enumerate(zip(draft.layers, source)):
@@ -117,8 +124,10 @@ def init_layers_from_target(draft, target_model) -> list[str]:
                 elif not name.startswith(("self_attn.q_norm", "self_attn.k_norm")):
                     skipped.append(f"layers.{i}.{name}")
     if skipped or not copied:
-        raise TrainError(f"--init-layers target: the target's last layers do not fit the draft's ({skipped[:4]} "
-                         "have no same-shaped counterpart; --intermediate-size must be the target's)")
+        raise TrainError(
+            f"--init-layers target: the target's last layers do not fit the draft's ({skipped[:4]} "
+            "have no same-shaped counterpart; --intermediate-size must be the target's)"
+        )
     return copied
 
 
@@ -139,8 +148,10 @@ class Run:
         if self.resumed:
             diff = read_run_config(self.out).locked_differences(cfg)
             if diff:
-                raise TrainError(f"{self.out} holds a run with other settings {diff} (saved, now): "
-                                 "resume with the same flags or choose another --out")
+                raise TrainError(
+                    f"{self.out} holds a run with other settings {diff} (saved, now): "
+                    "resume with the same flags or choose another --out"
+                )
         self.model, _ = load_target(cfg.target, cfg.dtype, device=ctx.device)
         vocab = self.model.get_output_embeddings().weight.shape[0]
         self.seqs = load_sequences(cfg.data, vocab, cfg.max_seq_len)
@@ -170,7 +181,9 @@ class Run:
         self.weights = LossWeights(cfg.ce_weight, cfg.l1_weight, cfg.conf_weight, cfg.decay)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         # fused: one kernel over all parameters instead of ~10 elementwise passes per tensor (CPU and CUDA)
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True
+        )
         self.steps_per_epoch = math.ceil(len(self.seqs) / cfg.batch_size)
         self.total = cfg.steps or max(1, round(cfg.epochs * self.steps_per_epoch))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(self.total, cfg.warmup))
@@ -184,8 +197,11 @@ class Run:
         self.head_weight = None
         if cfg.head_dtype == "bf16" and not w.requires_grad:  # a trainable head stays fp32
             self.head_weight = w.detach().to(torch.bfloat16)
-        draft_ids = None if self.draft.d2t is None else self.draft.to_target_ids(
-            torch.arange(self.draft.d2t.numel(), device=self.draft.d2t.device))
+        draft_ids = (
+            None
+            if self.draft.d2t is None
+            else self.draft.to_target_ids(torch.arange(self.draft.d2t.numel(), device=self.draft.d2t.device))
+        )
         self.offsets = [0]
         for s in self.seqs:
             self.offsets.append(self.offsets[-1] + len(s.ids))
@@ -195,8 +211,9 @@ class Run:
         self.features = self._features()
         self.held_features = None
         if self.held is not None and ctx.main:
-            self.held_features = OnlineFeatures(self.model, self.spec.hidden_state_indices, self.held,
-                                                cfg.feature_batch_tokens, cfg.feature_runtime)
+            self.held_features = OnlineFeatures(
+                self.model, self.spec.hidden_state_indices, self.held, cfg.feature_batch_tokens, cfg.feature_runtime
+            )
         self.tap_scale = None
         # a checkpoint from before tap scaling existed holds weights for raw taps: keep it that way
         if cfg.tap_scale and (saved is None or saved.get("tap_scale") is not None):
@@ -210,19 +227,37 @@ class Run:
     def _load_init(self) -> dict:
         """Warm start: the weights of an existing draft of the same architecture (its d2t vocabulary too)."""
         spec = load_spec(self.cfg.init)
-        keys = ("layout", "gamma", "num_layers", "markov_rank", "markov_head_type", "hidden_state_indices",
-                "draft_vocab_size", "vocab_size", "mask_token_id", "confidence_head", "confidence_head_with_markov")
-        diff = {k: (getattr(spec, k, None), getattr(self.spec, k, None)) for k in keys
-                if getattr(spec, k, None) != getattr(self.spec, k, None)}
+        keys = (
+            "layout",
+            "gamma",
+            "num_layers",
+            "markov_rank",
+            "markov_head_type",
+            "hidden_state_indices",
+            "draft_vocab_size",
+            "vocab_size",
+            "mask_token_id",
+            "confidence_head",
+            "confidence_head_with_markov",
+        )
+        diff = {
+            k: (getattr(spec, k, None), getattr(self.spec, k, None))
+            for k in keys
+            if getattr(spec, k, None) != getattr(self.spec, k, None)
+        }
         adapted = {}
         if self.cfg.init_adapt:
             # what the weights do not fix: the block size, and which layer each of the same number of taps reads
             adapted = {k: diff.pop(k) for k in ("gamma", "hidden_state_indices") if k in diff}
-            if "hidden_state_indices" in adapted and len(spec.hidden_state_indices) != len(self.spec.hidden_state_indices):
+            if "hidden_state_indices" in adapted and len(spec.hidden_state_indices) != len(
+                self.spec.hidden_state_indices
+            ):
                 diff["hidden_state_indices"] = adapted.pop("hidden_state_indices")
         if diff:
-            raise TrainError(f"--init {self.cfg.init} does not fit this run's draft {diff} (file, run): "
-                             "choose matching --layers/--markov-rank/--taps/--draft-vocab/...")
+            raise TrainError(
+                f"--init {self.cfg.init} does not fit this run's draft {diff} (file, run): "
+                "choose matching --layers/--markov-rank/--taps/--draft-vocab/..."
+            )
         tensors = load_weights(spec)
         own = self.draft.own_state_dict()
         missing = sorted(set(own) - set(tensors))
@@ -231,8 +266,9 @@ class Run:
         with torch.no_grad():
             for k, v in own.items():
                 if tuple(tensors[k].shape) != tuple(v.shape):
-                    raise TrainError(f"--init {self.cfg.init}: {k} has shape {tuple(tensors[k].shape)}, "
-                                     f"this draft {tuple(v.shape)}")
+                    raise TrainError(
+                        f"--init {self.cfg.init}: {k} has shape {tuple(tensors[k].shape)}, this draft {tuple(v.shape)}"
+                    )
                 v.copy_(tensors[k].to(v.dtype))
         if self.ctx.main:
             changed = "".join(f", {k} {a} -> {b}" for k, (a, b) in adapted.items())
@@ -255,8 +291,10 @@ class Run:
         answers = sum(int(s.loss_mask.sum()) for s in self.seqs)
         covered = sum(int(torch.isin(s.ids[s.loss_mask.bool()], ids).sum()) for s in self.seqs)
         if self.ctx.main:
-            self.echo(f"draft vocabulary: {ids.numel()} of {V} tokens, covering {covered / max(answers, 1):.2%} "
-                      "of the training answer tokens")
+            self.echo(
+                f"draft vocabulary: {ids.numel()} of {V} tokens, covering {covered / max(answers, 1):.2%} "
+                "of the training answer tokens"
+            )
 
     def _features(self):
         taps = self.spec.hidden_state_indices
@@ -264,8 +302,16 @@ class Run:
             return OnlineFeatures(self.model, taps, self.seqs, self.cfg.feature_batch_tokens, self.cfg.feature_runtime)
         path = Path(self.cfg.features)
         if not (path / "meta.json").exists() and self.ctx.main:
-            build_cache(self.model, taps, self.seqs, path, target_name=self.cfg.target, runtime=self.cfg.feature_runtime,
-                        max_tokens=self.cfg.feature_batch_tokens, progress=self.progress)
+            build_cache(
+                self.model,
+                taps,
+                self.seqs,
+                path,
+                target_name=self.cfg.target,
+                runtime=self.cfg.feature_runtime,
+                max_tokens=self.cfg.feature_batch_tokens,
+                progress=self.progress,
+            )
             self.echo(f"feature cache {path}: {cache_bytes(path) / 2**20:.1f} MiB (bf16)")
         distributed.barrier(self.ctx)
         return CachedFeatures(path, taps, self.seqs)
@@ -290,8 +336,9 @@ class Run:
         if state.get("total_steps") != self.total:
             raise TrainError(f"checkpoint planned {state.get('total_steps')} steps, this run {self.total}")
         if state.get("data_digest") not in (None, self.data_digest):  # None: written before digests were kept
-            raise TrainError(f"{self.cfg.data} holds other sequences than the checkpoint was trained on: "
-                             "choose another --out")
+            raise TrainError(
+                f"{self.cfg.data} holds other sequences than the checkpoint was trained on: choose another --out"
+            )
         log = self.out / METRICS
         if self.ctx.main and log.exists():  # steps after the checkpoint are replayed: drop their old records
             keep = [line for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= self.step]
@@ -307,8 +354,15 @@ class Run:
         s, d = self.seqs[i], self.spec
         g = torch.Generator().manual_seed(_seed(self.cfg.seed, epoch, i, 7))
         anchors = sample_anchors(s.loss_mask, self.cfg.max_anchors, g)
-        return make_blocks(s.ids, s.loss_mask, anchors, layout=d.layout, gamma=d.gamma,
-                           mask_token_id=d.mask_token_id, decay=self.cfg.decay)
+        return make_blocks(
+            s.ids,
+            s.loss_mask,
+            anchors,
+            layout=d.layout,
+            gamma=d.gamma,
+            mask_token_id=d.mask_token_id,
+            decay=self.cfg.decay,
+        )
 
     def chunks(self, local: list[int], blocks: list) -> list[list[int]]:
         """Positions in `local` grouped so a chunk holds at most cfg.chunk_anchors blocks (a sequence
@@ -363,27 +417,48 @@ class Run:
         self.sched.step()
         tot = distributed.all_sum(self.ctx, sums)
         d = max(denom, 1e-9)
-        return {"step": step + 1, "loss": tot[0] / d, "ce": tot[1] / d, "l1": tot[2] / d, "conf": tot[3] / d,
-                "lr": lr, "grad_norm": gnorm, "weight": denom}
+        return {
+            "step": step + 1,
+            "loss": tot[0] / d,
+            "ce": tot[1] / d,
+            "l1": tot[2] / d,
+            "conf": tot[3] / d,
+            "lr": lr,
+            "grad_norm": gnorm,
+            "weight": denom,
+        }
 
     def evaluate(self) -> dict | None:
         if self.held_features is None:
             return None
-        return evaluate(self.draft, self.held_features, self.held, self.held_head, max_anchors=self.cfg.eval_max_anchors,
-                        weights=self.weights, seed=self.cfg.seed, head_weight=self.head_weight)
+        return evaluate(
+            self.draft,
+            self.held_features,
+            self.held,
+            self.held_head,
+            max_anchors=self.cfg.eval_max_anchors,
+            weights=self.weights,
+            seed=self.cfg.seed,
+            head_weight=self.head_weight,
+        )
 
     def save(self) -> Path:
         """state.pt (atomic) and draft/ (bf16 export); main process only."""
-        state = {"step": self.step, "total_steps": self.total, "elapsed": self.elapsed, "data_digest": self.data_digest,
-                 "draft": {k: v.detach().cpu().clone() for k, v in self.draft.own_state_dict().items()},
-                 "tap_scale": self.tap_scale,
-                 "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+        state = {
+            "step": self.step,
+            "total_steps": self.total,
+            "elapsed": self.elapsed,
+            "data_digest": self.data_digest,
+            "draft": {k: v.detach().cpu().clone() for k, v in self.draft.own_state_dict().items()},
+            "tap_scale": self.tap_scale,
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+        }
         tmp = self.out / (STATE + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.out / STATE)
         tensors = checkpoint_tensors(self.draft.own_state_dict(), self.spec.vocab_size, self.tap_scale)
-        return write_draft(self.spec, tensors, self.out / DRAFT, self.cfg.export_format,
-                           self.verifier, replace=True)
+        return write_draft(self.spec, tensors, self.out / DRAFT, self.cfg.export_format, self.verifier, replace=True)
 
     def save_best(self, ev: dict | None) -> dict | None:
         """Keep the checkpoint with the best held-out greedy acceptance in <out>/best (main process)."""
@@ -455,15 +530,18 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
             session = now - session_start
             run.elapsed, t0 = run.elapsed + now - t0, now
             # every rank counts the same steps; rank 0's clock decides, so all ranks stop at the same step
-            (over,) = distributed.all_sum(ctx, [float(cfg.time_budget is not None and session >= cfg.time_budget
-                                                      and ctx.main)])
+            (over,) = distributed.all_sum(
+                ctx, [float(cfg.time_budget is not None and session >= cfg.time_budget and ctx.main)]
+            )
             if over and run.step < run.total:
                 if ctx.main:
                     if run.held is not None and run.step % cfg.eval_every:
                         run.evaluate_and_keep(result, None)
                     result.draft_dir = run.save()
-                    echo(f"time budget of {cfg.time_budget:.0f} s reached at step {run.step}/{run.total}: "
-                              "checkpoint saved; rerun the same command to continue")
+                    echo(
+                        f"time budget of {cfg.time_budget:.0f} s reached at step {run.step}/{run.total}: "
+                        "checkpoint saved; rerun the same command to continue"
+                    )
                 result.stopped_early = True
                 break
     except KeyboardInterrupt:
@@ -482,5 +560,7 @@ def eval_line(step: int, ev: dict | None) -> str:
     if not ev or not ev.get("blocks"):
         return f"step {step}: held-out set has no complete block to score"
     curve = " ".join(f"{x:.2f}" for x in ev["greedy_conditional"])
-    return (f"step {step}: held-out loss {ev['loss']:.4f}  tau_greedy {ev['tau_greedy']:.3f}  "
-            f"tau_t1 {ev['tau_t1']:.3f}  per-slot greedy accept {curve}")
+    return (
+        f"step {step}: held-out loss {ev['loss']:.4f}  tau_greedy {ev['tau_greedy']:.3f}  "
+        f"tau_t1 {ev['tau_t1']:.3f}  per-slot greedy accept {curve}"
+    )
