@@ -1,5 +1,7 @@
-"""The linter the project is configured with (pyproject.toml [tool.ruff]) finds nothing: an
-unused import, an undefined name or a syntax error fails the suite, as a failing test does."""
+"""The linter and formatter the project is configured with (pyproject.toml [tool.ruff]) find
+nothing: an unused import, an undefined name, a syntax error, a line over the limit or code laid
+out otherwise than `ruff format` lays it out fails the suite, as a failing test does (`ruff
+format dspark tests scripts` fixes the layout)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,65 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ruff_finds_nothing():
+def _ruff() -> str:
     ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))
     if ruff is None:
         pytest.fail("ruff is not installed: `bash scripts/setup.sh --test` installs the pinned version")
-    out = subprocess.run([ruff, "check", "--no-cache", "dspark", "tests", "scripts"], cwd=ROOT, capture_output=True,
-                         text=True)
+    return ruff
+
+
+def test_ruff_finds_nothing():
+    out = subprocess.run(
+        [_ruff(), "check", "--no-cache", "dspark", "tests", "scripts"], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_tree_is_laid_out_as_ruff_format_lays_it_out():
+    out = subprocess.run(
+        [_ruff(), "format", "--check", "--no-cache", "dspark", "tests", "scripts"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_format_would_find_a_line_laid_out_otherwise(tmp_path):
+    (tmp_path / "bad.py").write_text("x = {  'a':1 }\n")
+    out = subprocess.run(
+        [
+            _ruff(),
+            "format",
+            "--check",
+            "--no-cache",
+            "--config",
+            str(ROOT / "pyproject.toml"),
+            str(tmp_path / "bad.py"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "bad.py" in out.stdout
 
 
 def test_ruff_would_find_an_unused_import(tmp_path):
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     (tmp_path / "bad.py").write_text("import os\n")
-    out = subprocess.run([ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path / "bad.py")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path / "bad.py")],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1 and "F401" in out.stdout
+
+
+def test_the_kernels_are_laid_out_as_clang_format_lays_them_out():
+    """dspark/csrc as the repository's .clang-format lays it out (`clang-format -i dspark/csrc/*.cpp`
+    fixes it)."""
+    tool = shutil.which("clang-format") or shutil.which("clang-format", path=str(Path(sys.executable).parent))
+    if tool is None:
+        pytest.fail("clang-format is not installed: `bash scripts/setup.sh --test` installs the pinned version")
+    sources = sorted(str(p) for p in (ROOT / "dspark" / "csrc").glob("*.cpp"))
+    out = subprocess.run([tool, "--dry-run", "--Werror", *sources], cwd=ROOT, capture_output=True, text=True)
+    assert sources and out.returncode == 0, out.stderr[-3000:]

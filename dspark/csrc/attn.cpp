@@ -1,9 +1,8 @@
-// Attention of a few new queries over the KV cache, bf16 (docs/history/benchmarks.md, "the rest of a forward in the same extension").
-// torch's flash-attention kernel costs 45-90 us a layer for 1-8 queries over ~200 cached keys,
-// mostly set-up; this does the arithmetic directly. Each query row (batch row, position, head)
-// is computed on its own, over its keys 0..pos in a fixed order, so its result does not depend
-// on which other rows or positions share the call: a verify of 8 positions gives each position
-// exactly what a 1-token step would (lossless greedy verification in bf16).
+// Attention of a few new queries over the KV cache, bf16 (docs/history/benchmarks.md, "the rest of a forward in the
+// same extension"). torch's flash-attention kernel costs 45-90 us a layer for 1-8 queries over ~200 cached keys, mostly
+// set-up; this does the arithmetic directly. Each query row (batch row, position, head) is computed on its own, over
+// its keys 0..pos in a fixed order, so its result does not depend on which other rows or positions share the call: a
+// verify of 8 positions gives each position exactly what a 1-token step would (lossless greedy verification in bf16).
 // Built for AVX-512 (16 lanes) or AVX2 + FMA (8 lanes); the algorithm is the same, except that
 // with AVX512-BF16 the q.k products of heads of 32k values are bf16 dot products (the two builds'
 // bits differ; each is batch invariant).
@@ -33,16 +32,23 @@ inline V load_bf16(const at::BFloat16* p) {  // W bf16 -> fp32 (exact)
 }
 inline V load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
 inline V keep_n(V x, int n) { return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), x); }  // lanes >= n: 0
-inline V where_first(V x, int n) { return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << n) - 1), x); }  // lanes >= n: -inf
+inline V where_first(V x, int n) {
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << n) - 1), x);
+}  // lanes >= n: -inf
 inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
 inline V round_int(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline V neg_abs(V x) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
+inline V neg_abs(V x) {
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
 inline V div(V a, V b) { return _mm512_div_ps(a, b); }
-inline V where_neg(V x, V a, V b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_LT_OQ), b, a); }  // x < 0 ? a : b
+inline V where_neg(V x, V a, V b) {  // x < 0 ? a : b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_LT_OQ), b, a);
+}
 inline V pow2(V p, V n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 inline __m256i to_bf16_bits(V x) {  // round to nearest even, as torch's float -> bfloat16 (finite x)
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  const __m512i r = _mm512_add_epi32(
+      u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 inline void store_bf16(at::BFloat16* p, V x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(x)); }
@@ -66,12 +72,16 @@ inline V load_bf16(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline __m256i first_n(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+inline __m256i first_n(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 inline V load_n(const float* p, int n) {  // the first n of 8 (zeros after): a full vector is one load
   return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_n(n));
 }
 inline V keep_n(V x, int n) { return _mm256_and_ps(x, _mm256_castsi256_ps(first_n(n))); }  // lanes >= n: 0
-inline V where_first(V x, int n) { return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(first_n(n))); }  // lanes >= n: -inf
+inline V where_first(V x, int n) {
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(first_n(n)));
+}  // lanes >= n: -inf
 inline float hmax(V a) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -80,15 +90,19 @@ inline float hmax(V a) {
 inline V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V neg_abs(V x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
 inline V div(V a, V b) { return _mm256_div_ps(a, b); }
-inline V where_neg(V x, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, zero(), _CMP_LT_OQ)); }  // x < 0 ? a : b
+inline V where_neg(V x, V a, V b) {  // x < 0 ? a : b
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, zero(), _CMP_LT_OQ));
+}
 inline V pow2(V p, V n) {  // n in [-126, 0] here
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline void store_bf16(at::BFloat16* p, V x) {
   const __m256i u = _mm256_castps_si256(x);
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                    _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))),
+      16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
@@ -128,7 +142,8 @@ inline __m256 sum8(const __m256* h) {
 inline V sum_lanes(const V* a) {
   __m256 h[16];
   for (int k = 0; k < 16; ++k)
-    h[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
+    h[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
   const __m256 lo = sum8(h), hi = sum8(h + 8);
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
@@ -144,7 +159,8 @@ inline V sum_lanes(const V* a) { return sum8(a); }
 // read from g / dw (the same operations, in memory).
 template <int GT, int DWT>
 void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, const at::BFloat16* kb,
-            const at::BFloat16* vb, int64_t n, float sc, at::BFloat16* o, std::vector<float>& buf, std::vector<V>& vbuf) {
+            const at::BFloat16* vb, int64_t n, float sc, at::BFloat16* o, std::vector<float>& buf,
+            std::vector<V>& vbuf) {
 #if defined(__AVX512BF16__)
   // heads of a multiple of 32 values (fixed at compile time): q.k by the bf16 dot product, pairs
   // of values a lane, and the score scaled after the sum: no widening of the keys, half the
@@ -159,8 +175,8 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
   constexpr bool fixed = GT > 0 && DWT > 0;
   V qv_f[fixed ? GT * DWT : 1], acc_f[fixed ? GT * DWT : 1], part_f[fixed ? GT * W : 1];
   if (!fixed) vbuf.resize(2 * G * DW + G * W);
-  V* qv = fixed ? qv_f : vbuf.data();                 // [G][DW] queries, scaled
-  V* acc = fixed ? acc_f : vbuf.data() + G * DW;      // [G][DW] sums of p * v
+  V* qv = fixed ? qv_f : vbuf.data();                   // [G][DW] queries, scaled
+  V* acc = fixed ? acc_f : vbuf.data() + G * DW;        // [G][DW] sums of p * v
   V* part = fixed ? part_f : vbuf.data() + 2 * G * DW;  // [G][W] one chunk's dot products, before the lane sums
 #if defined(__AVX512BF16__)
   constexpr int DB = BDOT ? DWT / 2 : 1;  // 32 bf16 values a register
@@ -249,17 +265,21 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
 torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pos, double scale) {
   using namespace attn;
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == torch::kBFloat16 &&
-              k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16, "attn_bf16: q, k, v must be 4-D bf16");
+                  k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16,
+              "attn_bf16: q, k, v must be 4-D bf16");
   const int64_t B = q.size(0), S = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), C = k.size(2);
   TORCH_CHECK(D % 16 == 0 && k.size(3) == D && v.sizes() == k.sizes() && k.size(0) == B && Hq % Hkv == 0,
               "attn_bf16: head sizes must agree and be a multiple of 16");
   TORCH_CHECK(D / W <= 32, "attn_bf16: heads of up to ", 32 * W, " values");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D, "attn_bf16: cache rows must be contiguous");
-  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong, "attn_bf16: pos must be [B, S] int64");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
+              "attn_bf16: cache rows must be contiguous");
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong,
+              "attn_bf16: pos must be [B, S] int64");
   auto qc = q.contiguous();
   auto pc = pos.contiguous();
   const int64_t* pp = pc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * S; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < C, "attn_bf16: position ", pp[i], " outside the cache of ", C);
+  for (int64_t i = 0; i < B * S; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < C, "attn_bf16: position ", pp[i], " outside the cache of ", C);
   auto o = torch::empty({B, S, Hq * D}, q.options());
   const at::BFloat16* qp = qc.data_ptr<at::BFloat16>();
   const at::BFloat16* kp = k.data_ptr<at::BFloat16>();
@@ -284,15 +304,23 @@ torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
         const at::BFloat16* qs = qr + g0 * D;
         at::BFloat16* os = orow + g0 * D;
         if (DW == 64 / W) {
-          if (gs == 1) attend<1, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
-          else if (gs == 2) attend<2, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
-          else if (gs == 3) attend<3, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
-          else attend<4, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          if (gs == 1)
+            attend<1, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 2)
+            attend<2, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 3)
+            attend<3, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else
+            attend<4, 64 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
         } else if (DW == 128 / W) {
-          if (gs == 1) attend<1, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
-          else if (gs == 2) attend<2, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
-          else if (gs == 3) attend<3, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
-          else attend<4, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          if (gs == 1)
+            attend<1, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 2)
+            attend<2, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else if (gs == 3)
+            attend<3, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
+          else
+            attend<4, 128 / W>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
         } else {
           attend<0, 0>(gs, DW, qs, D, kb, vb, n, sc, os, buf, vbuf);
         }
@@ -302,7 +330,6 @@ torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   return o;
 }
 
-
 // silu(g) * u over the output of the fused gate/up projection gu [..., 2I] (gate | up), bf16, as
 // torch's `F.silu(g) * u` rounds: silu in fp32, rounded to bf16, times u, rounded to bf16. One call
 // instead of ~12 small ops a layer (chunk, split, narrows, silu, mul, their outputs). The sigmoid
@@ -311,9 +338,11 @@ torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 // Elementwise: a row's result does not depend on the batch.
 torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   using namespace attn;
-  TORCH_CHECK(gu.dim() >= 1 && gu.scalar_type() == torch::kBFloat16 && gu.device().is_cpu(), "silu_mul_bf16: gu must be a bf16 CPU tensor [..., 2I]");
+  TORCH_CHECK(gu.dim() >= 1 && gu.scalar_type() == torch::kBFloat16 && gu.device().is_cpu(),
+              "silu_mul_bf16: gu must be a bf16 CPU tensor [..., 2I]");
   const int64_t I2 = gu.size(-1), I = I2 / 2;
-  TORCH_CHECK(I2 % (2 * W) == 0 && I > 0, "silu_mul_bf16: the gate/up width must be a positive multiple of ", 2 * W, ", got ", I2);
+  TORCH_CHECK(I2 % (2 * W) == 0 && I > 0, "silu_mul_bf16: the gate/up width must be a positive multiple of ", 2 * W,
+              ", got ", I2);
   auto gc = gu.contiguous();
   auto sizes = gc.sizes().vec();
   sizes.back() = I;
@@ -327,7 +356,7 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
       for (int64_t i = 0; i < I; i += W) {
         const V g = load_bf16(gp + r * I2 + i), u = load_bf16(gp + r * I2 + I + i);
         const V na = neg_abs(g);
-        const V e = where_neg(add(na, set1(87.0f)), zero(), exp_neg(na));  // exp(-|g|), 0 below exp_neg's floor
+        const V e = where_neg(add(na, set1(87.0f)), zero(), exp_neg(na));    // exp(-|g|), 0 below exp_neg's floor
         const V sig = div(where_neg(g, e, set1(1.0f)), add(set1(1.0f), e));  // sigmoid(g)
         alignas(64) at::BFloat16 s[W];
         store_bf16(s, mul(g, sig));  // silu(g) rounded to bf16, as torch's bf16 silu returns it

@@ -70,10 +70,11 @@ void extend(const Draft& d, const std::vector<torch::Tensor>& kv, const int64_t*
 
 // The block's post-norm states h [B, rows, H] of its first `rows` rows, over the context of
 // `lengths` (the block's own keys and values written right after each row's context)
-torch::Tensor block(const Draft& d, const std::vector<torch::Tensor>& kv, const int64_t* lp, const torch::Tensor& anchors,
-                    int64_t mask, int64_t S, int64_t rows, const std::vector<bool>& causal, const torch::Tensor& cos,
-                    const torch::Tensor& sin) {
-  const int64_t B = anchors.size(0), H = d.embed.size(1), V = d.embed.size(0), L = static_cast<int64_t>(d.layers.size());
+torch::Tensor block(const Draft& d, const std::vector<torch::Tensor>& kv, const int64_t* lp,
+                    const torch::Tensor& anchors, int64_t mask, int64_t S, int64_t rows,
+                    const std::vector<bool>& causal, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t B = anchors.size(0), H = d.embed.size(1), V = d.embed.size(0),
+                L = static_cast<int64_t>(d.layers.size());
   TORCH_CHECK(mask >= 0 && mask < V, "draft_forward: mask token ", mask, " outside the vocabulary of ", V);
   auto x = torch::empty({B, S, H}, d.embed.options());
   auto* xp = x.data_ptr<at::BFloat16>();
@@ -81,7 +82,8 @@ torch::Tensor block(const Draft& d, const std::vector<torch::Tensor>& kv, const 
   const int64_t* ap = anchors.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ap[b] >= 0 && ap[b] < V, "draft_forward: anchor ", ap[b], " outside the vocabulary of ", V);
-    for (int64_t s = 0; s < S; ++s) std::memcpy(xp + (b * S + s) * H, ep + (s ? mask : ap[b]) * H, H * sizeof(at::BFloat16));
+    for (int64_t s = 0; s < S; ++s)
+      std::memcpy(xp + (b * S + s) * H, ep + (s ? mask : ap[b]) * H, H * sizeof(at::BFloat16));
   }
   const auto pos = positions(lp, B, S, 0);
   auto last = torch::empty({B, S}, pos.options());  // a non-causal row sees its whole block
@@ -95,10 +97,9 @@ torch::Tensor block(const Draft& d, const std::vector<torch::Tensor>& kv, const 
     const Layer& ly = d.layers[i];
     const auto &kc = kv[2 * i], &vc = kv[2 * i + 1];
     const auto qkv = layers::lin(ly.qkv, h).view({B, S, d.hq + 2 * d.hkv, d.D});
-    torch::Tensor q = ly.qkn.numel()
-                          ? rope_cache_bf16(rms_bf16(qkv.narrow(2, 0, d.hq + d.hkv), ly.qkn, d.eps),
-                                            qkv.narrow(2, d.hq + d.hkv, d.hkv), cos, sin, kc, vc, pos)
-                          : rope_cache_bf16(qkv, none, cos, sin, kc, vc, pos);
+    torch::Tensor q = ly.qkn.numel() ? rope_cache_bf16(rms_bf16(qkv.narrow(2, 0, d.hq + d.hkv), ly.qkn, d.eps),
+                                                       qkv.narrow(2, d.hq + d.hkv, d.hkv), cos, sin, kc, vc, pos)
+                                     : rope_cache_bf16(qkv, none, cos, sin, kc, vc, pos);
     torch::Tensor seen = causal[i] ? pos : last;
     if (i == L - 1 && rows < S) {
       // every row's keys and values are in the cache; past them the last layer works row by row,
@@ -141,7 +142,8 @@ torch::Tensor head_input(const Draft& d, const torch::Tensor& h, const int64_t* 
 torch::Tensor greedy_walk(const Draft& d, const torch::Tensor& hs, const int64_t* ap) {
   const int64_t B = hs.size(0), g = hs.size(1), V = d.embed.size(0), K = d.head.P.size(1) * 32;
   const int64_t r = d.w1.numel() ? d.w1.size(1) : 0, H = hs.size(2);
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ap[b] >= 0 && ap[b] < V, "draft_forward: anchor ", ap[b], " outside the vocabulary of ", V);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(ap[b] >= 0 && ap[b] < V, "draft_forward: anchor ", ap[b], " outside the vocabulary of ", V);
   auto x = head_input(d, hs, nullptr);
   auto* xp = x.data_ptr<at::BFloat16>();
   for (int64_t b = 0; b < B && r; ++b)
@@ -158,8 +160,8 @@ torch::Tensor greedy_walk(const Draft& d, const torch::Tensor& hs, const int64_t
     more = torch::empty({B, g - 1}, first.options());
     markov::walk(reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()),
                  reinterpret_cast<const c10::BFloat16*>(d.w1.data_ptr<at::BFloat16>()),
-                 reinterpret_cast<const c10::BFloat16*>(d.w2t.data_ptr<at::BFloat16>()), dp, fp, more.data_ptr<int64_t>(), B,
-                 g - 1, rest.size(2), r, V);
+                 reinterpret_cast<const c10::BFloat16*>(d.w2t.data_ptr<at::BFloat16>()), dp, fp,
+                 more.data_ptr<int64_t>(), B, g - 1, rest.size(2), r, V);
   } else {  // no Markov head: each slot's own argmax
     more = markov::argmax_rows(rest);
     int64_t* mp = more.data_ptr<int64_t>();
@@ -205,15 +207,18 @@ int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t
                        bool conf_markov, double eps) {
   using namespace draft;
   constexpr size_t FIXED = 16, PER = 24;
-  TORCH_CHECK(t.size() > FIXED && (t.size() - FIXED) % PER == 0 && static_cast<int64_t>((t.size() - FIXED) / PER) == num_layers,
-              "draft_register: ", FIXED, " tensors and ", PER, " a layer, got ", t.size(), " for ", num_layers, " layers");
+  TORCH_CHECK(
+      t.size() > FIXED && (t.size() - FIXED) % PER == 0 && static_cast<int64_t>((t.size() - FIXED) / PER) == num_layers,
+      "draft_register: ", FIXED, " tensors and ", PER, " a layer, got ", t.size(), " for ", num_layers, " layers");
   auto lin = [&](size_t j) {
     const auto fmt = t[j].scalar_type();
-    TORCH_CHECK(fmt == torch::kChar || fmt == torch::kBFloat16 || fmt == torch::kByte, "draft_register: a weight dspark's tile does not hold");
+    TORCH_CHECK(fmt == torch::kChar || fmt == torch::kBFloat16 || fmt == torch::kByte,
+                "draft_register: a weight dspark's tile does not hold");
     return layers::Lin{t[j], t[j + 1], t[j + 2], t[j + 3]};
   };
   for (size_t j : {size_t(0), size_t(1), size_t(2)})
-    TORCH_CHECK(t[j].scalar_type() == torch::kBFloat16 && t[j].is_contiguous(), "draft_register: embed and norms must be contiguous bf16");
+    TORCH_CHECK(t[j].scalar_type() == torch::kBFloat16 && t[j].is_contiguous(),
+                "draft_register: embed and norms must be contiguous bf16");
   Draft d;
   d.embed = t[0];
   d.hidden_norm = t[1];
@@ -226,15 +231,18 @@ int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t
   d.fc = lin(8);
   d.head = lin(12);
   for (size_t i = FIXED; i < t.size(); i += PER)
-    d.layers.push_back(Layer{t[i], t[i + 1], t[i + 2], t[i + 3], lin(i + 4), lin(i + 8), lin(i + 12), lin(i + 16), lin(i + 20)});
+    d.layers.push_back(
+        Layer{t[i], t[i + 1], t[i + 2], t[i + 3], lin(i + 4), lin(i + 8), lin(i + 12), lin(i + 16), lin(i + 20)});
   d.hq = hq;
   d.hkv = hkv;
   d.D = head_dim;
   d.conf_markov = conf_markov;
   d.eps = eps;
   TORCH_CHECK(!conf_markov || d.w1.numel(), "draft_register: a confidence head that reads W1 needs the Markov head");
-  const int64_t K = d.head.P.dim() >= 2 ? d.head.P.size(1) * 32 : 0, need = d.embed.size(1) + (d.w1.numel() ? d.w1.size(1) : 0);
-  TORCH_CHECK(K >= need && K < need + 32, "draft_register: the head takes [h ; W1[prev]] (", need, " inputs, rounded up to 32), not ", K);
+  const int64_t K = d.head.P.dim() >= 2 ? d.head.P.size(1) * 32 : 0,
+                need = d.embed.size(1) + (d.w1.numel() ? d.w1.size(1) : 0);
+  TORCH_CHECK(K >= need && K < need + 32, "draft_register: the head takes [h ; W1[prev]] (", need,
+              " inputs, rounded up to 32), not ", K);
   std::lock_guard<std::mutex> g(mu);
   drafts[next_id] = std::move(d);
   return next_id++;
@@ -254,25 +262,29 @@ void draft_release(int64_t id) {
 // confidences run here too. -> (new lengths [B]) for a context update alone; else with walk
 // (lengths, target ids [B, depth], confidence logits [B, depth] bf16 or empty), without it
 // (lengths, h [B, row0 + depth, H], head logits [B, depth, Vd] bf16) for a walk in Python
-std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> kv, torch::Tensor lengths, torch::Tensor taps,
-                                         torch::Tensor counts, torch::Tensor anchors, torch::Tensor cos, torch::Tensor sin,
-                                         std::vector<bool> causal, int64_t mask, int64_t S, int64_t row0, int64_t depth, bool walk) {
+std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> kv, torch::Tensor lengths,
+                                         torch::Tensor taps, torch::Tensor counts, torch::Tensor anchors,
+                                         torch::Tensor cos, torch::Tensor sin, std::vector<bool> causal, int64_t mask,
+                                         int64_t S, int64_t row0, int64_t depth, bool walk) {
   using namespace draft;
   const Draft& d = find(id);
   TORCH_CHECK(kv.size() == 2 * d.layers.size(), "draft_forward: ", 2 * d.layers.size(), " caches, got ", kv.size());
   TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == torch::kLong, "draft_forward: lengths must be [B] int64");
   const int64_t B = lengths.size(0);
   for (const auto& c : kv)
-    TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && c.is_contiguous() && c.dim() == 4 && c.size(0) == B && c.size(1) == d.hkv &&
-                    c.size(3) == d.D, "draft_forward: caches must be contiguous bf16 [B, Hkv, C, D]");
+    TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && c.is_contiguous() && c.dim() == 4 && c.size(0) == B &&
+                    c.size(1) == d.hkv && c.size(3) == d.D,
+                "draft_forward: caches must be contiguous bf16 [B, Hkv, C, D]");
   auto len = lengths.contiguous().clone();
   int64_t* lp = len.data_ptr<int64_t>();
   const int64_t C = kv[0].size(2);
   const int64_t n = taps.numel() ? taps.size(1) : 0;
   if (n) {
-    TORCH_CHECK(taps.dim() == 3 && taps.size(0) == B && taps.scalar_type() == torch::kBFloat16, "draft_forward: taps must be [B, n, F] bf16");
+    TORCH_CHECK(taps.dim() == 3 && taps.size(0) == B && taps.scalar_type() == torch::kBFloat16,
+                "draft_forward: taps must be [B, n, F] bf16");
     TORCH_CHECK(counts.numel() == B && counts.scalar_type() == torch::kLong, "draft_forward: counts must be [B] int64");
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp[b] + n <= C, "draft_forward: the context cache has no room for ", n, " entries");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(lp[b] + n <= C, "draft_forward: the context cache has no room for ", n, " entries");
     extend(d, kv, lp, taps.contiguous(), cos, sin);
     const auto cc = counts.contiguous();
     const int64_t* cp = cc.data_ptr<int64_t>();
@@ -282,17 +294,23 @@ std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> 
     }
   }
   if (!anchors.numel()) return {len};
-  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && anchors.scalar_type() == torch::kLong, "draft_forward: anchors must be [B] int64");
-  TORCH_CHECK(S >= 1 && row0 >= 0 && depth >= 1 && row0 + depth <= S, "draft_forward: rows ", row0, "..", row0 + depth, " of a block of ", S);
-  TORCH_CHECK(causal.size() == d.layers.size(), "draft_forward: ", d.layers.size(), " attention flags, got ", causal.size());
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lp[b] + S <= C, "draft_forward: the context cache has no room for the block");
+  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && anchors.scalar_type() == torch::kLong,
+              "draft_forward: anchors must be [B] int64");
+  TORCH_CHECK(S >= 1 && row0 >= 0 && depth >= 1 && row0 + depth <= S, "draft_forward: rows ", row0, "..", row0 + depth,
+              " of a block of ", S);
+  TORCH_CHECK(causal.size() == d.layers.size(), "draft_forward: ", d.layers.size(), " attention flags, got ",
+              causal.size());
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] + S <= C, "draft_forward: the context cache has no room for the block");
   const auto ac = anchors.contiguous();
   const auto h = block(d, kv, lp, ac, mask, S, row0 + depth, causal, cos, sin);
   const auto hs = h.narrow(1, row0, depth).contiguous();
   if (!walk) return {len, h, layers::lin(d.head, head_input(d, hs, nullptr)).contiguous()};  // [B, depth, Vd]
   const int64_t Vd = d.head.P.size(0) * 16;
-  TORCH_CHECK(d.d2t.numel() == 0 || d.d2t.numel() == Vd, "draft_forward: d2t of ", d.d2t.numel(), " entries for ", Vd, " draft tokens");
+  TORCH_CHECK(d.d2t.numel() == 0 || d.d2t.numel() == Vd, "draft_forward: d2t of ", d.d2t.numel(), " entries for ", Vd,
+              " draft tokens");
   const auto tokens = greedy_walk(d, hs, ac.data_ptr<int64_t>());
-  const auto conf = d.conf_w.numel() ? confidences(d, hs, tokens, ac.data_ptr<int64_t>()) : torch::empty({0}, h.options());
+  const auto conf =
+      d.conf_w.numel() ? confidences(d, hs, tokens, ac.data_ptr<int64_t>()) : torch::empty({0}, h.options());
   return {len, tokens, conf};
 }

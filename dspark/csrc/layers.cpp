@@ -1,5 +1,5 @@
-// A decoder's layer stack in one call (docs/history/benchmarks.md, "... the layer loop in one call ..."): the same kernels, in the
-// same order, as the Python loop of dspark/target/native.py (`NativeTarget.forward`), whose ~15
+// A decoder's layer stack in one call (docs/history/benchmarks.md, "... the layer loop in one call ..."): the same
+// kernels, in the same order, as the Python loop of dspark/target/native.py (`NativeTarget.forward`), whose ~15
 // Python-level calls and views a layer cost ~0.6-1 ms of a ~7-9 ms SmolLM2 step. Bit for bit
 // the Python loop's result (tested). The embedding lookup, the positions and, for a greedy plain
 // step, the head and its argmax run in the same call ("a greedy plain step in one call"): after a step has streamed
@@ -16,7 +16,7 @@
 
 namespace layers {
 
-struct Lin {  // y = x @ W.T (+ b): W packed for dspark's tile; P's dtype names the format
+struct Lin {                 // y = x @ W.T (+ b): W packed for dspark's tile; P's dtype names the format
   torch::Tensor P, D, L, b;  // L: int4 minimums (empty for Q8_0 / bf16); b: bias (empty: none)
 };
 struct Layer {
@@ -35,7 +35,9 @@ int64_t next_id = 1;
 
 torch::Tensor lin(const Lin& l, const torch::Tensor& x) {
   const auto t = l.P.scalar_type();
-  torch::Tensor y = t == torch::kByte ? q4_mm(x, l.P, l.D, l.L) : t == torch::kChar ? q8_mm(x, l.P, l.D) : bf16_mm(x, l.P, l.D);
+  torch::Tensor y = t == torch::kByte   ? q4_mm(x, l.P, l.D, l.L)
+                    : t == torch::kChar ? q8_mm(x, l.P, l.D)
+                                        : bf16_mm(x, l.P, l.D);
   return l.b.numel() ? y + l.b : y;
 }
 
@@ -47,15 +49,18 @@ torch::Tensor lin(const Lin& l, const torch::Tensor& x) {
 int64_t layers_register(std::vector<torch::Tensor> t) {
   using namespace layers;
   constexpr size_t PER = 19;
-  TORCH_CHECK(t.size() > 4 && (t.size() - 4) % PER == 0, "layers_register: ", PER, " tensors a layer and 4 for the head, got ", t.size());
+  TORCH_CHECK(t.size() > 4 && (t.size() - 4) % PER == 0, "layers_register: ", PER,
+              " tensors a layer and 4 for the head, got ", t.size());
   auto l = [&](size_t j) {
     const auto fmt = t[j].scalar_type();
-    TORCH_CHECK(fmt == torch::kByte || fmt == torch::kChar || fmt == torch::kBFloat16, "layers_register: a weight dspark's tile does not hold");
+    TORCH_CHECK(fmt == torch::kByte || fmt == torch::kChar || fmt == torch::kBFloat16,
+                "layers_register: a weight dspark's tile does not hold");
     return Lin{t[j], t[j + 1], t[j + 2], t[j + 3]};
   };
   Stack stack;
   const size_t n = t.size() - 4;
-  for (size_t i = 0; i < n; i += PER) stack.layers.push_back(Layer{t[i], t[i + 1], t[i + 2], l(i + 3), l(i + 7), l(i + 11), l(i + 15)});
+  for (size_t i = 0; i < n; i += PER)
+    stack.layers.push_back(Layer{t[i], t[i + 1], t[i + 2], l(i + 3), l(i + 7), l(i + 11), l(i + 15)});
   if (t[n].numel()) stack.head = l(n);
   std::lock_guard<std::mutex> g(mu);
   stacks[next_id] = std::move(stack);
@@ -74,9 +79,10 @@ void layers_release(int64_t id) {
 // from Python right after a step costs ~20-30 us). argmax: also the head and each position's argmax
 // (the registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
 // output, its final norm, the taps (empty: none)[, the argmax [B, S] int64])
-std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv, torch::Tensor cos,
-                                          torch::Tensor sin, torch::Tensor lengths, torch::Tensor final_w, double eps, int64_t hq,
-                                          int64_t hkv, int64_t tap_width, std::vector<int64_t> tap_cols, bool argmax) {
+std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv,
+                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor lengths,
+                                          torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,
+                                          std::vector<int64_t> tap_cols, bool argmax) {
   using namespace layers;
   const Stack* stack;
   {
@@ -91,7 +97,8 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
               "layers_forward: tokens [B, S] and lengths [B] int64, embed [V, H] bf16");
   const int64_t L = static_cast<int64_t>(lys.size()), B = tokens.size(0), S = tokens.size(1), D = kv.size(5);
   const int64_t V = embed.size(0), H = embed.size(1);
-  TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && tap_cols.size() == static_cast<size_t>(L), "layers_forward: ", L, " layers");
+  TORCH_CHECK(kv.dim() == 6 && kv.size(0) == L && tap_cols.size() == static_cast<size_t>(L), "layers_forward: ", L,
+              " layers");
   TORCH_CHECK(!argmax || stack->head.P.numel(), "layers_forward: no head registered for argmax");
   // F.embedding and lengths[:, None] + arange(S), without two more ops from Python
   const auto tk = tokens.contiguous();
@@ -114,7 +121,8 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
   const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D ** -0.5
   const auto none = torch::empty({0}, x.options());
   TORCH_CHECK(tap_width >= 0, "layers_forward: tap width ", tap_width);
-  for (const int64_t c : tap_cols) TORCH_CHECK(c < 0 || c + H <= tap_width, "layers_forward: tap column ", c, " outside the taps' width ", tap_width);
+  for (const int64_t c : tap_cols)
+    TORCH_CHECK(c < 0 || c + H <= tap_width, "layers_forward: tap column ", c, " outside the taps' width ", tap_width);
   const auto taps = tap_width ? torch::empty({B, S, tap_width}, x.options()) : none;
   torch::Tensor h = rms_bf16(x, lys[0].ln1, eps);
   for (int64_t li = 0; li < L; ++li) {
@@ -124,7 +132,8 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     auto qkv = lin(ly.qkv, h).view({B, S, hq + 2 * hkv, D});
     torch::Tensor q;
     if (ly.qkn.numel()) {  // Qwen3: q_norm on the query heads, k_norm on the key heads
-      q = rope_cache_bf16(rms_bf16(qkv.narrow(2, 0, hq + hkv), ly.qkn, eps), qkv.narrow(2, hq + hkv, hkv), cos, sin, kc, vc, pos);
+      q = rope_cache_bf16(rms_bf16(qkv.narrow(2, 0, hq + hkv), ly.qkn, eps), qkv.narrow(2, hq + hkv, hkv), cos, sin, kc,
+                          vc, pos);
     } else {  // the kernel reads the value heads from qkv
       q = rope_cache_bf16(qkv, none, cos, sin, kc, vc, pos);
     }
@@ -132,8 +141,8 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     auto xh = add_rms_bf16(x, lin(ly.o, o), ly.ln2, eps, none, 0);
     const auto& next = li + 1 < L ? lys[li + 1].ln1 : final_w;
     const bool tap = tap_cols[li] >= 0;
-    xh = add_rms_bf16(xh[0], lin(ly.down, silu_mul_bf16(lin(ly.gu, xh[1]))), next, eps,
-                      tap ? taps : none, tap ? tap_cols[li] : 0);
+    xh = add_rms_bf16(xh[0], lin(ly.down, silu_mul_bf16(lin(ly.gu, xh[1]))), next, eps, tap ? taps : none,
+                      tap ? tap_cols[li] : 0);
     x = xh[0];
     h = xh[1];
   }

@@ -148,13 +148,15 @@ inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 #ifdef __AVX512F__
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const c10::BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const c10::BFloat16* x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
 }
 #endif
 
@@ -227,8 +229,10 @@ inline torch::Tensor argmax_rows(const torch::Tensor& x) {
   auto rows = [&](const auto* xp) {
     for (int64_t r = 0; r < R; ++r) op[r] = first_max(xp + r * V, V);
   };
-  if (x.scalar_type() == torch::kBFloat16) rows(x.data_ptr<c10::BFloat16>());
-  else rows(x.data_ptr<float>());
+  if (x.scalar_type() == torch::kBFloat16)
+    rows(x.data_ptr<c10::BFloat16>());
+  else
+    rows(x.data_ptr<float>());
   return out;
 }
 
@@ -236,8 +240,8 @@ inline torch::Tensor argmax_rows(const torch::Tensor& x) {
 
 // x [..., V] fp32 or bf16 -> [...] int64: torch.argmax(x, -1) (of the fp32 copy, for bf16)
 torch::Tensor argmax_last(torch::Tensor x) {
-  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.device().is_cpu() &&
-                  x.size(-1) > 0,
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                  x.device().is_cpu() && x.size(-1) > 0,
               "argmax_last: x must be an fp32 or bf16 CPU tensor with a non-empty last dimension");
   return markov::argmax_rows(x.contiguous());
 }

@@ -1,8 +1,7 @@
-// Fused RMSNorm for bf16 activations (docs/history/benchmarks.md, "the rest of a forward in the same extension"): torch spends ~25 us on
-// each of a forward's 61 norms (a cast, the fused norm's own reductions and copies, a cast back,
-// the weight), 1.6 ms of a 13 ms SmolLM2 step. Same rounding steps as the HF modules: normalise
-// in fp32, round to bf16, multiply by the bf16 weight, round. Rows are independent, so a row's
-// result does not depend on the batch.
+// Fused RMSNorm for bf16 activations (docs/history/benchmarks.md, "the rest of a forward in the same extension"): torch
+// spends ~25 us on each of a forward's 61 norms (a cast, the fused norm's own reductions and copies, a cast back, the
+// weight), 1.6 ms of a 13 ms SmolLM2 step. Same rounding steps as the HF modules: normalise in fp32, round to bf16,
+// multiply by the bf16 weight, round. Rows are independent, so a row's result does not depend on the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,14 +18,16 @@ inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to 
 // rows split between threads in blocks of at least VALUES values (4 rows of SmolLM2's 576): a
 // decode step's one row, or a step's q/k norms over 64-value heads, run inline; a verify block's
 // or a batch's 8 rows of 576 on both cores (on one, add + norm cost ~15 us a call at 8 rows:
-// ~0.5 ms of an 8-row SmolLM2 forward; docs/history/benchmarks.md, "weights asked for ahead of the tile ...": norms split rows)
+// ~0.5 ms of an 8-row SmolLM2 forward; docs/history/benchmarks.md, "weights asked for ahead of the tile ...": norms
+// split rows)
 constexpr int64_t VALUES = 4 * 576;
 inline int64_t row_grain(int64_t H) { return std::max<int64_t>(1, VALUES / H); }
 
 // w holds `heads` rows of H weights: row r of x is scaled by weight row (first + r) % heads (1:
 // one weight for every row; Qwen3's q/k norms: one per head). 8 lanes at a time (bf16x8_to_f32 /
 // to_bf16x8, the rounding of torch's casts), the rest of a row one by one with the same steps.
-void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, float eps, int64_t heads = 1, int64_t first = 0) {
+void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, float eps, int64_t heads = 1,
+               int64_t first = 0) {
   for (int64_t r = 0; r < R; ++r) {
     const bf16* xr = x + r * H;
     const bf16* w = w0 + ((first + r) % heads) * H;
@@ -42,14 +43,18 @@ void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, flo
     float ss[16];
     _mm256_storeu_ps(ss, a0);
     _mm256_storeu_ps(ss + 8, a1);
-    for (; i < H; ++i) { const float v = xr[i]; ss[0] = std::fma(v, v, ss[0]); }
+    for (; i < H; ++i) {
+      const float v = xr[i];
+      ss[0] = std::fma(v, v, ss[0]);
+    }
     float s = 0.f;
     for (int j = 0; j < 16; ++j) s += ss[j];
     const float inv = 1.0f / std::sqrt(s / static_cast<float>(H) + eps);
     const __m256 iv = _mm256_set1_ps(inv);
     int64_t k = 0;
     for (; k + 8 <= H; k += 8) {
-      const __m256 t = widen_bf16x8(to_bf16x8(_mm256_mul_ps(bf16x8_to_f32(xr + k), iv)));  // rounded to bf16 first, as torch
+      const __m256 t =
+          widen_bf16x8(to_bf16x8(_mm256_mul_ps(bf16x8_to_f32(xr + k), iv)));  // rounded to bf16 first, as torch
       _mm_storeu_si128(reinterpret_cast<__m128i*>(yr + k), to_bf16x8(_mm256_mul_ps(t, bf16x8_to_f32(w + k))));
     }
     for (; k < H; ++k) yr[k] = bf16(rb(xr[k] * inv) * static_cast<float>(w[k]));
@@ -60,15 +65,18 @@ void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, flo
 void add_bf16(const bf16* x, const bf16* r, bf16* s, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(s + i), to_bf16x8(_mm256_add_ps(bf16x8_to_f32(x + i), bf16x8_to_f32(r + i))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s + i),
+                     to_bf16x8(_mm256_add_ps(bf16x8_to_f32(x + i), bf16x8_to_f32(r + i))));
   for (; i < n; ++i) s[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(r[i]));
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
               "rms_bf16: x and w must be bf16 CPU tensors");
-  TORCH_CHECK((w.dim() == 1 && x.size(-1) == w.size(0)) || (w.dim() == 2 && x.dim() >= 2 && x.size(-2) == w.size(0) && x.size(-1) == w.size(1)),
-              "rms_bf16: w must be [H] with x [..., H], or [heads, H] with x [..., heads, H]; got w ", w.sizes(), " and x ", x.sizes());
+  TORCH_CHECK((w.dim() == 1 && x.size(-1) == w.size(0)) ||
+                  (w.dim() == 2 && x.dim() >= 2 && x.size(-2) == w.size(0) && x.size(-1) == w.size(1)),
+              "rms_bf16: w must be [H] with x [..., H], or [heads, H] with x [..., heads, H]; got w ", w.sizes(),
+              " and x ", x.sizes());
 }
 
 }  // namespace
@@ -105,10 +113,12 @@ std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch:
   int64_t F = 0;
   if (taps.numel() > 0) {
     TORCH_CHECK(taps.scalar_type() == torch::kBFloat16 && taps.is_contiguous() && taps.dim() == x.dim() &&
-                taps.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
-                "add_rms_bf16: taps must be a contiguous bf16 buffer with x's rows, got ", taps.sizes(), " for x ", x.sizes());
+                    taps.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1),
+                "add_rms_bf16: taps must be a contiguous bf16 buffer with x's rows, got ", taps.sizes(), " for x ",
+                x.sizes());
     F = taps.size(-1);
-    TORCH_CHECK(col >= 0 && col + H <= F, "add_rms_bf16: tap columns ", col, "..", col + H, " outside the buffer's ", F);
+    TORCH_CHECK(col >= 0 && col + H <= F, "add_rms_bf16: tap columns ", col, "..", col + H, " outside the buffer's ",
+                F);
     tp = taps.data_ptr<at::BFloat16>() + col;
   }
   const bf16* wp = wc.data_ptr<at::BFloat16>();

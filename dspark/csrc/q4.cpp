@@ -4,8 +4,8 @@
 //
 // y [M, N] = x [M, K] @ W.T, W held as 4-bit groups of 32 inputs: w = q * d + lo (the GGUF Q4_1
 // rule), bf16 activations, fp32 sums, bf16 result; the AVX2 build's int4 matmul quantises the
-// activations to 8 bits per group of 32 (`act8`, "8-bit activations for the AVX2 build's ..."). Compiled on first use by
-// dspark/kernels.py.
+// activations to 8 bits per group of 32 (`act8`, "8-bit activations for the AVX2 build's ..."). Compiled on first use
+// by dspark/kernels.py.
 //
 // Why not torch's _weight_int4pack_mm_for_cpu: it vectorises along K, so every weight is
 // unpacked and scaled once per row and 8 rows cost 3.4x one row. Here a vector holds 16 output
@@ -48,8 +48,10 @@ inline __m256 widen_bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_e
 inline __m256 bf16x8_to_f32(const void* p) { return widen_bf16x8(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
 inline __m128i to_bf16x8(__m256 a) {  // round to nearest even, NaN -> 0x7FC0: torch's float -> bfloat16
   const __m256i u = _mm256_castps_si256(a);
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))),
+      16);
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
@@ -70,7 +72,8 @@ inline void fill(Vec (&acc)[NB][M], Vec v) {
 // ops a SmolLM2 forward).
 std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, const torch::Tensor& P,
                                     at::ScalarType dtype, int64_t steps, std::initializer_list<torch::Tensor> groups) {
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), name, ": x must be a bf16 CPU tensor [..., K]");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), name,
+              ": x must be a bf16 CPU tensor [..., K]");
   TORCH_CHECK(P.dim() == 4 && P.scalar_type() == dtype && P.size(2) == steps && P.size(3) == 32 && P.is_contiguous(),
               name, ": P must be a contiguous ", c10::toString(dtype), " [N/16, K/32, ", steps, ", 32] tensor");
   const int64_t K = x.size(-1), N = P.size(0) * 16;
@@ -78,7 +81,8 @@ std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, co
   const int64_t M = x.numel() / K;
   for (const auto& s : groups)
     TORCH_CHECK((s.scalar_type() == torch::kFloat || s.scalar_type() == torch::kHalf) &&
-                    s.scalar_type() == groups.begin()->scalar_type() && s.is_contiguous() && s.numel() == N / 16 * (K / 32) * 16,
+                    s.scalar_type() == groups.begin()->scalar_type() && s.is_contiguous() &&
+                    s.numel() == N / 16 * (K / 32) * 16,
                 name, ": its scales must be contiguous fp32 or fp16 [N/16, K/32, 16] tensors of one dtype");
   return {M, K, N};
 }
@@ -94,29 +98,32 @@ struct Scales {
 #ifdef __F16C__
   // 8 values from index i, widened to fp32 (exact); both builds have F16C
   __m256 load8(int64_t i) const {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
-                : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+    return half
+               ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+               : _mm256_loadu_ps(static_cast<const float*>(p) + i);
   }
 #endif
 #ifdef __AVX512F__
   __m512 load16(int64_t i) const {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+    return half ? _mm512_cvtph_ps(
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
                 : _mm512_loadu_ps(static_cast<const float*>(p) + i);
   }
 #endif
 };
 
 // Each unpack also asks for the weight bytes AHEAD bytes further on, into L2 (docs/history/benchmarks.md,
-// "weights asked for ahead of the tile"). Left to the hardware's prefetcher, a tile waited on memory and computed in turn:
-// 8 rows of a bf16 stack cost one row's streaming time plus their arithmetic (14.4 against 8.2 ms
-// for SmolLM2's 120 layer matrices); asked ahead, 10.1 ms. L1 (T0) hurt at every row count, as did
-// distances of 2-8 KB. A tile's column blocks are consecutive in memory, so AHEAD is ~a tile on.
+// "weights asked for ahead of the tile"). Left to the hardware's prefetcher, a tile waited on memory and computed in
+// turn: 8 rows of a bf16 stack cost one row's streaming time plus their arithmetic (14.4 against 8.2 ms for SmolLM2's
+// 120 layer matrices); asked ahead, 10.1 ms. L1 (T0) hurt at every row count, as did distances of 2-8 KB. A tile's
+// column blocks are consecutive in memory, so AHEAD is ~a tile on.
 constexpr int64_t AHEAD = 16384;
 inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
 
 // the sum of a group's 32 values (4 vectors of 8, fp32) by one fixed tree: the vectors added in
 // pairs, then across the 8 lanes. The AVX-512 build's Q4_1 minimum's term (lo x the group's sum
-// of x); summed one input after the other, the sums of 8 rows cost more than the rest of their group ("8-bit activations ...").
+// of x); summed one input after the other, the sums of 8 rows cost more than the rest of their group ("8-bit
+// activations ...").
 inline float sum32(const __m256 (&v)[4]) {
   const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
   __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -194,8 +201,8 @@ inline __m512i nibble_to_bf16() {
 // `block` = column block * G + group. Each group's sums are scaled by D, plus L x the group's sum
 // of x where the format has a minimum (L null: none).
 template <int M, int NB, typename Unpack>
-inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scales& D, const Scales& L, const float* xsum,
-                 uint16_t* y, int64_t N, int64_t cb) {
+inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scales& D, const Scales& L,
+                 const float* xsum, uint16_t* y, int64_t N, int64_t cb) {
   const int64_t G = K / 32;
   __m512 acc[NB][M];
   fill(acc, _mm512_setzero_ps());
@@ -219,7 +226,9 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
             // several rows: each x pair broadcast inside the instruction ({1to16}, one fused load),
             // the same arithmetic as below with fewer instructions to issue (+25 % at 8 rows)
             asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(t[j][m]) : "v"(wa), "m"(*reinterpret_cast<const uint32_t*>(xp)));
-            asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(u[j][m]) : "v"(wb), "m"(*reinterpret_cast<const uint32_t*>(xp + 2)));
+            asm("vdpbf16ps %2%{1to16%}, %1, %0"
+                : "+v"(u[j][m])
+                : "v"(wb), "m"(*reinterpret_cast<const uint32_t*>(xp + 2)));
           } else {
             uint32_t xa, xb;
             std::memcpy(&xa, xp, 4);
@@ -246,9 +255,9 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
   for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (cb + j) * 16),
+                          (__m256i)_mm512_cvtneps_pbh(acc[j][m]));
 }
-
 
 // y [..., N] bf16: the tile over every row tile and column block of xc (contiguous bf16 [..., K], M rows)
 template <typename Unpack>
@@ -369,7 +378,12 @@ inline void tile8(const float* x, int64_t K, const Unpack& unpack, const Scales&
   for (int64_t g = 0; g < G; ++g) {
     __m256 t[NB][M];  // SCALED: the group's sums of q * x (else acc itself takes w * x)
     if constexpr (SCALED) fill(t, _mm256_setzero_ps());
-    auto& s = [&]() -> auto& { if constexpr (SCALED) return t; else return acc; }();
+    auto& s = [&]() -> auto& {
+      if constexpr (SCALED)
+        return t;
+      else
+        return acc;
+    }();
 #pragma GCC unroll 16
     for (int r = 0; r < STEPS; ++r) {
 #pragma GCC unroll 4
@@ -408,8 +422,9 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
   const auto xf = xc.to(torch::kFloat);
   const float* xp = xf.data_ptr<float>();
   const int64_t G = K / 32;
-  const std::vector<float> xsum = L.p != nullptr ? group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K)
-                                               : std::vector<float>();
+  const std::vector<float> xsum = L.p != nullptr
+                                      ? group_sums(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K)
+                                      : std::vector<float>();
   auto y = torch::empty(out_shape(x, N), x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // registers: rows x blocks sums (and group sums) + IN weights + a broadcast <= 16
@@ -443,8 +458,8 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {
     const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane order -> input order
-    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15, 0, 4, 1, 5, 2, 6, 3, 7,
+                                           8, 12, 9, 13, 10, 14, 11, 15);
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < G; ++g) {
         const uint16_t* p = x + m * K + g * 32;
@@ -545,7 +560,8 @@ inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const __m256i sum = Q4 ? _mm256_madd_epi16(t[j][m], ones) : t[j][m];
-        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(sx[m * G + g])), acc[j][m]);
+        acc[j][m] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(sx[m * G + g])), acc[j][m]);
       }
       if constexpr (Q4) add_minimum(acc[j], L.load8(at), xsum, G, g);
     }
@@ -583,7 +599,8 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
 
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
-  return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()), Scales(D));
+  return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()),
+                          Scales(D));
 }
 #else  // bf16 activations (DSPARK_INT8_ACTIVATIONS=0: closer to the model, slower here)
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
@@ -597,8 +614,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * half));
     const __m256i m4 = _mm256_set1_epi32(0x0F);
     constexpr int at[2][4] = {{0, 16, 4, 20}, {8, 24, 12, 28}};
-    for (int n = 0; n < 4; ++n)
-      w[n] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, at[r & 1][n]), m4));
+    for (int n = 0; n < 4; ++n) w[n] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, at[r & 1][n]), m4));
   };
   return matmul8<4, 8, true>(x, shape[0], shape[1], shape[2], unpack, Scales(D), Scales(L));
 }
@@ -609,7 +625,8 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   // pair r of a block, 8 columns: 16 bytes; 16-bit word c = q[c, 2r] | q[c, 2r + 1] << 8 (signed bytes)
   auto unpack = [p](int64_t block, int half, int r, __m256* w) {
     if (half == 0 && !(r & 1)) prefetch_ahead(p + (block * 16 + r) * 32);  // a 64-byte line: both halves, 2 pairs
-    const __m256i a = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 16 + r) * 32 + 16 * half)));
+    const __m256i a =
+        _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (block * 16 + r) * 32 + 16 * half)));
     w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 24));
     w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(a, 8));
   };

@@ -43,20 +43,24 @@ inline void rotate(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64
 // positions, writes keys and values at cache[b, :, pos[b, s]] -> rotated queries [B, S, Hq, D].
 // v empty: qk is the whole q/k/v projection [B, S, Hq + 2 Hkv, D], values in its last Hkv heads
 // (no slices to make in Python; Hkv from the cache).
-torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor kc, torch::Tensor vc, torch::Tensor pos) {
+torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
+                              torch::Tensor vc, torch::Tensor pos) {
   using namespace rope;
   for (const auto* t : {&qk, &v, &cos, &sin, &kc, &vc})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->stride(-1) == 1, "rope_cache_bf16: bf16 tensors with a contiguous last dim");
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->stride(-1) == 1,
+                "rope_cache_bf16: bf16 tensors with a contiguous last dim");
   const bool packed = v.numel() == 0;
-  TORCH_CHECK(qk.dim() == 4 && kc.dim() == 4 && (packed || v.dim() == 4), "rope_cache_bf16: qk, v and the caches must be 4-D");
+  TORCH_CHECK(qk.dim() == 4 && kc.dim() == 4 && (packed || v.dim() == 4),
+              "rope_cache_bf16: qk, v and the caches must be 4-D");
   const int64_t B = qk.size(0), S = qk.size(1), D = qk.size(3), Hkv = packed ? kc.size(1) : v.size(2),
                 Hq = qk.size(2) - (packed ? 2 : 1) * Hkv, C = kc.size(2);
   const torch::Tensor& vt = packed ? qk : v;
   const int64_t v0 = packed ? Hq + Hkv : 0;  // the first value head in vt
   TORCH_CHECK(D % 2 == 0 && Hq >= 0 && vt.size(3) == D && cos.size(1) == D && sin.sizes() == cos.sizes() &&
-              kc.sizes() == vc.sizes() && kc.size(0) == B && kc.size(1) == Hkv && kc.size(3) == D, "rope_cache_bf16: shapes disagree");
-  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong, "rope_cache_bf16: pos must be [B, S] int64");
+                  kc.sizes() == vc.sizes() && kc.size(0) == B && kc.size(1) == Hkv && kc.size(3) == D,
+              "rope_cache_bf16: shapes disagree");
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == S && pos.scalar_type() == torch::kLong,
+              "rope_cache_bf16: pos must be [B, S] int64");
   auto pc = pos.contiguous();
   const int64_t* pp = pc.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * S; ++i)
