@@ -59,32 +59,15 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
         assert m["mean_accept_length"] == round(1 + sum(m["marginal_accept_rates"]), 4)
 
 
-def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F811
+def _hello(saved) -> list[str]:  # noqa: F811
+    """`generate` of six tokens of "Hello" on the tiny target and draft, compared, fully verified."""
     target, draft = saved
-    assert (
-        main(
-            [
-                "generate",
-                "--target",
-                str(target),
-                "--draft",
-                str(draft),
-                "--dtype",
-                "fp32",
-                "--device",
-                "cpu",
-                "--prompt",
-                "Hello",
-                "--max-new-tokens",
-                "6",
-                "--compare",
-                "--no-check",
-                "--verify",
-                "full",
-            ]
-        )
-        == 0
-    )
+    return ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
+            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]  # fmt: skip
+
+
+def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F811
+    assert main(_hello(saved)) == 0
     text = capsys.readouterr().out
     for row in ("mean acceptance length", "speedup over plain decoding", "same output as plain"):
         assert row in text
@@ -99,26 +82,8 @@ def test_no_speedup_is_claimed_when_no_step_drafted(saved, capsys, monkeypatch):
     from dspark.engine.scheduler import FullScheduler
 
     monkeypatch.setattr(FullScheduler, "should_draft", lambda self, batch: False)
-    target, draft = saved
-    args = [
-        "generate",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--dtype",
-        "fp32",
-        "--device",
-        "cpu",
-        "--prompt",
-        "Hello",
-        "--max-new-tokens",
-        "6",
-        "--compare",
-        "--no-check",
-        "--verify",
-        "full",
-    ]
+    target, _ = saved
+    args = _hello(saved)
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "none: the timed rounds drafted no step (0 of" in text and "both decoded plainly" in text
@@ -148,26 +113,7 @@ def test_a_streamed_run_that_drafted_does_not_stand_for_the_timed_rounds(saved, 
 
     monkeypatch.setattr(generate, "side_by_side", rounds)
     monkeypatch.setattr(FullScheduler, "should_draft", lambda self, batch: not timed["on"])
-    target, draft = saved
-    args = [
-        "generate",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--dtype",
-        "fp32",
-        "--device",
-        "cpu",
-        "--prompt",
-        "Hello",
-        "--max-new-tokens",
-        "6",
-        "--compare",
-        "--no-check",
-        "--verify",
-        "full",
-    ]
+    args = _hello(saved)
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["metrics"]["verify_steps"] >= 1 and out["drafted_steps"] == 0 and out["speedup"] is None
