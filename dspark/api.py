@@ -153,11 +153,11 @@ def build_engine(config: EngineConfig) -> Engine:
             log.warning("WARNING: draft check: %s", warning)
         (log.warning if check.warnings else log.info)(cost)
         if check.accepted is not None:
-            # what the check measured, plus one timed draft phase: an adaptive policy then knows from
-            # the first step whether drafting pays, instead of drafting to find out
+            # what the check measured, plus the drafting phase's cost: an adaptive policy then knows
+            # from the first step whether drafting pays, instead of drafting to find out. Timed after a
+            # target step, as decoding meets it (cold caches), at one slot and at up to three: a CPU
+            # verifies 1-3 slots, and the second figure prices each slot past the first
             accepted, step = check.accepted.numpy(), target_step(target)
-            # timed after a target step, as decoding meets it (cold caches), at one slot and at up to
-            # three: a CPU verifies 1-3 slots, and the second figure prices each slot past the first
             one = draft_phase_seconds(draft, evict=step, depth=1)
             deep = min(3, draft.spec.gamma)
             slot = max(0.0, draft_phase_seconds(draft, evict=step, depth=deep) - one) / (deep - 1) if deep > 1 else 0.0
