@@ -20,18 +20,13 @@ import json
 import random
 from pathlib import Path
 
-import numpy as np
-
-from dspark.train.dataset import TOKENS
+from dspark.train.dataset import read_packed
 from dspark.train.prompts import load_prompts
 
 
 def answered_keys(data_dirs: list[Path]) -> set[str]:
-    keys: set[str] = set()
-    for d in data_dirs:
-        with np.load(d / TOKENS) as z:
-            keys |= {str(k).split("#")[0] for k in z["keys"]}
-    return keys
+    """The prompt keys the packed sets answer (each set checked against its manifest)."""
+    return {r["key"].split("#")[0] for d in data_dirs for r in read_packed(d)}
 
 
 def main() -> int:

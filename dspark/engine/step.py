@@ -284,13 +284,13 @@ def take_pending(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None
 
 
 def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
-    """Bring the draft context up to the committed length: the prompt's taps and those of skipped
-    steps, in one call (each row waits on the same number of positions: a batch holds pending taps
-    only while it is one request, or after steps that committed one token per row)."""
-    if draft is None or (not batch.pending and batch.unposted is None):
+    """Bring the draft context up to the committed length: the last drafting step's taps, or the
+    prompt's and those of skipped steps, in one call (`take_pending`)."""
+    if draft is None:
         return
     taps, counts = take_pending(batch)
-    draft.extend_context(batch.ctx, taps, counts)
+    if taps is not None:
+        draft.extend_context(batch.ctx, taps, counts)
 
 
 @torch.inference_mode()
