@@ -278,7 +278,7 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
     recs = [r for r in recs if "elapsed" in r]
     rate = (len(recs) - 3) / max(1e-6, recs[-1]["elapsed"] - recs[2]["elapsed"]) if len(recs) > 5 else 1.0
     if args.budget_s is not None:  # leave ~60 s for start-up of the runs, the last evaluation and collecting
-        c["fit_s"] = max(10.0, min(c["fit_s"], args.budget_s - (time.time() - t_start) - 60))
+        c["fit_s"] = max(min(10.0, c["fit_s"]), min(c["fit_s"], args.budget_s - (time.time() - t_start) - 60))
     fit[-1] = str(c["fit_s"])
     runs = {name: r for name, r in fit_runs(c).items() if args.runs == "all" or name in args.runs.split(",")}
     procs = []
@@ -310,9 +310,12 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
                 len(runs),
             )
         )
-    deadline = time.time() + c["fit_s"] + 120  # start-up (loading the target) and the last evaluation
+    launched = time.time()
+    deadline = launched + c["fit_s"] + 120  # start-up (loading the target) and the last evaluation
     if args.budget_s is not None:
-        deadline = min(deadline, t_start + args.budget_s - 20)
+        # the budget shortens training, never below what a run needs to evaluate once: when the
+        # stages before it overran, the runs end late with a draft rather than on time without one
+        deadline = min(deadline, max(t_start + args.budget_s - 20, launched + c["fit_s"] + 60))
     codes = wait_all(procs, deadline)
     results = {}
     for name in runs:
@@ -330,6 +333,15 @@ def stages(args, c: dict, out: Path, logs: Path, summary: dict) -> int:
         print(f"[fit] {name}: {r['steps']} steps, best {r['best']}", flush=True)
 
     summary["seconds_total"] = round(time.time() - t_start, 1)
+    if not any(r["best"] for r in results.values()):
+        for name in runs:
+            print(f"fit.{name}.log:", (logs / f"fit.{name}.log").read_text()[-1500:])
+        print(
+            f"[fit] no run reached an evaluation (exit codes {codes}; stopped at the deadline: -15): "
+            "no draft to return; give the fits more time (--fit-s, --budget-s)",
+            flush=True,
+        )
+        return 1
     return 0
 
 
