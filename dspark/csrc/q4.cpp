@@ -166,8 +166,8 @@ void columns(int64_t N, int64_t m0, const Tile& tile) {
 // verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, 7 rows cost 2.5x
 // one row on a cold cache). Fewer rows take more column blocks a tile, so that the vector units
 // have independent sums to interleave (NB1 blocks for a single row); a row's own operations are
-// the same whatever the tile. NB2: blocks a tile for two rows.
-template <int UNIT, int NB1, int NB2, typename Tile>
+// the same whatever the tile. NB2, NB3, NB4: blocks a tile for two, three and four rows.
+template <int UNIT, int NB1, int NB2, int NB3 = 2, int NB4 = 2, typename Tile>
 void row_tiles(int64_t M, int64_t N, const Tile& tile) {
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) columns<UNIT, 8, 1>(N, m, tile);
@@ -175,8 +175,8 @@ void row_tiles(int64_t M, int64_t N, const Tile& tile) {
     case 7: columns<UNIT, 7, 1>(N, m, tile); break;
     case 6: columns<UNIT, 6, 1>(N, m, tile); break;
     case 5: columns<UNIT, 5, 1>(N, m, tile); break;
-    case 4: columns<UNIT, 4, 2>(N, m, tile); break;
-    case 3: columns<UNIT, 3, 2>(N, m, tile); break;
+    case 4: columns<UNIT, 4, NB4>(N, m, tile); break;
+    case 3: columns<UNIT, 3, NB3>(N, m, tile); break;
     case 2: columns<UNIT, 2, NB2>(N, m, tile); break;
     case 1: columns<UNIT, 1, NB1>(N, m, tile); break;
     default: break;
@@ -565,7 +565,8 @@ inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_
       }
       if constexpr (Q4) add_minimum(acc[j], L.load8(at), xsum, G, g);
     }
-    if constexpr (M * NB > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");  // sums in L1, as tile8's
+    // sums in L1 for the 5-8 row tiles, as tile8's; the 1-4 row tiles keep theirs in registers
+    if constexpr (NB == 1 && M > 4) asm volatile("" : : "r"(&acc[0][0]) : "memory");
   }
   store8(acc, y, N, hb);
 }
@@ -581,8 +582,9 @@ torch::Tensor matmul_a8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N,
   const Act8 a = act8(xp, M, K);
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // 1-2 rows take 2 half blocks a tile (at 1 row 4 were slower: "8-bit activations ...")
-  row_tiles<8, 2, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
+  // half blocks a tile for 1 / 2 / 3 / 4 rows: the widths that kept both threads' vector units
+  // busiest on a verify of that many rows (at 1 row 4 blocks were slower: their sums spill)
+  row_tiles<8, 2, 4, 3, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t hb) {
     tile_a8<decltype(rows)::value, decltype(nb)::value, Q4>(a.q.data() + m0 * K, a.s.data() + m0 * G,
                                                             a.sum.data() + m0 * G, K, p, D, L, yp + m0 * N, N, hb);
   });
