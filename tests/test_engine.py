@@ -209,6 +209,10 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
             self.calls += 1
             return self.calls % 3 == 0
 
+        def observe(self, res, requests):
+            caught.append(res.caught_up)
+
+    caught: list[int] = []
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
     engine = engine_for(model, draft, policy=EveryThird())
@@ -224,6 +228,9 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
         assert int(b.ctx.lengths[0]) + waiting == len(committed)
     # the prompt's 3 positions and two skipped steps wait for the first drafting step
     assert waited == 3 + 2 and engine.metrics.plain_steps > 0
+    # each drafting step says how many positions it caught up (the prompt's, the skipped steps'), which
+    # the adaptive policy leaves out of what a drafting step costs
+    assert caught == [0, 0, 3 + 2, 0, 0, 2, 0, 0, 2, 0]
     flush_context(draft, engine.batch)
     clean = engine.target.new_state(1)
     _, taps = engine.target.forward(clean, torch.tensor([committed]))

@@ -241,6 +241,7 @@ def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
         verified = torch.tensor([3, 1])  # padded: 2 * (1 + 3) = 8 tokens, predicted 0.01467 s
         accepted = torch.tensor([1, 0])
         t_draft, t_other, t_verify = 0.004, 0.001, 0.02933
+        caught_up = 0
 
     sched.observe(Res(), [])
     assert sched.overhead == pytest.approx(0.005)
@@ -308,6 +309,7 @@ def test_adaptive_skips_drafting_only_when_it_does_not_pay_and_probes_again():
             t_draft=t_draft,
             t_other=t_other,
             t_verify=t_verify,
+            caught_up=0,
         )
 
     batch = SimpleNamespace(anchors=torch.zeros(2, dtype=torch.long))
@@ -394,6 +396,7 @@ def test_a_prior_from_the_load_time_check_decides_the_first_step():
             t_draft=0.030,
             t_other=0.0,
             t_verify=0.010,
+            caught_up=0,
         ),
         [],
     )
@@ -407,6 +410,73 @@ def test_a_prior_from_the_load_time_check_decides_the_first_step():
     with pytest.raises(DSparkError, match="draft_seconds"):
         DraftPrior(np.array([0, 1]), gamma=3, draft_seconds=float("nan"))
     assert sch.AdaptiveScheduler(curve).summary().endswith("the first step drafts")
+
+
+def test_a_catch_up_of_the_draft_context_is_not_taken_for_what_drafting_costs():
+    """The first drafting step after the prompt (or after skipped steps) also adds their positions
+    to the draft context: a one-off that must not become the policy's drafting overhead, or one
+    such step after a long prompt would stop a draft that pays. Its acceptance still counts. And
+    the first skipped step's measured plain overhead is compared at once, not RECHECK steps later."""
+    curve = CostCurve((1, 64), (0.010, 0.010))
+    batch = SimpleNamespace(anchors=torch.zeros(1, dtype=torch.long))
+    prior = DraftPrior(np.array([1, 1, 0, 2] * 8), gamma=3, draft_seconds=0.002)
+    sched = AdaptiveScheduler(curve, prior=prior)
+
+    def res(t_draft, caught_up, accepted=1, drafted=1):
+        return SimpleNamespace(
+            drafted=[drafted],
+            verified=[drafted],
+            accepted=[accepted] if drafted else [0],
+            t_draft=t_draft,
+            t_other=0.0,
+            t_verify=0.010,
+            caught_up=caught_up,
+        )
+
+    sched.observe(res(0.050, caught_up=400), [])  # a 400-token prompt's context update
+    assert sched.overhead == pytest.approx(0.002) and sched.realised_n[0] == 32 + 1
+    sched.observe(res(0.003, caught_up=0), [])  # a step after a drafting step: its cost is learnt
+    assert sched.overhead == pytest.approx(0.003)
+    sched.observe(res(0.004, caught_up=0), [])
+    assert sched.overhead == pytest.approx(0.9 * 0.003 + 0.1 * 0.004)
+
+    # a policy that skipped its first step on the prior's stand-in plain overhead (0) looks again
+    # right after that step measured the real one
+    weak = AdaptiveScheduler(curve, prior=DraftPrior(np.array([1, 0, 0, 0] * 8), gamma=3, draft_seconds=0.003))
+    assert not weak.should_draft(batch)  # 1.25 tokens in 13 ms against 1 in 10 ms
+    weak.observe(res(0.004, caught_up=0, drafted=0), [])  # a plain step's own work: 4 ms
+    assert weak.should_draft(batch)  # 1.25 in 13 ms beats 1 in 14 ms: compared at once
+
+
+def test_survivals_are_the_calibrated_confidences_product_and_never_overflow():
+    sched = AdaptiveScheduler(CostCurve((1, 64), (0.010, 0.010)), Calibration((0.5, 2.0)))
+    z = [[2.0, -1.0], [1000.0, -1000.0], [-800.0, 800.0]]
+    with np.errstate(over="ignore"):  # numpy's naive logistic overflows to inf and still ends right
+        want = np.cumprod(1 / (1 + np.exp(-np.array(z) / np.array([0.5, 2.0]))), axis=1)
+    got = np.array(sched.survivals(_proposal(z)))
+    assert np.allclose(got, want, rtol=1e-12, atol=0) and np.isfinite(got).all()
+
+
+def test_greedy_acceptance_on_ints_matches_the_tensor_rule():
+    from dspark.engine.sampling import greedy_accept_ids
+
+    def reference(best, drafts, n):  # the rule in tensor ops: the longest verified matching prefix
+        g = drafts.shape[1]
+        match = (best[:, :g] == drafts) & (torch.arange(g)[None, :] < n[:, None])
+        acc = match.long().cumprod(-1).sum(-1)
+        return acc, best.gather(1, acc[:, None]).squeeze(1)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 4), st.integers(0, 4), st.data())
+    def check(B, g, data):
+        ints = st.integers(0, 3)  # a small vocabulary: matches happen often
+        best = torch.tensor(data.draw(st.lists(st.lists(ints, min_size=g + 1, max_size=g + 1), min_size=B, max_size=B)))
+        drafts = torch.tensor(data.draw(st.lists(st.lists(ints, min_size=g, max_size=g), min_size=B, max_size=B)))
+        n = torch.tensor(data.draw(st.lists(st.integers(0, g), min_size=B, max_size=B)))
+        got, want = greedy_accept_ids(best, drafts.reshape(B, g), n), reference(best, drafts.reshape(B, g), n)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    check()
 
 
 def test_each_drafted_slot_is_priced_so_a_shallow_step_is_not_charged_for_deep_ones():
@@ -425,7 +495,10 @@ def test_each_drafted_slot_is_priced_so_a_shallow_step_is_not_charged_for_deep_o
     flat = AdaptiveScheduler(curve, prior=DraftPrior(prior.accepted, gamma=3, draft_seconds=0.006, depth=3))
     assert flat.break_even() == pytest.approx(0.6)  # the same phase, every depth charged the whole of it
     sched.observe(
-        SimpleNamespace(drafted=[2], verified=[2], accepted=[1], t_draft=0.005, t_other=0.0, t_verify=0.010), []
+        SimpleNamespace(
+            drafted=[2], verified=[2], accepted=[1], t_draft=0.005, t_other=0.0, t_verify=0.010, caught_up=0
+        ),
+        [],
     )
     assert sched.overhead == pytest.approx(0.003)  # 5 ms at depth 2, less one slot
     with pytest.raises(DSparkError, match="slot_seconds"):

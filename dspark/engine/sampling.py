@@ -85,12 +85,21 @@ def greedy_accept(target_logits: torch.Tensor, drafts: torch.Tensor, n: torch.Te
 
 
 def greedy_accept_ids(best: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor):
-    """`greedy_accept` from the target's argmax alone: best [B, S] its token at each position."""
-    g = drafts.shape[1]
-    verified = torch.arange(g, device=drafts.device)[None, :] < n[:, None]
-    match = (best[:, :g] == drafts) & verified
-    accepted = match.long().cumprod(-1).sum(-1)
-    return accepted, best.gather(1, accepted[:, None]).squeeze(1)
+    """`greedy_accept` from the target's argmax alone: best [B, S] its token at each position.
+    On plain ints: a few rows of a few tokens, read right after a forward evicted the caches,
+    where each tensor op costs tens of microseconds."""
+    rows, drafted, lengths = best.tolist(), drafts.tolist(), n.tolist()
+    accepted, nxt = [], []
+    for row, d, k in zip(rows, drafted, lengths):
+        a = 0
+        while a < k and row[a] == d[a]:
+            a += 1
+        accepted.append(a)
+        nxt.append(row[a])
+    return (
+        torch.tensor(accepted, dtype=torch.long, device=best.device),
+        torch.tensor(nxt, dtype=best.dtype, device=best.device),
+    )
 
 
 def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen: torch.Generator | None):

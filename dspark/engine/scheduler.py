@@ -115,23 +115,24 @@ def admit(surv: np.ndarray, sps: Callable[[int], float], *, early_stop: bool = T
     padded batch that way would stop far too early (docs/SCHEDULING.md). Depths keep the
     admitted set a set of prefixes and read only survivals up to the depth being decided.
     """
-    surv = np.asarray(surv, dtype=np.float64)
-    R, g = surv.shape
-    n = np.zeros(R, dtype=np.int64)
-    if R == 0 or g == 0:
-        return n
-    tau, cur = float(R), n.copy()
-    best = tau * sps(batch_tokens(cur))
-    for j in range(g):
-        for r in range(R):
-            tau += surv[r, j]
-        cur[:] = j + 1
-        theta = tau * sps(batch_tokens(cur))
-        if theta > best:
-            best, n = theta, cur.copy()
-        elif early_stop:
-            break
-    return n
+    # plain floats: the policy runs this every drafting step, right after a forward evicted the
+    # interpreter's working set, where each array op costs several times what it does warm
+    rows = surv.tolist() if isinstance(surv, np.ndarray) else surv
+    R = len(rows)
+    g = len(rows[0]) if R else 0
+    depth = 0
+    if g:
+        tau = float(R)
+        best = tau * sps(R)  # batch_tokens: R requests at depth j run R * (1 + j) tokens
+        for j in range(g):
+            for r in range(R):
+                tau += float(rows[r][j])
+            theta = tau * sps(R * (j + 2))
+            if theta > best:
+                best, depth = theta, j + 1
+            elif early_stop:
+                break
+    return np.full(R, depth, dtype=np.int64)
 
 
 def threshold_lengths(conf: np.ndarray, threshold: float) -> np.ndarray:
@@ -177,6 +178,26 @@ class VerifyPolicy:
         z = prop.conf_logits.detach()
         c = self.calibration.confidences(z) if self.calibration is not None else torch.sigmoid(z.double())
         return c.cpu().numpy()
+
+    def survivals(self, prop) -> list[list[float]]:
+        """Proposal -> prefix survivals [B][g] (the product of the calibrated confidences up to each
+        slot), as plain floats: what `confidences` gives, without an array op on a few numbers."""
+        if prop.conf_logits is None:
+            self.confidences(prop)  # raises, naming the policy
+        z = prop.conf_logits.tolist()
+        g = len(z[0]) if z else 0
+        if self.calibration is not None and g > self.calibration.gamma:
+            self.calibration.check_gamma(g)
+        temps = self.calibration.temperatures if self.calibration is not None else (1.0,) * g
+        out = []
+        for row in z:
+            acc, surv = 1.0, []
+            for v, t in zip(row, temps):
+                x = v / t  # a stable logistic: exp never overflows
+                acc *= 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+                surv.append(acc)
+            out.append(surv)
+        return out
 
     def _lengths(self, n: np.ndarray, batch) -> torch.Tensor:
         return torch.as_tensor(n, dtype=torch.long).to(batch.anchors.device)
@@ -256,14 +277,14 @@ class AdaptiveScheduler(VerifyPolicy):
         """Start from the load-time measurement: its acceptance per depth counts as `realised`
         (as many verified requests as it had anchors), its draft phase as the drafting overhead.
         The plain overhead starts at 0 (the prior's draft time already leaves out what both kinds
-        of step pay) until the first skipped step measures it; the first drafting step likewise
-        replaces the draft phase. Later steps move them by the usual running averages."""
+        of step pay) until the first skipped step measures it; the first drafting step that follows
+        a drafting step likewise replaces the draft phase (one that also adds the prompt's or skipped
+        steps' positions to the draft context pays that once: `observe` leaves its time out). Later
+        steps move them by the usual running averages."""
         self.prior = prior
         s = prior.survival()
         self.survival, self.realised = s.copy(), s.copy()
         self.realised_n = np.full(len(s), prior.anchors, dtype=np.int64)
-        # the first real drafting step replaces the draft phase: a probe after many skipped steps also
-        # pays their context update, which the wait before the next probe must count
         self.overhead, self.slot_cost, self._drafted_seen = prior.first_slot_seconds(), prior.slot_seconds, 0
         self.plain_overhead = 0.0
 
@@ -280,14 +301,16 @@ class AdaptiveScheduler(VerifyPolicy):
         return t
 
     def verify_lengths(self, prop, batch) -> torch.Tensor:
-        surv = np.cumprod(self.confidences(prop), axis=1)  # [B, g] prefix survivals
-        mean = surv.mean(axis=0)
+        surv = self.survivals(prop)  # [B][g] prefix survivals
+        B = len(surv)
+        g = len(surv[0]) if B else 0
+        mean = [sum(row[j] for row in surv) / B for j in range(g)]
         w = 1.0 if self._probing else EMA  # after many skipped steps the old estimate is stale
         if self.survival is None:
-            self.survival = mean
+            self.survival = np.array(mean)
         else:  # a step that drafted only the first g slots (draft_depth) updates those
-            g = len(mean)
-            self.survival[:g] = (1 - w) * self.survival[:g] + w * mean
+            for j in range(g):
+                self.survival[j] = (1 - w) * self.survival[j] + w * mean[j]
         return self._lengths(admit(surv, self.sps), batch)
 
     def draft_depth(self, batch) -> int | None:
@@ -375,7 +398,9 @@ class AdaptiveScheduler(VerifyPolicy):
         if not (self.skip and self.learn) or self.survival is None or self.plain_overhead is None:
             return True
         R = int(batch.anchors.shape[0])
-        if self._probing or self._skip_R != R or self._skipped % RECHECK == 0:
+        # the first skipped step replaced the prior's stand-in plain overhead: compare again at once
+        fresh = self._plain_seen == 1 and self._skipped == 1
+        if fresh or self._probing or self._skip_R != R or self._skipped % RECHECK == 0:
             spec, plain = self.expected_rates(R)
             if spec >= plain:
                 self._skipped, self._probing, self._probe_every, self._skip_R = 0, False, None, None
@@ -392,17 +417,17 @@ class AdaptiveScheduler(VerifyPolicy):
         self._skipped += 1
         return False
 
-    def _observe_acceptance(self, g: int, verified: np.ndarray, accepted: np.ndarray) -> None:
+    def _observe_acceptance(self, g: int, verified: list[int], accepted: list[int]) -> None:
         if self.realised is None:
             self.realised, self.realised_n = np.zeros(g), np.zeros(g, dtype=np.int64)
         for j in range(g):
-            seen = verified > j
-            if not seen.any():
+            seen = [a for v, a in zip(verified, accepted) if v > j]  # plain ints: see `admit`
+            if not seen:
                 break
-            rate = float((accepted[seen] > j).mean())
+            rate = sum(a > j for a in seen) / len(seen)
             w = 1.0 if self.realised_n[j] == 0 else EMA
             self.realised[j] = (1 - w) * self.realised[j] + w * rate
-            self.realised_n[j] += int(seen.sum())
+            self.realised_n[j] += len(seen)
 
     def observe(self, res, requests) -> None:
         if not self.learn or res.t_verify <= 0:
@@ -423,11 +448,12 @@ class AdaptiveScheduler(VerifyPolicy):
             self.plain_overhead = fixed if self.plain_overhead is None else (1 - w) * self.plain_overhead + w * fixed
             self._plain_seen += 1
             return
-        w = 1.0 if self._drafted_seen == 0 else EMA
-        fixed -= self.slot_cost * (res.drafted[0] - 1)  # as if it had drafted one slot
-        self.overhead = (1 - w) * self.overhead + w * fixed
-        self._drafted_seen += 1
-        self._observe_acceptance(max(res.drafted), np.asarray(res.verified), np.asarray(res.accepted))
+        if not res.caught_up:  # a catch-up of the prompt or of skipped steps is paid once, not a step
+            w = 1.0 if self._drafted_seen == 0 else EMA
+            fixed -= self.slot_cost * (res.drafted[0] - 1)  # as if it had drafted one slot
+            self.overhead = (1 - w) * self.overhead + w * fixed
+            self._drafted_seen += 1
+        self._observe_acceptance(int(max(res.drafted)), [int(v) for v in res.verified], [int(a) for a in res.accepted])
         if self.plain_overhead is None:  # before any plain step: the part that is not drafting
             self.plain_overhead = res.t_other
 

@@ -70,6 +70,10 @@ class StepResult:
     conf_logits: torch.Tensor | None = None
     # [B][g] the drafts proposed (None when the step drafted nothing): what a rejected slot held
     proposed: list[list[int]] | None = None
+    # positions of the prompt and of skipped steps that this drafting step's call added to the draft
+    # context (0 when the step before drafted too): a one-off catch-up inside t_draft, not what
+    # drafting costs a step, so the adaptive policy does not learn its overhead from such a step
+    caught_up: int = 0
 
 
 @dataclass
@@ -308,6 +312,7 @@ def decode_step(
     # position's taps wait in batch.pending until the draft next runs.
     drafting = draft is not None and policy.should_draft(batch)
     prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
+    caught_up = sum(t.shape[1] for t in batch.pending) if drafting else 0
     if drafting:
         prop = propose(draft, batch, policy.draft_depth(batch))
     g = prop.tokens.shape[1] if prop is not None else 0
@@ -370,4 +375,5 @@ def decode_step(
         t_other=(t2 - t1) + (t4 - t3),
         conf_logits=prop.conf_logits if prop is not None else None,
         proposed=drafts if g else None,
+        caught_up=caught_up,
     )
