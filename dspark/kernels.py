@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from dspark import envs
+from dspark.errors import DSparkError
 
 log = logging.getLogger("dspark")
 
@@ -236,6 +237,10 @@ ISAS = {
     ),  # 8-lane matmuls, norms, attention
 }
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
+# the int4 / Q8_0 matmuls' activations (EngineConfig.activations): auto | int8 | bf16; a build's
+# choice, so it is made once a process, before the extension loads (choose_activations)
+ACTIVATIONS = ("auto", "int8", "bf16")
+_activations = "auto"
 
 
 def _cpu_flags() -> set[str]:
@@ -272,7 +277,7 @@ def extension():
         _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
     elif isa is not None:
         # the AVX2 build's int4 and Q8_0 matmuls: 8-bit activations unless asked not to (q4_activations)
-        bf16_only = isa == "avx2" and not envs.int8_activations()
+        bf16_only = isa == "avx2" and _activations == "bf16"
         int8 = isa == "avx2" and not bf16_only
         cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if bf16_only else ())
         src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
@@ -337,7 +342,7 @@ def q4_activations() -> str | None:
     matmuls"). AVX2: each row's groups of 32 inputs quantised to
     8 bits (s = max|x| / 127, xq = round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0
     weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
-    at 8 than on bf16 activations (FMAs, one broadcast each); DSPARK_INT8_ACTIVATIONS=0 builds it
+    at 8 than on bf16 activations (FMAs, one broadcast each); `activations="bf16"` (`choose_activations`) builds it
     with bf16 ones (its own cached build), closer to the Q4_1 model (KL 0.0011 against 0.003 a
     token) at the speed the AVX2 tile had before. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
     1 row and 1.2-1.4x at 8 on Zen 4, 1.0x at 1 row, 0.9x at 2 and 1.18x at 8 on Zen 5 ("the floors,
@@ -347,6 +352,42 @@ def q4_activations() -> str | None:
     always take bf16 activations."""
     extension()
     return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
+
+
+def choose_activations(mode: str) -> None:
+    """The activations dspark's int4 and Q8_0 matmuls take in this process (`q4_activations`):
+    'auto' (the build's default: 8-bit on AVX2, bf16 on AVX-512), 'int8' or 'bf16'. The choice is
+    the extension's build, so it is made before the kernels first load; asking for the other one
+    after that, or for one this CPU's build does not have, is an error naming both."""
+    global _activations
+    if mode not in ACTIVATIONS:
+        raise DSparkError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+    if mode == "auto":
+        return
+    if "ext" in _build:
+        have = q4_activations()
+        if have != mode:
+            raise DSparkError(
+                f"activations {mode} asked for, but this process's kernels already run "
+                f"{have or 'no dspark kernel (' + _build['why'] + ')'}: the activation format is chosen "
+                "once a process, when the kernels first load (start a new process for the other)"
+            )
+        return
+    isa, why = _isa()
+    if not envs.q4_kernel():
+        isa, why = None, "DSPARK_Q4_KERNEL=0"
+    if mode == "int8" and isa != "avx2":
+        raise DSparkError(
+            "activations int8: only the AVX2 build quantises activations to 8 bits; "
+            + (
+                f"this CPU runs the {isa} build, which takes bf16 ones"
+                if isa
+                else f"no dspark kernel runs here ({why})"
+            )
+        )
+    if mode == "bf16" and isa is None:
+        raise DSparkError(f"activations bf16 name dspark's int4 / Q8_0 kernels, and none runs here ({why})")
+    _activations = mode
 
 
 def q4_note() -> str:

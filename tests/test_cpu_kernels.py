@@ -926,7 +926,7 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     mostly agrees (measured over 12 answers: AVX-512 KL 0.0007 nats a token, 98.5 % of top tokens;
     AVX2 0.003, 97.5 %; here, 4 answers, AVX2 0.004, 95.9 %; the AVX2 kernel that gave the
     minimum's term x's own sum, not the quantised one, read KL 0.014: docs/history/benchmarks.md
-    "8-bit activations ..."). DSPARK_INT8_ACTIVATIONS=0 gives the AVX2 build bf16 activations (its own build):
+    "8-bit activations ..."). activations="bf16" gives the AVX2 build bf16 activations (its own build):
     its matmuls are then the bf16 products (checked as the AVX-512 build's), and it stays closer
     (measured: KL 0.0011, 98.7 %)."""
     from pathlib import Path
@@ -939,8 +939,9 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
         if "avx2" not in kernels._cpu_flags():
             pytest.skip("no AVX2 here")
         monkeypatch.setattr(kernels, "_build", {})
+        monkeypatch.setattr(kernels, "_activations", "auto")
         monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
-        monkeypatch.setenv("DSPARK_INT8_ACTIVATIONS", "0" if build == "avx2-bf16" else "1")
+        kernels.choose_activations("bf16" if build == "avx2-bf16" else "int8")
         mod = kernels.extension()
         assert mod is not None and kernels.q4_activations() == ("bf16" if build == "avx2-bf16" else "int8")
         if build == "avx2-bf16":
@@ -966,3 +967,34 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         n += ids.shape[1]
     assert kl / n <= bound[0] and agree / n >= bound[1], (build, kl / n, agree / n)
+
+
+def test_the_activation_format_is_chosen_once_a_process_and_a_contradiction_is_refused(monkeypatch):
+    """EngineConfig.activations names a build of the kernels: a bad name, the other format after the
+    kernels loaded, or 8-bit activations where only the AVX-512 build runs are errors naming why."""
+    from dspark.api import EngineConfig, resolve
+    from dspark.errors import DSparkError
+
+    with pytest.raises(DSparkError, match="activations must be one of auto, int8, bf16, got 'int4'"):
+        resolve(EngineConfig(no_spec=True, activations="int4"))
+    with pytest.raises(DSparkError, match="activations must be one of"):
+        kernels.choose_activations("fp8")
+    have = kernels.q4_activations()  # loads the extension: from here its choice stands
+    if have is None:
+        pytest.skip(f"no dspark kernel here: {kernels.q4_status()}")
+    kernels.choose_activations("auto")
+    kernels.choose_activations(have)  # what runs already: nothing to do
+    other = "bf16" if have == "int8" else "int8"
+    with pytest.raises(
+        DSparkError, match=f"activations {other} asked for, but this process's kernels already run {have}"
+    ):
+        kernels.choose_activations(other)
+    # before the kernels load, the choice is recorded for the build; int8 exists in the AVX2 build only
+    monkeypatch.setattr(kernels, "_build", {})
+    monkeypatch.setattr(kernels, "_activations", "auto")
+    if kernels._isa()[0] == "avx2":
+        kernels.choose_activations("bf16")
+        assert kernels._activations == "bf16"
+    else:
+        with pytest.raises(DSparkError, match="only the AVX2 build"):
+            kernels.choose_activations("int8")

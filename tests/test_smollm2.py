@@ -56,3 +56,29 @@ def test_bf16_commits_only_target_argmax_within_a_small_gap():
         chosen = logits.gather(1, torch.tensor(req.output_ids)[:, None]).squeeze(1)
         gap = (logits.max(-1).values - chosen).max().item()
         assert gap < 0.5, f"a committed token trails the fp32 argmax by {gap:.3f} logits"
+
+
+def test_the_activations_flag_builds_the_kernels_it_names_and_stays_lossless():
+    """`--activations bf16` is a setting a user passes, not an environment variable: on the AVX2 build
+    the int4 matmuls then take bf16 activations (their own build), the start-up lines say so, and
+    speculative output is still plain decoding's own in that numerics."""
+    import json
+    import subprocess
+    import sys
+
+    from dspark import kernels
+
+    if kernels.q4_activations() is None:
+        pytest.skip(f"no dspark kernel here: {kernels.q4_status()}")
+    cmd = [sys.executable, "-m", "dspark", "generate", "--chat", "--prompt", PROMPTS[0], "--max-new-tokens", "24"]
+    done = subprocess.run(
+        cmd + ["--activations", "bf16", "--verify", "full", "--compare", "--json", "--no-check", "--threads", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    runtime = next(line for line in done.stderr.splitlines() if line.startswith("runtime auto"))
+    assert "int4 kernel" in runtime and "8-bit activations" not in runtime, runtime
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["plain"]["same_output"] is True and out["drafted_steps"] >= 3

@@ -11,6 +11,7 @@ from dspark.api import EngineConfig
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, POLICIES
 from dspark.errors import DSparkError
 from dspark.formats.load import LAYOUTS
+from dspark.kernels import ACTIVATIONS
 from dspark.model.fast import DRAFT_WEIGHTS
 from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
 from dspark.target.native import WEIGHTS
@@ -49,6 +50,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="the draft's matrices on dspark's CPU kernels: q4 (Q4_1, the default auto: about a quarter "
         "cheaper a drafting phase than q8 for ~0.01 less first-slot acceptance on the bundled draft), "
         "q8 (Q8_0), bf16 (the draft's own numbers)",
+    )
+    g.add_argument(
+        "--activations",
+        default=d.activations,
+        choices=ACTIVATIONS,
+        help="activations of dspark's int4 / Q8_0 CPU matmuls: auto (default: 8-bit per 32 inputs on AVX2, "
+        "as llama.cpp runs the file; bf16 on AVX-512), int8, bf16 (AVX2: closer to the model, slower)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
@@ -97,6 +105,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         runtime=args.runtime,
         weights=args.weights,
         draft_weights=args.draft_weights,
+        activations=args.activations,
         threads=args.threads,
         layout=args.layout,
         verify=args.verify,
