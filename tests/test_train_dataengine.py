@@ -170,45 +170,46 @@ def test_committed_training_data_is_readable_and_large():
     assert len(held) == 40
 
 
-def test_the_next_data_round_answers_only_prompts_no_other_set_answers(tmp_path):
-    """selfdistill-v2 answers Magpie prompts selfdistill-v1 left unanswered, none of them held out,
-    sampled as v1's sampled half; scripts/unanswered_prompts.py then leaves exactly the rest."""
+def test_the_next_data_rounds_answer_only_prompts_no_other_set_answers(tmp_path):
+    """Each round after selfdistill-v1 (v2, v3, ...) answers Magpie prompts no earlier set answers,
+    none of them held out, sampled as v1's sampled half, each with its own seed;
+    scripts/unanswered_prompts.py then leaves exactly the rest."""
     import subprocess
     import sys
 
     from dspark.train.prompts import load_prompts
 
     root = ROOT / "data" / "smollm2"
-    keys = {}
-    for name in ("selfdistill-v1", "selfdistill-v2"):
+    rounds = sorted((p.name for p in root.glob("selfdistill-v*")), key=lambda n: int(n.rsplit("v", 1)[1]))
+    assert rounds[:3] == ["selfdistill-v1", "selfdistill-v2", "selfdistill-v3"]
+    held = {p.key for p in load_prompts("heldout")}
+    keys, seeds = {}, set()
+    for name in rounds:
         with np.load(root / name / "tokens.npz") as z:
             keys[name] = {str(k).split("#")[0] for k in z["keys"]}
-    assert keys["selfdistill-v2"] and not keys["selfdistill-v2"] & keys["selfdistill-v1"]
-    assert not keys["selfdistill-v2"] & {p.key for p in load_prompts("heldout")}
-    m = json.loads((root / "selfdistill-v2" / "manifest.json").read_text())
-    settings = m["parts"][0]["settings"]
-    assert (settings["temperature"], settings["top_p"], settings["top_k"]) == (0.7, 0.8, 20)
-    assert (
-        m["counts"]["sequences"] == len(keys["selfdistill-v2"]) == len(load_sequences(root / "selfdistill-v2", 49152))
-    )
+        assert keys[name] and not keys[name] & held, name
+        if name == "selfdistill-v1":
+            continue
+        for earlier in rounds[: rounds.index(name)]:
+            assert not keys[name] & keys[earlier], (name, earlier)
+        m = json.loads((root / name / "manifest.json").read_text())
+        settings = m["parts"][0]["settings"]
+        assert (settings["temperature"], settings["top_p"], settings["top_k"]) == (0.7, 0.8, 20), name
+        assert settings["seed"] not in seeds, name  # a round's answers are not another's resampled
+        seeds.add(settings["seed"])
+        assert m["counts"]["sequences"] == len(keys[name]) == len(load_sequences(root / name, 49152))
     out = tmp_path / "rest.jsonl"
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "unanswered_prompts.py"),
-            str(root / "magpie-prompts-v1.jsonl.gz"),
-            str(root / "selfdistill-v1"),
-            str(root / "selfdistill-v2"),
-            "--out",
-            str(out),
-        ],
+        [sys.executable, str(ROOT / "scripts" / "unanswered_prompts.py"), str(root / "magpie-prompts-v1.jsonl.gz")]
+        + [str(root / name) for name in rounds]
+        + ["--out", str(out)],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr
     rest = {p.key for p in load_prompts(str(out))}
     every = {p.key for p in load_prompts(str(root / "magpie-prompts-v1.jsonl.gz"))}
-    assert rest == every - keys["selfdistill-v1"] - keys["selfdistill-v2"]
+    assert rest == every - set().union(*keys.values())
 
 
 def test_token_subset_is_seeded_and_sized(tmp_path):
