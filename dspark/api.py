@@ -100,8 +100,7 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
         )
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
-    if config.activations not in kernels.ACTIVATIONS:
-        raise DSparkError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, got {config.activations!r}")
+    kernels.check_activations(config.activations)
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
     verify = config.verify or ("full" if draft is None else "adaptive")
     return replace(config, device=device, dtype=dtype, draft=draft, verify=verify), notes

@@ -265,17 +265,21 @@ def _isa() -> tuple[str | None, str]:
     return None, f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in flags) or 'the asked-for ISA'}"
 
 
+def _planned_build() -> tuple[str | None, str]:
+    """The build `extension` makes here and, when not the full one, why (`_isa`, or none at all
+    where DSPARK_Q4_KERNEL=0)."""
+    return _isa() if envs.q4_kernel() else (None, "DSPARK_Q4_KERNEL=0")
+
+
 def extension():
     """dspark's compiled CPU extension (`q4_mm` and `q8_mm` on AVX512-BF16 builds, `rms_bf16`,
     `add_rms_bf16`, `attn_bf16`, `rope_cache_bf16`, `markov_walk`), or None where it cannot
     run here."""
     if "ext" in _build:
         return _build["ext"]
-    isa, why = _isa()
+    isa, why = _planned_build()
     _build.update(ext=None, isa=isa, why=why)
-    if not envs.q4_kernel():
-        _build.update(isa=None, why="DSPARK_Q4_KERNEL=0")
-    elif isa is not None:
+    if isa is not None:
         # the AVX2 build's int4 and Q8_0 matmuls: 8-bit activations unless asked not to (q4_activations)
         bf16_only = isa == "avx2" and _activations == "bf16"
         int8 = isa == "avx2" and not bf16_only
@@ -354,14 +358,19 @@ def q4_activations() -> str | None:
     return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
 
 
+def check_activations(mode: str) -> None:
+    """A name `choose_activations` knows, or an error listing them."""
+    if mode not in ACTIVATIONS:
+        raise DSparkError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+
+
 def choose_activations(mode: str) -> None:
     """The activations dspark's int4 and Q8_0 matmuls take in this process (`q4_activations`):
     'auto' (the build's default: 8-bit on AVX2, bf16 on AVX-512), 'int8' or 'bf16'. The choice is
     the extension's build, so it is made before the kernels first load; asking for the other one
     after that, or for one this CPU's build does not have, is an error naming both."""
     global _activations
-    if mode not in ACTIVATIONS:
-        raise DSparkError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+    check_activations(mode)
     if mode == "auto":
         return
     if "ext" in _build:
@@ -373,9 +382,7 @@ def choose_activations(mode: str) -> None:
                 "once a process, when the kernels first load (start a new process for the other)"
             )
         return
-    isa, why = _isa()
-    if not envs.q4_kernel():
-        isa, why = None, "DSPARK_Q4_KERNEL=0"
+    isa, why = _planned_build()
     if mode == "int8" and isa != "avx2":
         raise DSparkError(
             "activations int8: only the AVX2 build quantises activations to 8 bits; "

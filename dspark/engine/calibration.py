@@ -49,13 +49,16 @@ class Calibration:
                 "block: it was fitted for another draft (run `dspark calibrate` for this one)"
             )
 
-    def confidences(self, conf_logits: torch.Tensor) -> torch.Tensor:
-        """conf_logits [B, g] -> calibrated c [B, g] (float64); g may be below gamma (a step that
-        drafted only the first g slots: their temperatures are the first g)."""
-        g = conf_logits.shape[-1]
+    def temperatures_for(self, g: int) -> tuple[float, ...]:
+        """The temperatures of the first g slots; g may be below gamma (a step that drafted only
+        the first g slots), never above."""
         if g > self.gamma:
             self.check_gamma(g)
-        t = torch.tensor(self.temperatures[:g], dtype=torch.float64, device=conf_logits.device)
+        return self.temperatures[:g]
+
+    def confidences(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """conf_logits [B, g] -> calibrated c [B, g] (float64)."""
+        t = torch.tensor(self.temperatures_for(conf_logits.shape[-1]), dtype=torch.float64, device=conf_logits.device)
         return torch.sigmoid(conf_logits.double() / t)
 
     def to_json(self) -> dict:

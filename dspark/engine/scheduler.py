@@ -126,7 +126,7 @@ def admit(surv: np.ndarray, sps: Callable[[int], float], *, early_stop: bool = T
         best = tau * sps(R)  # batch_tokens: R requests at depth j run R * (1 + j) tokens
         for j in range(g):
             for r in range(R):
-                tau += float(rows[r][j])
+                tau += rows[r][j]
             theta = tau * sps(R * (j + 2))
             if theta > best:
                 best, depth = theta, j + 1
@@ -171,24 +171,23 @@ class VerifyPolicy:
 
     def confidences(self, prop) -> np.ndarray:
         """Proposal -> calibrated per-slot confidences c [B, g] (float64, CPU)."""
+        z = self._conf_logits(prop).detach()
+        c = self.calibration.confidences(z) if self.calibration is not None else torch.sigmoid(z.double())
+        return c.cpu().numpy()
+
+    def _conf_logits(self, prop) -> torch.Tensor:
         if prop.conf_logits is None:
             raise DSparkError(
                 f"verification policy '{self.name}' needs the draft's confidence head, and this draft has none"
             )
-        z = prop.conf_logits.detach()
-        c = self.calibration.confidences(z) if self.calibration is not None else torch.sigmoid(z.double())
-        return c.cpu().numpy()
+        return prop.conf_logits
 
     def survivals(self, prop) -> list[list[float]]:
         """Proposal -> prefix survivals [B][g] (the product of the calibrated confidences up to each
         slot), as plain floats: what `confidences` gives, without an array op on a few numbers."""
-        if prop.conf_logits is None:
-            self.confidences(prop)  # raises, naming the policy
-        z = prop.conf_logits.tolist()
+        z = self._conf_logits(prop).tolist()
         g = len(z[0]) if z else 0
-        if self.calibration is not None and g > self.calibration.gamma:
-            self.calibration.check_gamma(g)
-        temps = self.calibration.temperatures if self.calibration is not None else (1.0,) * g
+        temps = self.calibration.temperatures_for(g) if self.calibration is not None else (1.0,) * g
         out = []
         for row in z:
             acc, surv = 1.0, []
