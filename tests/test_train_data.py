@@ -128,10 +128,13 @@ def test_feature_cache_matches_online_features_and_hf_hidden_states(tmp_path, ca
     model = tiny_target()
     seqs = load_sequences(synthetic_shard(tmp_path / "d.jsonl", 5), vocab_size=96)
     taps = (0, 2, 4)  # embeddings, input of layer 2, output of the last layer (pre-norm)
-    online = OnlineFeatures(model, taps, seqs, max_tokens=64).get([3, 0])
+    lengths = [len(s.ids) for s in seqs]
+    assert sorted(lengths) != lengths  # the cache computes by length and writes in data order
+    order = [3, 0, 4, 1, 2]
+    online = OnlineFeatures(model, taps, seqs, max_tokens=64).get(order)
     cache = build_cache(model, taps, seqs, tmp_path / "cache", target_name="tiny", max_tokens=64, progress=False)
-    cached = CachedFeatures(cache, taps, seqs).get([3, 0])
-    for (t1, f1), (t2, f2), s in zip(online, cached, [seqs[3], seqs[0]]):
+    cached = CachedFeatures(cache, taps, seqs).get(order)
+    for (t1, f1), (t2, f2), s in zip(online, cached, [seqs[i] for i in order]):
         assert t2.dtype == torch.bfloat16 and t2.shape == (len(s.ids), 3 * 64)
         assert torch.allclose(t1, t2.float(), atol=0.05, rtol=0.02)
         assert torch.allclose(f1, f2.float(), atol=0.05, rtol=0.02)

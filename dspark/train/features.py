@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from dspark.model.taps import SINK_OUTLIER, per_dim_rms
 from dspark.target.hf import decoder_layers
-from dspark.target.native import FLOAT_NAMES, NativeTarget, supports as native_supports
+from dspark.target.native import NativeTarget, supports as native_supports
+from dspark.target.quant import FLOAT_NAMES
 from dspark.train.config import FEATURE_RUNTIMES
 from dspark.train.dataset import Sequence
 from dspark.train.errors import TrainError
@@ -195,19 +196,25 @@ def build_cache(
     check_head(model, seqs[0])
     extract = Extractor(model, taps, runtime)
     widths = None
-    bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="target features", unit="tok", disable=not progress)
+    lengths = [len(s.ids) for s in seqs]
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # Batches of similar lengths pad little (data order pads a batch to its longest answer);
+    # each sequence is still written at its own place in data order.
+    by_length = sorted(range(len(seqs)), key=lambda i: lengths[i])
+    bar = tqdm(total=int(starts[-1]), desc="target features", unit="tok", disable=not progress)
     try:
         with open(tmp / "taps.bin", "wb") as ft, open(tmp / "final.bin", "wb") as ff:
-            for group in batches(list(range(len(seqs))), seqs, max_tokens):
-                for t, fin in extract([seqs[j] for j in group]):
+            for group in batches(by_length, seqs, max_tokens):
+                for j, (t, fin) in zip(group, extract([seqs[j] for j in group])):
                     widths = (t.shape[-1], fin.shape[-1])
+                    ft.seek(int(starts[j]) * widths[0] * 2)
                     ft.write(_bf16_bytes(t))
+                    ff.seek(int(starts[j]) * widths[1] * 2)
                     ff.write(_bf16_bytes(fin))
                     bar.update(t.shape[0])
     finally:
         extract.close()
         bar.close()
-    lengths = [len(s.ids) for s in seqs]
     meta = {
         "version": CACHE_VERSION,
         "target": target_name,
