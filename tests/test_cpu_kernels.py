@@ -11,7 +11,9 @@ import torch
 from dspark import kernels
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
-from dspark.target.native import Linear, NativeTarget
+from dspark.target.native import NativeTarget
+from dspark.target import torch_layers
+from dspark.target.quant import Linear
 from tests.tiny import bigram_draft, q4_exact, tiny_draft, tiny_target
 
 
@@ -158,7 +160,7 @@ def test_shapes_no_int4_kernel_holds_are_refused_by_name():
     """Both int4 kernels take 16 output columns at a time: an explicit int4 request on another shape
     is an error naming it, and 'auto' keeps such a model's own numbers."""
     from dspark.errors import DSparkError
-    from dspark.target.native import is_int4_exact
+    from dspark.target.quant import is_int4_exact
 
     q, d, lo, w = _q4(48, 64)
     w = w[:40]  # 40 output columns
@@ -184,7 +186,7 @@ def test_a_cached_cost_curve_belongs_to_its_int4_kernel(q4):
 @pytest.mark.parametrize("R,H", [(1, 576), (8, 576), (3, 100), (17, 64)])
 def test_fused_norms_give_torchs_bits(ext, R, H):
     """rms_bf16 and add_rms_bf16 round exactly where the HF modules (and the torch path) round."""
-    from dspark.target.native import _rms
+    from dspark.target.torch_layers import rms as _rms
 
     g = torch.Generator().manual_seed(R * H)
     x = (torch.randn(R, H, generator=g) * 3).to(torch.bfloat16)
@@ -264,7 +266,9 @@ def test_the_extensions_forward_stays_near_torchs(ext):
         assert ta.shape == (1, 7, 4 * H) and torch.equal(ta[..., :H], model.get_input_embeddings()(ids))
         assert torch.equal(ta[..., H : 2 * H], ta[..., 2 * H : 3 * H])
     final, ta = ours.forward(ours.new_state(1), ids, logits="final")
-    assert torch.equal(ours._norm(ta[..., 3 * H :], ours.norm), final)  # the final norm of the last tap
+    assert torch.equal(
+        torch_layers.norm(ours._ext, ta[..., 3 * H :], ours.norm, ours.eps), final
+    )  # the final norm of the last tap
 
 
 def test_a_failed_build_leaves_torchs_ops_and_says_why(monkeypatch, tmp_path):
@@ -330,7 +334,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     that build already) and checked here on this machine's AVX2 units, the matmul tests included."""
     if "avx2" not in kernels._cpu_flags():
         pytest.skip("no AVX2 here")
-    from dspark.target.native import _rms
+    from dspark.target.torch_layers import rms as _rms
 
     monkeypatch.setattr(kernels, "_build", {})
     monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
@@ -435,7 +439,8 @@ def test_fp16_group_scales_give_the_fp32_scales_bits(q4):
 def test_an_exact_q8_0_head_runs_as_shipped(q4):
     """SmolLM2's GGUF head is Q8_0: 'auto' holds such a head as int8 groups on dspark's kernel
     (bf16 would round 97 % of its values), and verification stays bit-exact per position."""
-    from dspark.target.native import is_q8_exact, q8_groups
+    from dspark.kernels import q8_groups
+    from dspark.target.quant import is_q8_exact
 
     model = q4_exact(tiny_target())
     head = model.get_output_embeddings()
@@ -465,7 +470,7 @@ def test_rope_and_the_cache_write_give_torchs_bits(ext, D):
     """rope_cache_bf16 rounds where torch's bf16 ops round, and writes each row's keys and values
     at its own positions (a ragged batch), leaving every other cache entry alone; heads whose
     halves are a multiple of 8 run 8 values at a time (16, 64), others one by one (12)."""
-    from dspark.target.native import _rope
+    from dspark.target.torch_layers import rope as _rope
 
     g = torch.Generator().manual_seed(11)
     B, S, Hq, Hkv, C, P = 2, 3, 4, 2, 24, 40
@@ -485,7 +490,7 @@ def test_rope_and_the_cache_write_give_torchs_bits(ext, D):
     v2[bidx, :, pos] = v
     assert torch.equal(kc, k2) and torch.equal(vc, v2)
     # the whole q/k/v projection with no v: the value heads read from its last Hkv heads
-    from dspark.target.native import NO_TENSOR
+    from dspark.kernels import NO_TENSOR
 
     kc3, vc3 = (
         torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16),
@@ -572,7 +577,7 @@ def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
 
 def test_the_norm_kernel_takes_a_weight_per_head(ext):
     """Qwen3's q/k norms: x [..., heads, D] with a weight row per head, torch's bits (a strided view too)."""
-    from dspark.target.native import _rms
+    from dspark.target.torch_layers import rms as _rms
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 12, 32, generator=gen).to(torch.bfloat16)[:, :, :9]  # not contiguous
@@ -723,7 +728,6 @@ def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
 def test_qwen3_q_k_norms_run_on_the_norm_kernel_with_torchs_bits(ext, monkeypatch):
     """A bf16 Qwen3 target's q/k norms go through the norm kernel (a weight row per head) in one
     call; its logits are bit for bit those of the same forward with torch's norm there."""
-    from dspark.target import native
     from tests.test_native import _mk
 
     model = _mk("qwen3-qknorm").to(torch.bfloat16)
@@ -731,12 +735,12 @@ def test_qwen3_q_k_norms_run_on_the_norm_kernel_with_torchs_bits(ext, monkeypatc
     assert target._ext is not None and target.layers[0].qk_norm.dim() == 2
     ids = torch.randint(4, 96, (2, 11), generator=torch.Generator().manual_seed(4))
     kernel, ktaps = target.forward(target.new_state(2), ids)
-    plain_norm = native.NativeTarget._norm
+    plain_norm = torch_layers.norm
 
-    def torch_qk(self, x, w):  # the per-head weights in torch, every other norm as before
-        return native._rms(x, w, self.eps) if w.dim() == 2 else plain_norm(self, x, w)
+    def torch_qk(ext, x, w, eps):  # the per-head weights in torch, every other norm as before
+        return torch_layers.rms(x, w, eps) if w.dim() == 2 else plain_norm(ext, x, w, eps)
 
-    monkeypatch.setattr(native.NativeTarget, "_norm", torch_qk)
+    monkeypatch.setattr(torch_layers, "norm", torch_qk)
     ref, rtaps = target.forward(target.new_state(2), ids)
     assert torch.equal(kernel, ref) and torch.equal(ktaps, rtaps)
 

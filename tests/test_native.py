@@ -24,7 +24,8 @@ from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
 from dspark.target.load import make_target
-from dspark.target.native import NativeTarget, is_int4_exact, supports
+from dspark.target.native import NativeTarget, supports
+from dspark.target.quant import is_int4_exact
 from tests.tiny import bigram_draft, engine_for, hf_greedy, q4_exact, tiny_target
 
 COMMON = dict(
@@ -335,13 +336,13 @@ def test_hf_target_last_logits_match_full_ragged():
 def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
     """bf16 weights on a CPU go through oneDNN's prepacked linear (faster at 1-8 rows); its output
     equals F.linear's within bf16 rounding, and DSPARK_PACK_BF16=0 keeps plain F.linear."""
-    import dspark.target.native as native
+    from dspark.target import quant
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    lin = native.Linear(w, b, "bf16", torch.bfloat16)
+    lin = quant.Linear(w, b, "bf16", torch.bfloat16)
     assert lin.packed is not None and lin.w is None  # only the packed copy is held
     for rows in (1, 3, 8):
         x = torch.randn(2, rows, 64, generator=g).to(torch.bfloat16)
@@ -428,7 +429,7 @@ def test_taps_stay_valid_after_later_forwards(runtime):
 def test_the_cache_grows_under_a_running_state_and_the_layer_views_follow():
     """Past CACHE_CHUNK entries the KV tensor is reallocated; the per-layer K/V views a forward
     reads (NativeState.layer_kv, made once per tensor) must follow it: logits stay HF's."""
-    from dspark.target.native import CACHE_CHUNK
+    from dspark.target.kvcache import CACHE_CHUNK
 
     model = _mk("llama-untied-gqa")
     native = NativeTarget(model, weights="fp32")

@@ -42,7 +42,8 @@ from dspark.engine.timing import now
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
 from dspark.target.load import SMOLLM2, cpu_model_and_flags, load_target
-from dspark.target.native import WEIGHTS, NativeTarget
+from dspark.target.native import NativeTarget
+from dspark.target.quant import WEIGHTS
 
 DEFAULT_ARMS = "hf-bf16,hf-fp32,native-fp32,native-bf16,native-int8,native-int4,native-auto,native-auto@torch"
 LLAMACPP = llamacpp.ARM  # optional: llama.cpp decoding the target's GGUF file (dspark.bench.llamacpp)

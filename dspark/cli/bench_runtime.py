@@ -11,7 +11,7 @@ from dspark.api import default_draft
 from dspark.errors import DSparkError
 from dspark.model.fast import DRAFT_WEIGHTS
 from dspark.target.load import SMOLLM2, load_target
-from dspark.target.native import resolve_weights
+from dspark.target.quant import resolve_weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

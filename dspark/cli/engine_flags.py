@@ -14,7 +14,7 @@ from dspark.formats.load import LAYOUTS
 from dspark.kernels import ACTIVATIONS
 from dspark.model.fast import DRAFT_WEIGHTS
 from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
-from dspark.target.native import WEIGHTS
+from dspark.target.quant import WEIGHTS
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

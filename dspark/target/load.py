@@ -21,7 +21,8 @@ from dspark import envs
 from dspark.errors import DSparkError
 from dspark.target.base import Target
 from dspark.target.hf import HFTarget
-from dspark.target.native import FLOAT_NAMES, WEIGHTS, NativeTarget, resolve_weights, supports
+from dspark.target.native import NativeTarget, supports
+from dspark.target.quant import FLOAT_NAMES, WEIGHTS, resolve_weights
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,51 +1,46 @@
 """A native runtime for Llama-family targets (Llama/SmolLM2, Qwen2, Qwen3, Mistral), gpt-fast style.
 
 The Hugging Face model stays the source of the weights (every loading path keeps working);
-this file re-runs its forward pass with less machinery, because at batch 1 on a CPU a decode
+this runtime re-runs its forward pass with less machinery, because at batch 1 on a CPU a decode
 step is bound by reading the weights and by per-op overhead, not by FLOPs:
 - q/k/v and gate/up are fused into one matmul each (fewer, larger weight reads);
 - RoPE cos/sin come from a table precomputed once from the model's own rotary module (so every
   static rope variant it implements is honoured; length-dependent ones are refused);
-- one KV cache per batch row, preallocated with a capacity and a length per row: `commit` is a
-  length update, rejected drafts are simply overwritten by the next forward, and a ragged batch
-  is never repacked (each row writes at its own offset, a mask hides what lies past its length);
+- the KV cache (target/kvcache.py) is one preallocated tensor with a length per row;
 - the hidden-state taps are written in-line into the buffer the draft reads (tap i = the input
   of decoder layer i = HF hidden_states[i]; tap num_layers = the last layer's output BEFORE the
   final norm);
-- with dspark's CPU extension (bf16; dspark/kernels.py) the whole layer loop is one call
-  (csrc/layers.cpp), the same kernels in the same order as `_layers`, bit for bit;
+- with dspark's CPU extension (dspark/kernels.py) the whole layer loop is one call
+  (csrc/layers.cpp); elsewhere (float32 weights, GPUs) target/torch_layers.py runs it on torch's ops;
 - the LM head runs only on the positions whose logits are used;
-- weights in the format that is fastest on the machine: fp32, bf16, or weight-only int8 /
-  int4 (group 32, the layout of the GGUF Q4_0/Q4_1 files, so a model dequantised from such a
-  file is held exactly as shipped) through torch's CPU weight-only kernels.
+- weights in the format that is fastest on the machine (target/quant.py): fp32, bf16, or
+  weight-only int8 / int4 (the layout of the GGUF Q4_0/Q4_1 files, held exactly as shipped).
 
-The `dspark.target.base.Target` interface, as `dspark.target.hf.HFTarget`: new_state / forward / commit /
-select / merge /
-set_taps, so `Engine(NativeTarget(model), draft)` runs unchanged.
+This file is the model: which architectures it reproduces, the weights laid out per layer, and
+the forward with its logits modes. It implements `dspark.target.base.Target`, as
+`dspark.target.hf.HFTarget` does, so `Engine(NativeTarget(model), draft)` runs unchanged.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dspark import kernels
-from dspark.kernels import NO_TENSOR, q8_groups
 from dspark.errors import DSparkError, RequestError
+from dspark.kernels import NO_TENSOR
+from dspark.target import torch_layers
 from dspark.target.base import check_finite
+from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
+from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once
 # from the model's rotary module is exact for them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
-FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-format name
-GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
-CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
 
 
 def _rope_type(cfg) -> str:
@@ -84,123 +79,6 @@ def supports(model) -> tuple[bool, str]:
     return True, ""
 
 
-# ---- weight formats -----------------------------------------------------------------------
-def int4_groups(w: torch.Tensor, group: int = GROUP):
-    """Asymmetric 4-bit quantisation per `group` inputs (the GGUF Q4_1 rule: min and (max-min)/15).
-
-    w [N, K] -> (q [N, K] int32 in 0..15, scale [N, K/group], minimum [N, K/group]) all fp32.
-    A weight that already is 4-bit (dequantised from Q4_0/Q4_1) has its minimum and maximum on
-    the grid, so this recovers its exact values.
-    """
-    N, K = w.shape
-    g = w.float().reshape(N, K // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    d = (hi - lo) / 15
-    q = ((g - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
-    return q.reshape(N, K).to(torch.int32), d, lo
-
-
-def is_int4_exact(w: torch.Tensor, group: int = GROUP, rows: int | None = None) -> bool:
-    """Are w's values exactly 4-bit groups (as dequantised from a Q4 GGUF)? fp32 tolerance.
-
-    rows: check only the first `rows` output rows, a quick screen (one inexact row settles it;
-    the int4 Linear re-checks the whole matrix as it packs it).
-    """
-    if w.shape[1] % group or w.shape[0] % 16:  # the int4 kernels take 16 output columns at a time
-        return False
-    w = w if rows is None else w[:rows]
-    return _int4_exact(w, *int4_groups(w, group), group)
-
-
-def is_q8_exact(w: torch.Tensor, rows: int | None = None, group: int = GROUP) -> bool:
-    """Are w's values exactly Q8_0 groups (int8 times a scale per 32 inputs)? fp32 tolerance."""
-    if w.shape[1] % group or w.shape[0] % 16:
-        return False
-    w = w if rows is None else w[:rows]
-    q, d = q8_groups(w, group)
-    N, K = w.shape
-    err = (q.reshape(N, K // group, group).float() * d[..., None] - w.float().reshape(N, K // group, group)).abs()
-    return bool((err <= 1e-6 * d[..., None] + 1e-12).all())
-
-
-def _int4_exact(w, q, d, lo, group: int = GROUP) -> bool:
-    N, K = w.shape
-    rec = q.reshape(N, K // group, group).float() * d[..., None] + lo[..., None]
-    err = (rec - w.float().reshape(N, K // group, group)).abs()
-    return bool((err <= 1e-6 * (d.abs() + lo.abs())[..., None] + 1e-12).all())
-
-
-class Linear:
-    """y = x @ W.T (+ b) with W held in one format. x [..., K] in the activation dtype -> [..., N]."""
-
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str, act: torch.dtype, ops: str = "auto"):
-        self.fmt, self.out_features, self.exact = fmt, w.shape[0], fmt in FLOATS
-        self.b = None if b is None else b.detach().to(act)
-        self.packed = self.q4 = self.q8 = None
-        w = w.detach()
-        if fmt == "bf16" and act == torch.bfloat16:
-            self.packed = kernels.pack_bf16(w)  # only the packed copy is kept
-        if self.packed is not None:
-            self.w = None
-        elif fmt in FLOATS:
-            self.w = w.to(FLOATS[fmt]).contiguous()
-        elif fmt == "int8":  # symmetric, one scale per output channel
-            s = w.float().abs().amax(1).clamp_min(1e-12) / 127
-            self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-            self.s = s.to(act)
-        elif fmt == "q8_0":  # group 32, w = q * d (the GGUF Q8_0 rule), dspark's kernel only
-            if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape)):
-                raise DSparkError(
-                    f"q8_0 weights need dspark's matmul tile (AVX2 or AVX512-BF16 builds) and bf16 "
-                    f"activations ({kernels.q4_status()})"
-                )
-            q, d = q8_groups(w)
-            self.exact = is_q8_exact(w)
-            self.q8, self.w, self.kernel = kernels.pack_q8(q, d), None, kernels.tile_name()
-        elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
-            if w.shape[1] % GROUP or w.shape[0] % 16:
-                raise DSparkError(
-                    f"int4 weights need an input size divisible by {GROUP} and an output size "
-                    f"divisible by 16, got {w.shape[0]} x {w.shape[1]}"
-                )
-            q, d, lo = int4_groups(w)
-            self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
-            if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape):
-                # dspark's kernel: d and lo kept exact (fp32, or fp16 where every value is one, as
-                # GGUF's; torch's rounds them to bf16), and a verify of 8 rows costs far less than 8
-                # single rows (kernels.py)
-                self.q4, self.w = kernels.pack_q4(q, d, lo), None
-                self.kernel = kernels.tile_name()
-            else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
-                self.kernel = (
-                    "torch (asked for)"
-                    if ops == "torch"
-                    else kernels.q4_status()
-                    if act == torch.bfloat16
-                    else "torch (fp32 activations)"
-                )
-                self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-                self.s = torch.stack([d, lo + 8 * d], -1).transpose(0, 1).contiguous().to(act)  # [K/32, N, 2]
-        else:
-            raise DSparkError(f"unknown weight format {fmt!r} (choose from {', '.join(WEIGHTS)})")
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return kernels.packed_linear(x, self.packed, self.b, self.out_features)
-        if self.fmt in FLOATS:
-            return F.linear(x, self.w, self.b)
-        if self.q4 is not None or self.q8 is not None:  # dspark's tile takes x's own shape
-            y = kernels.q4_linear(x, self.q4) if self.q4 is not None else kernels.q8_linear(x, self.q8)
-            return y if self.b is None else y + self.b
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.fmt == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.w, self.s)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.w, GROUP, self.s)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.b is None else y + self.b
-
-
 @dataclass
 class Layer:
     ln1: torch.Tensor  # [H]
@@ -233,7 +111,7 @@ class _LayerStack:
             for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2):
                 flat += weight(lin)
         # the head too where the tile holds it: a greedy plain step then takes its argmax in the same call
-        self.head = head is not None and _on_tile(head)
+        self.head = head is not None and on_tile(head)
         flat += weight(head) if self.head else [NO_TENSOR] * 4
         self.ext, self.id = ext, ext.layers_register(flat)
 
@@ -250,81 +128,9 @@ class _LayerStack:
         if target._ext is None or target.head_dim % 16:
             return None
         for ly in target.layers:
-            if not all(_on_tile(lin) for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)) or ly.w13.out_features % 32:
+            if not all(on_tile(lin) for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)) or ly.w13.out_features % 32:
                 return None
         return _LayerStack(target._ext, target.layers, target.head)  # a head on the tile runs in bf16, as the layers
-
-
-def _on_tile(lin: "Linear") -> bool:
-    """Is this weight on dspark's matmul tile (int4, Q8_0 or packed bf16)?"""
-    return lin.q4 is not None or lin.q8 is not None or isinstance(lin.packed, tuple)
-
-
-@dataclass
-class NativeState:
-    """KV cache of B requests: kv [L, 2, B, Hkv, C, D]; row b holds lengths[b] committed entries.
-
-    Entries at >= lengths[b] are garbage (rejected drafts, padding) that the next forward
-    overwrites; `pending` counts the entries the last forward appended, awaiting commit.
-    """
-
-    kv: torch.Tensor | None
-    lengths: torch.Tensor  # [B] long
-    pending: int = 0
-    # (kv, [(K, V) of each layer]): made once per kv tensor, not 2 selects a layer every forward
-    _views: tuple = field(default=(), repr=False, compare=False)
-
-    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """[(keys, values) [B, Hkv, C, D] of each layer], views of kv."""
-        if not self._views or self._views[0] is not self.kv:
-            self._views = (self.kv, [(layer[0], layer[1]) for layer in self.kv])
-        return self._views[1]
-
-    @property
-    def batch(self) -> int:
-        return int(self.lengths.shape[0])
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.kv is None else int(self.kv.shape[4])
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's RMSNorm: normalise in fp32, cast back to the activation dtype, then scale
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, S, h, D], cos/sin [B, S, 1, D]; HF's rotate_half convention (halves, not pairs)
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat((-x2, x1), -1) * sin
-
-
-def resolve_weights(model, weights: str, device) -> str:
-    """'auto': keep the model's own numbers, only repacking them where that is exact and faster.
-
-    A model whose decoder weights are exactly 4-bit groups of 32 (dequantised from a Q4 GGUF,
-    like the shipped SmolLM2) runs as int4 on CPU: the same values, a quarter of the bytes of
-    bf16 to stream per token (measured fastest at 1 and 8 rows, docs/BENCHMARKS.md). Any other
-    model keeps its dtype: fp32 stays fp32, bf16 stays bf16; quantising it is an explicit choice.
-    """
-    if weights not in WEIGHTS:
-        raise DSparkError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHTS)})")
-    if weights != "auto":
-        if weights in ("int8", "int4") and torch.device(device).type != "cpu":
-            raise DSparkError(f"weights {weights!r} use torch's CPU kernels; the model is on {device}")
-        return weights
-    dtype = next(model.parameters()).dtype
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        # a screen of 64 rows per matrix; NativeTarget falls back to fp32 if packing finds otherwise
-        if all(is_int4_exact(m.weight, rows=64) for layer in model.model.layers for m in _linears(layer)):
-            return "int4"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
-
-def _linears(layer):
-    a, m = layer.self_attn, layer.mlp
-    return (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
 
 
 class NativeTarget:
@@ -533,21 +339,7 @@ class NativeTarget:
         return NativeState(None, torch.zeros(batch, dtype=torch.long, device=self.device))
 
     def _alloc(self, batch: int, capacity: int) -> torch.Tensor:
-        shape = (self.num_layers, 2, batch, self.n_kv, capacity, self.head_dim)
-        if self.device.type == "cpu":  # attention reads it every step: in 2 MB pages where the OS gives them
-            return kernels.huge_zeros(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
-
-    def _reserve(self, state: NativeState, need: int) -> None:
-        """Make room for `need` entries per row (rare: capacity doubles, in CACHE_CHUNK steps)."""
-        if need <= state.capacity:
-            return
-        cap = max(need, 2 * state.capacity)
-        cap = -(-cap // CACHE_CHUNK) * CACHE_CHUNK
-        kv = self._alloc(state.batch, cap)
-        if state.kv is not None:
-            kv[..., : state.capacity, :] = state.kv
-        state.kv = kv
+        return alloc_kv((self.num_layers, 2, batch, self.n_kv, capacity, self.head_dim), self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -574,10 +366,10 @@ class NativeTarget:
         L0 = int(lengths.max())
         if (L0 + S if full else int((lengths + counts.to(dev)).max())) > self.max_length:
             raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
-        self._reserve(state, L0 + S)
+        state.reserve(L0 + S, self._alloc)
         H, width = self.embed.shape[1], self._tap_width
         ids = None
-        if self._stack is not None:  # the embedding, `_layers` (and the head's argmax) in one call (csrc/layers.cpp)
+        if self._stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and self._stack.head
             # the call makes the taps [B, S, n*H] and writes each tap as its layer runs
             out = self._ext.layers_forward(
@@ -604,7 +396,7 @@ class NativeTarget:
             tapped = torch.empty(B, S, width, dtype=self.embed.dtype, device=dev) if width else None
             pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
             x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
-            x, h = self._layers(x, state, pos, L0, tapped)
+            x, h = torch_layers.layers(self, x, state, pos, L0, tapped)
         for col, src in self._tap_fill:
             tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
         state.pending = S
@@ -628,109 +420,15 @@ class NativeTarget:
         out[valid] = self._logits(h[valid])
         return out, tapped
 
-    def _layers(self, x, state, pos, L0: int, tapped):
-        """The decoder layers over the embeddings x [B, S, H] at positions pos [B, S] (L0: the
-        longest row's committed length) -> (the last layer's output, its final norm); the
-        extension's `layers_forward` runs the fused_attn branch in one call."""
-        B, S, _ = x.shape
-        dev = x.device
-        T = L0 + S  # keys read: every row's committed entries + the S new ones (shorter rows masked)
-        lengths = state.lengths
-        uniform = B == 1 or bool((lengths == lengths[0]).all())
-        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        G = Hq // Hkv
-        # dspark's RoPE and attention kernels (bf16 on a CPU with the extension) read positions:
-        # no RoPE rows to gather, no mask to build
-        fused_attn = self._ext is not None and D % 16 == 0
-        if fused_attn:
-            cos = sin = None
-        elif uniform:
-            cos, sin = self.cos[L0 : L0 + S][None, :, None], self.sin[L0 : L0 + S][None, :, None]  # [1, S, 1, D]
-        else:
-            p = pos.clamp(max=self.cos.shape[0] - 1)  # padding may run past the table; never read
-            cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]  # [B, S, 1, D]
-        if fused_attn or (uniform and S == 1):
-            mask = None  # one new query per row sees every entry up to itself
-        else:
-            # key j visible to new position i of row b iff j <= lengths[b] + i: committed entries
-            # plus the causal part of the new ones; stale entries past a row's length are hidden
-            m = torch.arange(T, device=dev)[None, None, :] <= pos[:, :, None]  # [B, S, T]
-            # GQA without copying K/V: the G query heads sharing a KV head are folded into the
-            # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
-            mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
-        bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
-        layer_kv = state.layer_kv()
-        h = self._norm(x, self.layers[0].ln1)
-        for li, layer in enumerate(self.layers):
-            qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
-            kc, vc = layer_kv[li]  # [B, Hkv, C, D]
-            if fused_attn and layer.qk_norm is None:
-                qk, v = qkv, NO_TENSOR  # the kernel reads the value heads from qkv: no slices
-            else:
-                qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
-                if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
-                    qk = self._norm(qk, layer.qk_norm)  # a weight row per head
-            if fused_attn:
-                # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
-                # no mask to build, no transposes
-                q = self._ext.rope_cache_bf16(qk, v, self.cos, self.sin, kc, vc, pos)  # [B, S, Hq, D]
-                o = self._ext.attn_bf16(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
-            else:
-                qk = _rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
-                q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
-                if uniform:
-                    kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
-                    vc[:, :, L0 : L0 + S] = v
-                else:
-                    kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
-                    vc[bidx, :, pos] = v.transpose(1, 2)
-                qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
-                o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
-                o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
-            x, h = self._add_norm(x, layer.wo(o), layer.ln2)
-            # the residual add and the next layer's input norm (the final norm after the last)
-            # the last layer's output is tapped before the final norm, like the HF target's hook
-            x, h = self._add_norm(
-                x,
-                layer.w2(kernels.silu_mul(layer.w13(h), self._ext)),
-                self.layers[li + 1].ln1 if li + 1 < self.num_layers else self.norm,
-                tapped,
-                self._tap_cols[li],
-            )
-        return x, h
-
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._ext.rms_bf16(x, w, self.eps) if self._ext is not None else _rms(x, w, self.eps)
-
-    def _add_norm(
-        self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, taps: torch.Tensor | None = None, col: int = -1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + r, its norm with weight w): one call on dspark's extension. With col >= 0, x + r
-        is also written to taps[..., col : col + H]."""
-        if self._ext is not None:
-            return self._ext.add_rms_bf16(x, r, w, self.eps, NO_TENSOR if col < 0 else taps, max(col, 0))
-        x = x + r
-        if col >= 0:
-            taps[..., col : col + x.shape[-1]] = x
-        return x, _rms(x, w, self.eps)
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: final-normed hidden states -> fp32 logits."""
         return self.head(h.to(self._head_act)).float()
 
     def commit(self, state: NativeState, keep: torch.Tensor) -> None:
-        """Keep the first keep[b] pending entries of each row: a length update, nothing moves."""
-        state.lengths = state.lengths + keep.to(state.lengths.device)
-        state.pending = 0
+        state.commit(keep)
 
     def select(self, state: NativeState, rows: torch.Tensor) -> NativeState:
-        """The sub-batch of `rows` (requests leaving drop out of the batch)."""
-        kv = None if state.kv is None else state.kv[:, :, rows.to(self.device)]
-        return NativeState(kv, state.lengths[rows])
+        return state.select(rows)
 
     def merge(self, states: list[NativeState]) -> NativeState:
-        """One batch from several states (a request joins after its own prefill)."""
-        cap = max(s.capacity for s in states)
-        kvs = [s.kv if s.kv is not None else self._alloc(s.batch, cap) for s in states]
-        kvs = [F.pad(kv, (0, 0, 0, cap - kv.shape[4])) if kv.shape[4] < cap else kv for kv in kvs]
-        return NativeState(torch.cat(kvs, 2), torch.cat([s.lengths for s in states]))
+        return NativeState.merge(states, self._alloc)
