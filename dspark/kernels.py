@@ -15,8 +15,8 @@ passes: the maximum, then its first index; the first NaN where there is one, as 
 are (a greedy plain step's head output, argmax'd in the layer stack's own call: docs/history/benchmarks.md
 "a greedy plain step in one call").
 
-int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4.cpp`),
-compiled on first use (~1 min, once per machine and source version, cached under
+int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4_avx512.cpp`,
+`csrc/q4_avx2.cpp`), compiled on first use (~1-2 min, once per machine and source version, cached under
 `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
 an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call
 (docs/history/benchmarks.md "dspark's own int4 kernel"; its AVX2 variant, 8 fp32 lanes and FMAs:
@@ -45,7 +45,7 @@ from dspark.errors import DSparkError
 log = logging.getLogger("dspark")
 
 
-# bf16 weights up to this many elements run on dspark's kernel (csrc/q4.cpp `bf16_mm`) where it is
+# bf16 weights up to this many elements run on dspark's kernel (csrc/q4_avx*.cpp `bf16_mm`) where it is
 # built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
 # 2 threads: 576x576 at 7 rows 20 against 44 us). Larger ones (an LM head over the vocabulary) stay on
 # oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
@@ -132,7 +132,7 @@ def pack_bf16(w: torch.Tensor):
         return None
     N, K = w.shape
     if N * K <= BF16_KERNEL_MAX and tile_applies(N, K):
-        G = K // 32  # [N/16, K/32, 16 input pairs, 16 columns x 2]: csrc/q4.cpp's bf16_mm layout
+        G = K // 32  # [N/16, K/32, 16 input pairs, 16 columns x 2]: csrc/q4_avx512.cpp's bf16_mm layout
         P = w.detach().to(torch.bfloat16).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)
         return P.reshape(N // 16, G, 16, 32).contiguous(), torch.ones(N // 16, G, 16)
     if not torch.backends.mkldnn.is_available():
@@ -196,46 +196,31 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
 # switched off and forced to one ISA through dspark/envs.py (DSPARK_Q4_KERNEL, DSPARK_KERNEL_ISA)
-# one extension: matmuls, norms, attention, RoPE, the draft's Markov walk
-SOURCES = (
-    "q4.cpp",
-    "norm.cpp",
-    "attn.cpp",
-    "rope.cpp",
-    "markov.cpp",
-    "layers.cpp",
-    "draft.cpp",
-)  # the last two call the others
-FUNCTIONS = (
-    "q4_mm",
-    "q8_mm",
-    "bf16_mm",
-    "rms_bf16",
-    "add_rms_bf16",
-    "attn_bf16",
-    "rope_cache_bf16",
-    "markov_walk",
-    "argmax_last",
-    "silu_mul_bf16",
-    "layers_register",
-    "layers_release",
-    "layers_forward",
-    "draft_register",
-    "draft_release",
-    "draft_forward",
-)
+# one extension of separate translation units (csrc/dspark.h declares what they share): the ISA's
+# matmul file (ISAS) and these, which compile for either ISA; bindings.cpp is the Python module
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp", "draft.cpp", "bindings.cpp")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
     "avx512": (
         ("avx512f", "avx512bw", "avx512_bf16"),
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        "q4_avx512.cpp",
     ),
     "avx2": (
         ("avx2", "fma", "f16c"),
         ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
+        "q4_avx2.cpp",
     ),  # 8-lane matmuls, norms, attention
 }
+
+
+def sources(isa: str) -> list[Path]:
+    """The files an ISA's build compiles, one translation unit each."""
+    return [CSRC / ISAS[isa][2], *(CSRC / f for f in SOURCES)]
+
+
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 # the int4 / Q8_0 matmuls' activations (EngineConfig.activations): auto | int8 | bf16; a build's
 # choice, so it is made once a process, before the extension loads (choose_activations)
@@ -257,7 +242,7 @@ def _cpu_flags() -> set[str]:
 def _isa() -> tuple[str | None, str]:
     """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
     flags, forced = _cpu_flags(), envs.kernel_isa()
-    for isa, (need, _) in ISAS.items():
+    for isa, (need, _, _) in ISAS.items():
         if forced in (None, isa) and all(f in flags for f in need):
             lacking = [f for f in ISAS["avx512"][0] if f not in flags]
             why = f"this CPU lacks {', '.join(lacking)}" if lacking else f"DSPARK_KERNEL_ISA={forced}"
@@ -284,23 +269,25 @@ def extension():
         bf16_only = isa == "avx2" and _activations == "bf16"
         int8 = isa == "avx2" and not bf16_only
         cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if bf16_only else ())
-        src = "\n".join((Path(__file__).parent / "csrc" / f).read_text() for f in SOURCES)
+        files = sources(isa)
         _build["int8"] = int8
-        tag = hashlib.sha1(repr((src, torch.__version__, cflags)).encode()).hexdigest()[:12]
+        # every file the build reads, headers included, names it: a change to any is a new build
+        text = [(f.name, f.read_text()) for f in sorted([*files, *CSRC.glob("*.h")])]
+        tag = hashlib.sha1(repr((text, torch.__version__, cflags)).encode()).hexdigest()[:12]
         name = f"dspark_{isa}_{tag}"
         root = envs.kernel_cache_dir() / name
         fresh = not (root / f"{name}.so").exists()
         if fresh:
-            log.warning("compiling dspark's CPU kernels (%s, once per machine, about a minute)", isa)
+            log.warning("compiling dspark's CPU kernels (%s, once per machine, a minute or two)", isa)
         t0 = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import load
 
             root.mkdir(parents=True, exist_ok=True)
-            _build["ext"] = load_inline(
+            _build["ext"] = load(
                 name,
-                cpp_sources=[src],
-                functions=list(FUNCTIONS),
+                sources=[str(f) for f in files],
+                extra_include_paths=[str(CSRC)],
                 build_directory=str(root),
                 extra_cflags=list(cflags),
                 extra_ldflags=["-fopenmp"],
@@ -421,7 +408,7 @@ def tile_applies(n: int, k: int) -> bool:
 
 
 def _group_scales(d: torch.Tensor, lo: torch.Tensor | None, N: int, G: int) -> tuple[torch.Tensor, ...]:
-    """Per-group scales (and minimums) [N, G] -> csrc/q4.cpp's [N/16, G, 16] `Scales`: fp16 where
+    """Per-group scales (and minimums) [N, G] -> csrc/q4.h's [N/16, G, 16] `Scales`: fp16 where
     every value is an fp16 number (GGUF stores Q4_1's and Q8_0's so: the kernels widen them to the
     same fp32 values, and a 1-row int4 matmul streams a sixth fewer bytes), fp32 otherwise."""
     ts = [t.float() for t in (d, lo) if t is not None]
@@ -431,7 +418,7 @@ def _group_scales(d: torch.Tensor, lo: torch.Tensor | None, N: int, G: int) -> t
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
     """q [N, K] in 0..15, d / lo [N, K/32] (w = q * d + lo) -> (P, D, L) in the layout of the
-    extension's build (csrc/q4.cpp's header: the AVX2 build reads 8-input octets; D, L:
+    extension's build (csrc/q4_avx512.cpp's header: the AVX2 build reads 8-input octets; D, L:
     `_group_scales`). Packed weights are made where they run and never stored."""
     N, K = q.shape
     G = K // 32
@@ -463,7 +450,7 @@ def q8_groups(w: torch.Tensor, group: int = 32):
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor):
-    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4.cpp's q8 layout
+    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4_avx512.cpp's q8 layout
     (D: `_group_scales`)."""
     N, K = q.shape
     G = K // 32

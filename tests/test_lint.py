@@ -69,11 +69,12 @@ def test_ruff_would_find_an_unused_import(tmp_path):
 
 
 def test_the_kernels_are_laid_out_as_clang_format_lays_them_out():
-    """dspark/csrc as the repository's .clang-format lays it out (`clang-format -i dspark/csrc/*.cpp`
+    """dspark/csrc as the repository's .clang-format lays it out (`clang-format -i dspark/csrc/*.cpp dspark/csrc/*.h`
     fixes it)."""
     tool = shutil.which("clang-format") or shutil.which("clang-format", path=str(Path(sys.executable).parent))
     if tool is None:
         pytest.fail("clang-format is not installed: `bash scripts/setup.sh --test` installs the pinned version")
-    sources = sorted(str(p) for p in (ROOT / "dspark" / "csrc").glob("*.cpp"))
+    csrc = ROOT / "dspark" / "csrc"
+    sources = sorted(str(p) for p in [*csrc.glob("*.cpp"), *csrc.glob("*.h")])
     out = subprocess.run([tool, "--dry-run", "--Werror", *sources], cwd=ROOT, capture_output=True, text=True)
     assert sources and out.returncode == 0, out.stderr[-3000:]

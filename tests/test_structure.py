@@ -365,3 +365,63 @@ def test_a_flag_a_command_cannot_honour_is_refused_before_loading(command, extra
 
     assert main([command, "--target", "/nonexistent", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- the C++ kernels: separate translation units that share only their headers ------------------
+
+CSRC = ROOT / "csrc"
+
+
+def test_every_kernel_file_is_in_a_build_and_every_header_is_used():
+    """Each .cpp of dspark/csrc is compiled by a build (an ISA's matmul file, or one every build
+    compiles), and each header is included by some file: nothing there is dead or left out."""
+    from dspark import kernels
+
+    built = {f.name for isa in kernels.ISAS for f in kernels.sources(isa)}
+    assert {p.name for p in CSRC.glob("*.cpp")} == built
+    texts = {p.name: p.read_text() for p in [*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]}
+    for header in CSRC.glob("*.h"):
+        assert any(f'#include "{header.name}"' in t for n, t in texts.items() if n != header.name), header.name
+
+
+def test_no_kernel_file_includes_another_kernel_file():
+    """Files meet only through headers: a .cpp that includes a .cpp is one translation unit posing as
+    two (the extension was once all files pasted into one string)."""
+    for p in [*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]:
+        assert not re.search(r'#include\s+"[^"]+\.cpp"', p.read_text()), p.name
+
+
+def test_the_built_extension_compiled_each_file_alone():
+    """The build on this machine compiled each of its sources as its own object (so each includes
+    what it uses) and linked them."""
+    from dspark import kernels
+
+    ext = kernels.extension()
+    if ext is None:
+        pytest.skip(f"dspark's extension does not run here: {kernels.why_unavailable()}")
+    isa = kernels._build["isa"]
+    folder = Path(ext.__file__).parent
+    ninja = (folder / "build.ninja").read_text()
+    for f in kernels.sources(isa):
+        assert f"{f.stem}.o" in ninja and (folder / f"{f.stem}.o").exists(), f.name
+
+
+@pytest.mark.parametrize("header", ["dspark.h", "simd.h", "q4.h"])
+def test_each_kernel_header_compiles_alone(header, tmp_path):
+    """A header includes what it uses: compiled alone (syntax only, the AVX2 build's flags), it
+    has no error."""
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    from dspark import kernels
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler here")
+    flags = [f for f in kernels.ISAS["avx2"][1] if f != "-O3"]
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-x", "c++", *flags, f"-I{CSRC}"]
+    cmd += [f"-I{p}" for p in include_paths()] + [str(CSRC / header)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -6,7 +6,7 @@
 // Built for AVX-512 (16 lanes) or AVX2 + FMA (8 lanes); the algorithm is the same, except that
 // with AVX512-BF16 the q.k products of heads of 32k values are bf16 dot products (the two builds'
 // bits differ; each is batch invariant).
-#include <torch/extension.h>
+#include "dspark.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>

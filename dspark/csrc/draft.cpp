@@ -8,7 +8,7 @@
 //
 // Weights are handed over once (`draft_register`) and kept here under a handle, as the target's
 // layer stack is (csrc/layers.cpp). Each matrix arrives packed in dspark's Q8_0 or bf16 layout.
-#include <torch/extension.h>
+#include "dspark.h"
 #include <cmath>
 #include <cstring>
 #include <mutex>

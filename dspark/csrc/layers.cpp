@@ -7,7 +7,7 @@
 //
 // The weights are handed over once (`layers_register`) and kept here under a handle, since
 // passing ~600 tensors through pybind on every call would cost what it saves.
-#include <torch/extension.h>
+#include "dspark.h"
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -16,9 +16,6 @@
 
 namespace layers {
 
-struct Lin {                 // y = x @ W.T (+ b): W packed for dspark's tile; P's dtype names the format
-  torch::Tensor P, D, L, b;  // L: int4 minimums (empty for Q8_0 / bf16); b: bias (empty: none)
-};
 struct Layer {
   torch::Tensor ln1, qkn, ln2;  // qkn: Qwen3's q/k norm weights [Hq + Hkv, D] (empty: none)
   Lin qkv, o, gu, down;

@@ -6,7 +6,7 @@
 // in fp32 and rounded again; the first largest logit wins, as torch's argmax. Only the fp32
 // summation order of the rank-r product differs from the matmul library's. Also here, with the
 // same choice rule: `argmax_last`, greedy verification's argmax over the target's logits.
-#include <torch/extension.h>
+#include "dspark.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -101,6 +101,11 @@ void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64
     }
   }
 }
+
+template void walk<float>(const float*, const float*, const float*, const int64_t*, const int64_t*, int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, int64_t);
+template void walk<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
+                                  const int64_t*, int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 }  // namespace markov
 
@@ -221,8 +226,7 @@ inline int64_t first_max(const T* x, int64_t V) {
   return 0;  // every entry -inf: the first, as torch
 }
 
-// x [..., V] fp32 or bf16 (contiguous) -> [...] int64: torch.argmax(x, -1), row by row
-inline torch::Tensor argmax_rows(const torch::Tensor& x) {
+torch::Tensor argmax_rows(const torch::Tensor& x) {
   const int64_t V = x.size(-1), R = x.numel() / V;
   auto out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(torch::kLong));
   int64_t* op = out.data_ptr<int64_t>();

@@ -2,7 +2,8 @@
 // spends ~25 us on each of a forward's 61 norms (a cast, the fused norm's own reductions and copies, a cast back, the
 // weight), 1.6 ms of a 13 ms SmolLM2 step. Same rounding steps as the HF modules: normalise in fp32, round to bf16,
 // multiply by the bf16 weight, round. Rows are independent, so a row's result does not depend on the batch.
-#include <torch/extension.h>
+#include "dspark.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -11,6 +12,9 @@
 
 namespace {
 
+using simd::bf16x8_to_f32;
+using simd::to_bf16x8;
+using simd::widen_bf16x8;
 using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as torch's casts do
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32

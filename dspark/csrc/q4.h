@@ -1,0 +1,148 @@
+// What the two builds of the matmuls (q4_avx512.cpp, q4_avx2.cpp) share: the packed layout's
+// checks, the group scales, prefetching ahead, and how rows and columns are split into tiles.
+// The packed layout itself is described in q4_avx512.cpp's header.
+#pragma once
+#include "dspark.h"
+#include "simd.h"
+
+#include <array>
+#include <initializer_list>
+#include <type_traits>
+
+namespace q4 {
+
+using simd::bf16x8_to_f32;
+using simd::to_bf16x8;
+using simd::widen_bf16x8;
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+// every accumulator of a tile [blocks][rows] set to v (the ISA's zero vector)
+template <typename Vec, int NB, int M>
+inline void fill(Vec (&acc)[NB][M], Vec v) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[j][m] = v;
+}
+
+// x [..., K] bf16 (M rows: every dimension but the last) against a weight packed as [N/16, K/32,
+// steps, 32] elements of `dtype`, with per-group tensors [N/16, K/32, 16] (scales, minimums; fp32, or
+// fp16 where each value is one, all of one dtype):
+// checked, -> (M, K, N). Taking x's own shape spares the caller two reshapes a matmul (~240 small
+// ops a SmolLM2 forward).
+inline std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor& x, const torch::Tensor& P,
+                                           at::ScalarType dtype, int64_t steps,
+                                           std::initializer_list<torch::Tensor> groups) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), name,
+              ": x must be a bf16 CPU tensor [..., K]");
+  TORCH_CHECK(P.dim() == 4 && P.scalar_type() == dtype && P.size(2) == steps && P.size(3) == 32 && P.is_contiguous(),
+              name, ": P must be a contiguous ", c10::toString(dtype), " [N/16, K/32, ", steps, ", 32] tensor");
+  const int64_t K = x.size(-1), N = P.size(0) * 16;
+  TORCH_CHECK(K == P.size(1) * 32 && K > 0, name, ": x has ", K, " inputs, the weight ", P.size(1) * 32);
+  const int64_t M = x.numel() / K;
+  for (const auto& s : groups)
+    TORCH_CHECK((s.scalar_type() == torch::kFloat || s.scalar_type() == torch::kHalf) &&
+                    s.scalar_type() == groups.begin()->scalar_type() && s.is_contiguous() &&
+                    s.numel() == N / 16 * (K / 32) * 16,
+                name, ": its scales must be contiguous fp32 or fp16 [N/16, K/32, 16] tensors of one dtype");
+  return {M, K, N};
+}
+
+// a weight's per-group scales or minimums [N/16, K/32, 16]: fp32, or fp16 where every value is
+// one (GGUF stores them so; kernels.pack_q4 / pack_q8 check): the same fp32 values with a sixth
+// fewer bytes to stream for an int4 weight at one row. p null: none.
+struct Scales {
+  const void* p = nullptr;
+  bool half = false;
+  Scales() = default;
+  explicit Scales(const torch::Tensor& t) : p(t.data_ptr()), half(t.scalar_type() == torch::kHalf) {}
+#ifdef __F16C__
+  // 8 values from index i, widened to fp32 (exact); both builds have F16C
+  __m256 load8(int64_t i) const {
+    return half
+               ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+               : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+#endif
+#ifdef __AVX512F__
+  __m512 load16(int64_t i) const {
+    return half ? _mm512_cvtph_ps(
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+                : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+#endif
+};
+
+// Each unpack also asks for the weight bytes AHEAD bytes further on, into L2 (docs/history/benchmarks.md,
+// "weights asked for ahead of the tile"). Left to the hardware's prefetcher, a tile waited on memory and computed in
+// turn: 8 rows of a bf16 stack cost one row's streaming time plus their arithmetic (14.4 against 8.2 ms for SmolLM2's
+// 120 layer matrices); asked ahead, 10.1 ms. L1 (T0) hurt at every row count, as did distances of 2-8 KB. A tile's
+// column blocks are consecutive in memory, so AHEAD is ~a tile on.
+constexpr int64_t AHEAD = 16384;
+inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
+
+// the sum of a group's 32 values (4 vectors of 8, fp32) by one fixed tree: the vectors added in
+// pairs, then across the 8 lanes. The AVX-512 build's Q4_1 minimum's term (lo x the group's sum
+// of x); summed one input after the other, the sums of 8 rows cost more than the rest of their group ("8-bit
+// activations ...").
+inline float sum32(const __m256 (&v)[4]) {
+  const __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  u = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+}
+
+// per row and group of 32 inputs: the sum of x (bf16 [M, K]) in fp32 (`sum32`)
+inline std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  std::vector<float> s(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* p = x + m * K + g * 32;
+      const __m256 v[4] = {bf16x8_to_f32(p), bf16x8_to_f32(p + 8), bf16x8_to_f32(p + 16), bf16x8_to_f32(p + 24)};
+      s[m * G + g] = sum32(v);
+    }
+  return s;
+}
+
+// x's shape with the last dimension N: the matmul's result
+inline std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return sizes;
+}
+
+// rows m0..m0+M against all columns, in tiles of NB blocks of UNIT columns split between threads
+// (never inside a sum), then the blocks left over one at a time; tile(Int<M>, Int<NB>, m0, block)
+template <int UNIT, int M, int NB, typename Tile>
+void columns(int64_t N, int64_t m0, const Tile& tile) {
+  const int64_t blocks = N / UNIT, tiles = blocks / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tile(Int<M>{}, Int<NB>{}, m0, t * NB);
+  });
+  for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile(Int<M>{}, Int<1>{}, m0, cb);
+}
+
+// rows in tiles of 8, then the rest (1-7) in one tile: each tile streams the whole weight, so a
+// verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, 7 rows cost 2.5x
+// one row on a cold cache). Fewer rows take more column blocks a tile, so that the vector units
+// have independent sums to interleave (NB1 blocks for a single row); a row's own operations are
+// the same whatever the tile. NB2, NB3, NB4: blocks a tile for two, three and four rows.
+template <int UNIT, int NB1, int NB2, int NB3 = 2, int NB4 = 2, typename Tile>
+void row_tiles(int64_t M, int64_t N, const Tile& tile) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) columns<UNIT, 8, 1>(N, m, tile);
+  switch (M - m) {
+    case 7: columns<UNIT, 7, 1>(N, m, tile); break;
+    case 6: columns<UNIT, 6, 1>(N, m, tile); break;
+    case 5: columns<UNIT, 5, 1>(N, m, tile); break;
+    case 4: columns<UNIT, 4, NB4>(N, m, tile); break;
+    case 3: columns<UNIT, 3, NB3>(N, m, tile); break;
+    case 2: columns<UNIT, 2, NB2>(N, m, tile); break;
+    case 1: columns<UNIT, 1, NB1>(N, m, tile); break;
+    default: break;
+  }
+}
+
+}  // namespace q4
