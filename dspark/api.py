@@ -112,12 +112,14 @@ def build_engine(config: EngineConfig) -> Engine:
     about it (`engine.notes`, e.g. which dtype "auto" chose)."""
     given_dtype = config.dtype != "auto"
     config, notes = resolve(config)
+    device, verify = config.device, config.verify
+    assert device is not None and verify is not None  # resolve() wrote them out
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.device.startswith("cpu"):
+    if device.startswith("cpu"):
         kernels.choose_activations(config.activations)
     target, tokenizer, more = open_target(
-        config.target, config.dtype, config.device, config.runtime, config.weights, dtype_given=given_dtype
+        config.target, config.dtype, device, config.runtime, config.weights, dtype_given=given_dtype
     )
     actual = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype).removeprefix("torch."))
     if not given_dtype and actual != config.dtype and notes and notes[0].startswith("dtype auto"):
@@ -139,7 +141,7 @@ def build_engine(config: EngineConfig) -> Engine:
         # taps on before the policy exists: an adaptive policy times verification as the engine runs it
         target.set_taps(draft.spec.hidden_state_indices)
     policy = make_scheduler(
-        config.verify,
+        verify,
         target,
         draft,
         threshold=config.threshold,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dspark.errors import DSparkError
@@ -71,6 +71,6 @@ def read_prompt_file(path, limit: int | None = None) -> list[str | list[int]]:
     return out
 
 
-def encode_prompts(engine, prompts: list[str | list[int]], chat: bool) -> list[list[int]]:
+def encode_prompts(engine, prompts: Sequence[str | list[int]], chat: bool) -> list[list[int]]:
     """Prompts of a prompt file -> token ids (a `prompt_ids` record is used as it is)."""
     return [p if isinstance(p, list) else engine.encode(p, chat=chat) for p in prompts]

@@ -416,3 +416,27 @@ def test_the_forward_timer_puts_the_native_forward_back():
         assert NativeTarget.forward is not original
         assert inspect.signature(NativeTarget.forward) == inspect.signature(original)
     assert NativeTarget.forward is original
+
+
+def test_bench_feeds_a_prompt_ids_record_as_it_is(setup, tmp_path, monkeypatch):
+    """A prompt file's `{"prompt_ids": [...]}` record is decoded from exactly those ids, as every
+    other command that reads prompt files does (it was once handed to the tokenizer as text)."""
+    from dspark.bench import runner
+
+    ids = [5, 9, 17, 3]
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"prompt_ids": ids}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
+    seen = []
+    real = runner.EngineRunner.__call__
+
+    def spy(self, prompts, params):
+        seen.extend(list(p) for p in prompts)
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(runner.EngineRunner, "__call__", spy)
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(setup / "target"), "--no-spec", "--dtype", "fp32", "--device", "cpu"]
+    args += ["--prompts", str(tmp_path / "ids.jsonl"), "--sets", "ids", "--max-new-tokens", "4", "--ignore-eos"]
+    assert main([*args, "--arms", "plain", "--baseline", "plain", "--out", str(out)]) == 0
+    assert ids in seen
+    res = json.loads((out / "results.json").read_text())
+    assert res["sets"]["ids"]["arms"]["plain"]["requests"] == 2

@@ -1,7 +1,8 @@
-"""The linter and formatter the project is configured with (pyproject.toml [tool.ruff]) find
-nothing: an unused import, an undefined name, a syntax error, a line over the limit or code laid
-out otherwise than `ruff format` lays it out fails the suite, as a failing test does (`ruff
-format dspark tests scripts` fixes the layout)."""
+"""The linter, formatter and type checker the project is configured with (pyproject.toml
+[tool.ruff], [tool.mypy]) find nothing: an unused import, an undefined name, a syntax error, a line
+over the limit, code laid out otherwise than `ruff format` lays it out or a type error in the
+package fails the suite, as a failing test does (`ruff format dspark tests scripts` fixes the
+layout; `mypy` names each type error)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def _ruff() -> str:
     if ruff is None:
         pytest.fail("ruff is not installed: `bash scripts/setup.sh --test` installs the pinned version")
     return ruff
+
+
+def _mypy() -> str:
+    mypy = shutil.which("mypy") or shutil.which("mypy", path=str(Path(sys.executable).parent))
+    if mypy is None:
+        pytest.fail("mypy is not installed: `bash scripts/setup.sh --test` installs the pinned version")
+    return mypy
 
 
 def test_ruff_finds_nothing():
@@ -66,6 +74,32 @@ def test_ruff_would_find_an_unused_import(tmp_path):
         text=True,
     )
     assert out.returncode == 1 and "F401" in out.stdout
+
+
+def test_mypy_finds_nothing():
+    """The package as pyproject.toml [tool.mypy] checks it (files, python_version, the untyped
+    third-party modules it names)."""
+    out = subprocess.run([_mypy()], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy_would_find_a_type_error(tmp_path):
+    (tmp_path / "bad.py").write_text('x: int = "a"\n')
+    out = subprocess.run(
+        [
+            _mypy(),
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--no-incremental",
+            "--cache-dir",
+            str(tmp_path / ".mypy_cache"),
+            str(tmp_path / "bad.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "bad.py:1" in out.stdout and "[assignment]" in out.stdout, out.stdout + out.stderr
 
 
 def test_the_kernels_are_laid_out_as_clang_format_lays_them_out():

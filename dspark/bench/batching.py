@@ -16,7 +16,7 @@ import torch
 
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
-from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
+from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, make_scheduler
 from dspark.errors import DSparkError
 
 ARMS = ("plain", "full", "threshold", "adaptive")
@@ -75,7 +75,9 @@ def bench_batching(
     if draft is None and any(a != "plain" for a in arms):
         raise DSparkError("speculative arms need a draft")
     if "adaptive" in arms:  # profile (or load) the cost curve once, before anything is timed
-        curve = make_scheduler("adaptive", engine.target, draft, curve=curve, max_batch=max(concurrency)).curve
+        adaptive = make_scheduler("adaptive", engine.target, draft, curve=curve, max_batch=max(concurrency))
+        assert isinstance(adaptive, AdaptiveScheduler)  # what make_scheduler makes of "adaptive"
+        curve = adaptive.curve
 
     def arm_engine(arm: str, c: int) -> Engine:
         if arm == "plain":

@@ -132,6 +132,7 @@ def _check_block(block: dict, k: int, where: str) -> tuple[dict, list[str]]:
             errors.append(f"{where}{name} holds values outside [0, 1] (not a probability): {vec}")
     if errors:
         return {"passed": False}, errors
+    assert isinstance(cond, list) and isinstance(marg, list)  # both checked in the loop above
     if not (isinstance(mean, (int, float)) and math.isfinite(mean)):
         return {"passed": False}, [f"{where}mean_accept_length must be a finite number, got {mean!r}"]
 

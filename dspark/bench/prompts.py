@@ -24,7 +24,7 @@ CHAT = "chat"
 @dataclass(frozen=True)
 class PromptSet:
     name: str
-    prompts: tuple[str, ...]
+    prompts: tuple[str | list[int], ...]  # text, or token ids (a `prompt_ids` record)
     source: str
 
 

@@ -37,6 +37,7 @@ from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.step import draft_phase_seconds, target_step
 from dspark.model import fast
+from dspark.model.draft import DSparkDraft
 from dspark.model.load import load_draft
 from dspark.engine.timing import now
 from dspark.errors import DSparkError
@@ -189,7 +190,9 @@ def run(
             f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions"
         )
     timer = ForwardTimer(m32, device)  # native targets: their forward; hf-fp32 engine arms: the module
-    runners, drafts = {}, {}
+    runners: dict[str, _TorchArm | llamacpp.LlamaCppArm] = {}
+    natives: dict[str, NativeTarget] = {}  # the native arms' targets (their drafts run after their steps)
+    drafts: dict[torch.dtype, DSparkDraft] = {}
     try:
         for a in arms:
             kind, fmt = arm_kind(a)
@@ -198,28 +201,26 @@ def run(
                 runners[a] = _TorchArm(model, HFTarget(model), timer, device)
             elif kind == "native":
                 kernel = "torch" if a.endswith("@torch") else "auto"
-                runners[a] = _TorchArm(None, NativeTarget(m32, weights=fmt, ops=kernel), timer, device)
+                natives[a] = NativeTarget(m32, weights=fmt, ops=kernel)
+                runners[a] = _TorchArm(None, natives[a], timer, device)
                 if draft is not None:  # one draft per activation dtype, shared by the arms of that dtype
-                    dt = runners[a].target.dtype
+                    dt = natives[a].dtype
                     if dt not in drafts:
                         drafts[dt] = load_draft(draft, m32, dtype=dt)
                         fast.set_weights(drafts[dt], draft_weights)
             else:
                 runners[a] = llamacpp.LlamaCppArm(target, threads, n_ctx=max(len(ids) + tokens, context + 8) + 16)
-        tps = {a: [] for a in arms}
-        over = {a: [] for a in arms}
-        cost = {a: [] for a in arms}
-        phase = {a: [] for a in arms}
-        drafted = {
-            a: drafts.get(getattr(runners[a].target, "dtype", None)) if arm_kind(a)[0] == "native" else None
-            for a in arms
-        }
+        tps: dict[str, list[float]] = {a: [] for a in arms}
+        over: dict[str, list[float]] = {a: [] for a in arms}
+        cost: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
+        phase: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
+        drafted = {a: drafts.get(natives[a].dtype) if arm_kind(a)[0] == "native" else None for a in arms}
         with torch.inference_mode():
             for a in arms:  # warm-up: first calls pay allocator and kernel selection
                 runners[a].decode(ids, 8)
                 runners[a].forward_costs(32, reps=1)
                 if drafted[a] is not None:
-                    _draft_phases(drafted[a], runners[a].target, reps=1)
+                    _draft_phases(drafted[a], natives[a], reps=1)
             for r in range(rounds):
                 order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
                 for a in order:
@@ -229,7 +230,7 @@ def run(
                         over[a].append(o)
                     cost[a].append(runners[a].forward_costs(context))
                     if drafted[a] is not None:
-                        phase[a].append(_draft_phases(drafted[a], runners[a].target))
+                        phase[a].append(_draft_phases(drafted[a], natives[a]))
     finally:
         timer.close()
         for arm in runners.values():

@@ -174,8 +174,8 @@ def make_call(settings: MixSettings, index: int) -> Call:
     rng = random.Random(f"{settings.seed}:{index}")
     roll = rng.random()
     if roll < settings.malformed_share:
-        name, path, body, status, extra = rng.choice(_malformed(settings.model, settings.context))
-        return Call(index, path, body, status, f"malformed:{name}", **extra)
+        name, path, raw, status, extra = rng.choice(_malformed(settings.model, settings.context))
+        return Call(index, path, raw, status, f"malformed:{name}", **extra)
     disconnect = roll < settings.malformed_share + settings.disconnect_share
     chat = rng.random() < CHAT_SHARE
     long = rng.random() < LONG_SHARE
@@ -603,7 +603,8 @@ def _calls(mix: MixSettings, start: int, count: int | None):
 def summarize(report: SoakReport, outcomes: list[Outcome]) -> None:
     """Counts, latencies and tokens/s of the soak's outcomes into `report`."""
     report.sent = len(outcomes)
-    refused, unexpected = Counter(), Counter()
+    refused: Counter[str] = Counter()
+    unexpected: Counter[str] = Counter()
     for o in outcomes:
         if o.problem is not None:
             unexpected[f"HTTP {o.status}" if o.status is not None else o.problem.partition(":")[0]] += 1
@@ -632,14 +633,16 @@ def compare_greedy(
 ) -> None:
     """Each distinct greedy request decoded alone (concurrency 1, not streamed) against every
     answer it got in the soak: text and finish reason must be the same."""
-    served = [o for o in outcomes if o.greedy_key is not None and o.problem is None]
+    served = [(o.greedy_key, o) for o in outcomes if o.greedy_key is not None and o.problem is None]
     solo: dict[str, Outcome] = {}
-    for key in sorted({o.greedy_key for o in served}):
+    for key in sorted({k for k, _ in served}):
         call = calls_by_key[key]
+        if call.solo_body is None:
+            raise ValueError(f"greedy call {call.label!r} has no solo body to send alone")
         solo[key] = send(port, Call(-1, call.path, call.solo_body, 200, "solo " + call.label), timeout)
     report.greedy_checked, report.greedy_distinct = len(served), len(solo)
-    for o in served:
-        ref = solo[o.greedy_key]
+    for key, o in served:
+        ref = solo[key]
         if ref.problem is not None or (o.text, o.finish) != (ref.text, ref.finish):
             report.greedy_differed += 1
             if len(report.greedy_examples) < 5:
@@ -675,6 +678,8 @@ def run_soak(serve_args: list[str], settings: SoakSettings, port: int | None = N
 def _soak(server: ServerProcess, settings: SoakSettings, tell) -> SoakReport:
     port = server.port
     _, models = get_json(port, "/v1/models", 10)
+    if not isinstance(models, dict):
+        raise RuntimeError(f"/v1/models answered {models[:200]!r}, not JSON")
     card = models["data"][0]
     mix = MixSettings(
         card["id"],

@@ -15,6 +15,7 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ from dspark.bench.runner import (
 from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
+from dspark.prompts import encode_prompts
 from dspark.target.load import SMOLLM2
 
 DEFAULT_CONCURRENCY = 4
@@ -162,7 +164,7 @@ def reproduce_command(args) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _target_id(target: str) -> str:
+def _target_id(target: str) -> str | None:
     return "HuggingFaceTB/SmolLM2-135M-Instruct" if target == SMOLLM2 else checkpoint_id(target)
 
 
@@ -173,7 +175,7 @@ def build_runners(arms, engine, args) -> dict:
     eos = engine.eos_token_ids
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    runners = {}
+    runners: dict[str, HFRunner | EngineRunner] = {}
     for arm in arms:
         if arm.kind in ("hf", "lookup"):
             runners[arm.name] = HFRunner(model, eos, pad, args.lookup_tokens if arm.kind == "lookup" else None)
@@ -225,9 +227,10 @@ def run(args) -> int:
     device = config.device
     machine = machine_info(device)
     load = machine["load_average_start"]
-    if load and os.cpu_count() and load[0] > 0.5 * os.cpu_count():
+    cores = os.cpu_count()
+    if load and cores and load[0] > 0.5 * cores:
         print(
-            f"note: load average {load[0]} on {os.cpu_count()} cores before the run: other work shares this "
+            f"note: load average {load[0]} on {cores} cores before the run: other work shares this "
             "machine, tokens/s will be noisy (ratios suffer less: arms are interleaved)",
             file=sys.stderr,
         )
@@ -236,7 +239,8 @@ def run(args) -> int:
     chat = not args.no_chat and bool(getattr(tokenizer, "chat_template", None))
     if not args.no_chat and not chat:
         print("note: the target's tokenizer has no chat template: prompts are fed raw", file=sys.stderr)
-    encoded = {ps.name: [engine.encode(t, chat=chat) for t in ps.prompts] for ps in sets}
+    # a `prompt_ids` record is fed as it is, as every other command that reads prompt files feeds it
+    encoded = {ps.name: encode_prompts(engine, ps.prompts, chat) for ps in sets}
     params_for = sampling_params(
         args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.ignore_eos
     )
@@ -276,7 +280,7 @@ def run(args) -> int:
     machine["load_average_end"] = load_average()
     table = aggregate(chunks, arms, [s.name for s in sets])
     profile_arm = _profile_arm(arms)
-    results = {
+    results: dict[str, Any] = {
         "command": reproduce_command(args),
         "machine": machine,
         "config": {
@@ -315,7 +319,8 @@ def run(args) -> int:
     files = {"results_json": out / "results.json", "results_md": out / "results.md"}
     refused = None
     if profile_arm is not None:
-        if table["all"][profile_arm.name].metrics is None or table["all"][profile_arm.name].metrics.steps == 0:
+        profiled = table["all"][profile_arm.name].metrics
+        if profiled is None or profiled.steps == 0:
             results["profile_skipped"] = f"arm {profile_arm.name} made no verify step (every request ended at prefill)"
             print(f"note: no speculation profile: {results['profile_skipped']}", file=sys.stderr)
         else:

@@ -136,14 +136,14 @@ def print_report(report: Report) -> None:
                 f"{r.mean_loglik:.3f}",
                 f"{report.fits[r.name].misfit:.3f}" if r.name in report.fits else "-",
             )
-            c = report.comparisons.get(r.name)
-            if c is not None:
-                style = {"better": "bold red", "open": "yellow", "not better": ""}[c.status]
+            cmp = report.comparisons.get(r.name)
+            if cmp is not None:
+                style = {"better": "bold red", "open": "yellow", "not better": ""}[cmp.status]
                 vt.add_row(
                     r.name,
-                    f"{c.gain:+.0%} ({c.z:+.1f})",
-                    f"{c.ll_gain:+.3f} ({c.ll_z:+.1f})",
-                    RText(c.status + (f" ({c.by})" if c.by else ""), style=style),
+                    f"{cmp.gain:+.0%} ({cmp.z:+.1f})",
+                    f"{cmp.ll_gain:+.3f} ({cmp.ll_z:+.1f})",
+                    RText(cmp.status + (f" ({cmp.by})" if cmp.by else ""), style=style),
                 )
         console.print(rt)
         console.print(vt)

@@ -91,7 +91,7 @@ def _mark_streamer(console: Console):
         if not req.finished:
             show(req)
 
-    on_tokens.finish = show
+    on_tokens.finish = show  # type: ignore[attr-defined]  # a function attribute: the callback's second entry point
     return on_tokens
 
 
@@ -116,7 +116,7 @@ def run(args) -> int:
     ids = engine.encode(args.prompt, chat=args.chat)
     compare = args.compare and engine.draft is not None
     plain = engine.derive(speculative=False) if compare else None
-    if compare:  # both arms warmed up (allocator, kernels, caches) before anything is timed
+    if plain is not None:  # compare: both arms warmed up (allocator, kernels, caches) before anything is timed
         warm = SamplingParams(
             max_new_tokens=min(16, args.max_new_tokens),
             temperature=args.temperature,
@@ -161,6 +161,7 @@ def run(args) -> int:
             plain_tok, base_s = plain_tok + len(p_req.output_ids), base_s + p_secs
             base = p_req if base is None else base  # the plain output compared with the streamed one
             rounds.append(round((len(s_req.output_ids) / s_secs) / (len(p_req.output_ids) / p_secs), 3))
+        assert base is not None  # compare_rounds >= 1: a round ran
         out["tokens_per_second"] = round(spec_tok / spec_s, 2)
         out["compare_rounds"] = args.compare_rounds
         # each round's own ratio: their spread is the noise the overall figure carries

@@ -516,6 +516,7 @@ def _probe(args) -> int:
     draft = None if draft_path is None else load_draft(str(draft_path), model)
     taps = cfg.taps()
     progress = not args.quiet
+    train_f: OnlineFeatures | CachedFeatures
     if args.features == "online":
         train_f, train_taps = OnlineFeatures(model, taps or (1,), seqs, runtime="auto"), taps or (1,)
     else:
@@ -765,14 +766,14 @@ def _all(args) -> int:
         )
     )
     prompts = _prompts(args.heldout_prompts, None)[: args.eval_prompts]
-    res = engine_eval(
+    ev = engine_eval(
         engine,
         prompts,
         max_new_tokens=args.eval_max_new_tokens,
         chat_template=not args.no_chat_template,
         progress=not args.quiet,
     )
-    (root / "engine_eval.json").write_text(json.dumps(res, indent=2) + "\n")
-    _print_eval(res, False)
+    (root / "engine_eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+    _print_eval(ev, False)
     print(f"all stages done in {(time.perf_counter() - t0) / 60:.1f} min (this invocation)")
     return 0

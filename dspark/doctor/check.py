@@ -134,7 +134,12 @@ def measure(
     for _ in FACTORS:  # each pass can only remove a change, so this ends
         # The simpler readings an explanation is judged against must stand on the same text as the
         # evidence: one dropped early would keep an irrelevant change in the diagnosis.
-        stale = [r for r in simpler_readings(readings, best) if r.anchors < evidence.anchors] if best else []
+        # explain() names both or neither
+        stale = (
+            [r for r in simpler_readings(readings, best) if r.anchors < evidence.anchors]
+            if best is not None and evidence is not None
+            else []
+        )
         if not stale:
             break
         with torch.inference_mode():
@@ -143,7 +148,7 @@ def measure(
                     add_scores(r, score_anchors(draft, r.spec, text, g_max, context_for(draft, r.spec, text)))
                 report.comparisons[r.name] = paired(declared, r, rule)
         best, evidence, _ = explain(readings, report.comparisons, rule)
-    if best is not None:
+    if best is not None and evidence is not None:  # explain() names both or neither
         report.best, report.found_by = best, "behaviour"
         report.diagnoses = [
             diagnosis(declared, best, f, report.comparisons[evidence.name], evidence) for f in best.factors

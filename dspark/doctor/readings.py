@@ -16,7 +16,7 @@ from dspark.doctor.report import (
 )
 from dspark.engine.step import teacher_forced
 from dspark.formats.load import force_layout
-from dspark.formats.spec import query_slots_for
+from dspark.formats.spec import DraftSpec, Layout, query_slots_for
 from dspark.model.draft import ContextCache
 
 # ---- one reading -------------------------------------------------------------------------------
@@ -63,10 +63,10 @@ def context_for(draft, spec, text: Text):
 # ---- the readings ------------------------------------------------------------------------------
 
 
-def layout_readings(spec) -> list[tuple[object, str]]:
+def layout_readings(spec: DraftSpec) -> list[tuple[DraftSpec, str]]:
     """(spec, label): the declared layout, the other layout keeping gamma (a consistent file with
     the layout flag flipped), and the other layout keeping block_size (a flag read wrongly)."""
-    other = "bonus_anchor" if spec.layout == "anchor_first" else "anchor_first"
+    other: Layout = "bonus_anchor" if spec.layout == "anchor_first" else "anchor_first"
     out = [(spec, PRETTY_LAYOUT[spec.layout])]
     keep_gamma = replace(
         spec,

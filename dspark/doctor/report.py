@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dspark.bench.paired import slot_weights
+from dspark.formats.spec import DraftSpec
 
 EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNDECIDED = 0, 3, 4
 MIN_GAIN = 0.03  # an alternative reading "better" gives this much more tokens per step (tau) ...
@@ -69,7 +70,7 @@ class Text:
 class Reading:
     """One way of reading the draft: the declared DraftSpec with some of FACTORS changed."""
 
-    spec: object
+    spec: DraftSpec
     shift: int = 0  # hidden_state_indices = declared + shift
     factors: tuple[str, ...] = ()  # which FACTORS differ from the declared reading
     label: str = ""  # the layout part of the name
@@ -133,7 +134,7 @@ class Check:
 class Report:
     target: str
     draft: str
-    declared: object  # DraftSpec
+    declared: DraftSpec
     checks: list[Check] = field(default_factory=list)
     readings: list[Reading] = field(default_factory=list)
     comparisons: dict = field(default_factory=dict)  # reading name -> Comparison (vs declared)

@@ -196,7 +196,7 @@ def fit_sts(
 class StepRecorder:
     """Engine step observer: one record per (step, request) of (raw conf logits [g], verified, accepted)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.request_ids: list[str] = []
         self.logits: list[list[float]] = []
         self.verified: list[int] = []

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -19,8 +19,8 @@ from dspark.engine.detok import Detokenizer
 from dspark.engine.marks import TokenMark, step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams, probs, sample
-from dspark.engine.scheduler import FullScheduler, VerifyPolicy
-from dspark.engine.step import Batch, StepResult, decode_step, flush_context
+from dspark.engine.scheduler import DraftPrior, FullScheduler, VerifyPolicy
+from dspark.engine.step import Batch, StepResult, decode_step, draft_taps, flush_context
 from dspark.errors import DSparkError, RequestError
 from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
@@ -70,6 +70,8 @@ class Request:
         before that the incremental decode less the characters a stop string could begin with."""
         if self.finished and self.text is not None:
             return self.text
+        if self.detok is None:
+            raise DSparkError("streaming text needs a tokenizer: this engine has none (stream token ids)")
         self.detok.update(self.output_ids)
         return self.detok.streamable()
 
@@ -79,6 +81,13 @@ class StepObserver(Protocol):
     (the verification policy is one; calibration records through another)."""
 
     def observe(self, res: StepResult, requests: list[Request]) -> None: ...
+
+
+def _metrics(req: Request) -> SpecMetrics:
+    """A running request's own counters (add_request gives every request its own)."""
+    if req.metrics is None:
+        raise RuntimeError(f"request {req.id} has no metrics: requests enter the engine through add_request")
+    return req.metrics
 
 
 class Engine:
@@ -107,9 +116,10 @@ class Engine:
         self.observers: list[StepObserver] = []
         # Set by dspark.api.build_engine: the resolved EngineConfig, lines for the user about it, and
         # what the load-time check measured about the draft (scheduler.DraftPrior, or None)
-        self.config = None
+        # (dspark.api.EngineConfig, not named here: dspark.api imports this module and circles are refused)
+        self.config: Any = None
         self.notes: list[str] = []
-        self.prior = None
+        self.prior: DraftPrior | None = None
 
     def derive(
         self, *, speculative: bool = True, policy: VerifyPolicy | None = None, max_batch: int | None = None
@@ -188,7 +198,7 @@ class Engine:
             ctx = self.draft.new_context_cache(1, dev)
             # the prompt's taps wait like a skipped step's (flush_context): a request that never
             # drafts never pays the draft's context update
-            pending = [taps]
+            pending = [draft_taps(taps)]
         gen = self._generator(req.params)
         last = logits[0, -1]
         first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
@@ -231,7 +241,7 @@ class Engine:
             torch.tensor([req.output_ids[-1]], device=dev),
             [req.params],
             [gen],
-            [taps] if self.draft is not None else [],
+            [draft_taps(taps)] if self.draft is not None else [],
         )
 
     def _fail(self, req: Request, err: BaseException, where: str) -> None:
@@ -260,6 +270,7 @@ class Engine:
             exc_info=not isinstance(err, DSparkError),
         )
         named = set(getattr(err, "rows", None) or ())
+        assert self.batch is not None  # the step that failed ran on it
         reqs, gens = self.running, self.batch.generators
         self.running, self.batch = [], None
         finished = []
@@ -285,9 +296,11 @@ class Engine:
     def _merge(self, a: Batch, b: Batch) -> Batch:
         for x in (a, b):  # rows joining must share one context length: no taps left waiting
             flush_context(self.draft, x)
+        if a.ctx is not None and b.ctx is None:
+            raise RuntimeError("merging a batch with a draft context and one without")
         return Batch(
             self.target.merge([a.target, b.target]),
-            ContextCache.merge([a.ctx, b.ctx]) if a.ctx is not None else None,
+            ContextCache.merge([a.ctx, b.ctx]) if a.ctx is not None and b.ctx is not None else None,
             torch.cat([a.anchors, b.anchors]),
             a.params + b.params,
             a.generators + b.generators,
@@ -303,6 +316,7 @@ class Engine:
             return
         rows = torch.tensor(keep, device=self.target.device)
         b = self.batch
+        assert b is not None  # requests were running: they are its rows
         self.batch = Batch(
             self.target.select(b.target, rows),
             b.ctx.select(rows) if b.ctx is not None else None,
@@ -328,6 +342,7 @@ class Engine:
                 break
         req.output_ids.extend(new)
         if marks is not None:
+            assert req.marks is not None  # marks come only for a request that records them
             req.marks.extend(marks[: len(new)])
         if p.stop and req.detok is not None:
             req.detok.update(req.output_ids)
@@ -410,12 +425,12 @@ class Engine:
                 # drafts leaves the drafts past it out, and its statistics agree with its tokens
                 acc = min(res.accepted[b], kept)
                 ver = res.verified[b] if kept == len(committed) else min(res.verified[b], kept)
-                req.metrics.record(res.drafted[b], ver, acc)
+                _metrics(req).record(res.drafted[b], ver, acc)
                 self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
             if req.finished:
                 finished.append(req)
         share = 1.0 / len(running)
-        for m in [self.metrics] + [r.metrics for r in running]:
+        for m in [self.metrics] + [_metrics(r) for r in running]:
             w = 1.0 if m is self.metrics else share
             m.t_draft += res.t_draft * w
             m.t_verify += res.t_verify * w

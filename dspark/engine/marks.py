@@ -51,6 +51,8 @@ def step_marks(
     out = [TokenMark(t, "accepted", step, k + 1, conf(k)) for k, t in enumerate(committed[:accepted])]
     last = committed[accepted]
     if verified > accepted:  # the target rejected the draft at slot accepted+1 and wrote its own token
+        if drafts is None:
+            raise ValueError("step_marks: a step that drafted and rejected a draft names its drafts")
         out.append(TokenMark(last, "corrected", step, accepted + 1, conf(accepted), drafts[accepted]))
     else:
         out.append(TokenMark(last, "bonus", step, accepted + 1))
@@ -63,7 +65,7 @@ class TextPieces:
     Runs a detokenizer of its own (the request's tokenizer and stop strings) one token at a time,
     so the pieces are the streamed text cut per token whoever else reads the request."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.done = 0  # marks given their text
         self.chars = 0  # characters of the stream handed out with them
         self.detok: Detokenizer | None = None

@@ -96,7 +96,7 @@ def batch_tokens(n: np.ndarray) -> int:
     return int(len(n) * (1 + (n.max() if len(n) else 0)))
 
 
-def admit(surv: np.ndarray, sps: Callable[[int], float], *, early_stop: bool = True) -> np.ndarray:
+def admit(surv: np.ndarray | list[list[float]], sps: Callable[[int], float], *, early_stop: bool = True) -> np.ndarray:
     """Algorithm 1: survivals [R, g] (prefix survival of each drafted slot) -> verify lengths n [R].
 
     Start from the anchors alone (B = R tokens, expected committed tokens tau = R: each
@@ -347,8 +347,10 @@ class AdaptiveScheduler(VerifyPolicy):
         that is known (REALISED_MIN verified requests), the confidence head's prediction elsewhere.
         An uncalibrated head that promises more than the target grants would otherwise keep a
         losing draft running."""
+        if self.survival is None:
+            raise RuntimeError("expected_survival() before any survival estimate (no drafting step, no prior)")
         s = self.survival.copy()
-        if self.realised is not None:
+        if self.realised is not None and self.realised_n is not None:  # set together
             known = self.realised_n >= REALISED_MIN
             s[known] = self.realised[known]
         return np.minimum.accumulate(s)  # survival cannot grow with depth
@@ -417,7 +419,7 @@ class AdaptiveScheduler(VerifyPolicy):
         return False
 
     def _observe_acceptance(self, g: int, verified: list[int], accepted: list[int]) -> None:
-        if self.realised is None:
+        if self.realised is None or self.realised_n is None:  # set together
             self.realised, self.realised_n = np.zeros(g), np.zeros(g, dtype=np.int64)
         for j in range(g):
             seen = [a for v, a in zip(verified, accepted) if v > j]  # plain ints: see `admit`

@@ -16,6 +16,7 @@ skips drafting (`should_draft`); its taps reach the draft context at the next dr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -119,6 +120,8 @@ def draft_block(
         h, base = out[0].to(draft.fc.weight.dtype), out[1]  # h: what the Python heads read
     else:
         if taps is not None:
+            if counts is None:
+                raise ValueError("draft_block: taps for the context come with counts (how many of each row to commit)")
             draft.extend_context(ctx, taps, counts)
         h = draft.block_states(anchors, ctx, stop)  # [B, stop, H]
         base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
@@ -145,11 +148,14 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
     anchors = batch.anchors
     B = anchors.shape[0]
     sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
+    if batch.ctx is None:
+        raise ValueError("propose: the batch has no draft context (it was made without a draft)")
     taps, counts = take_pending(batch)
     block = draft_block(draft, anchors, batch.ctx, len(rows), taps, counts, walk=not sampled)
     if block.tokens is not None:
         return Proposal(tokens=block.tokens, q=[None] * B, conf_logits=block.conf)
     h, base, state = block.h, block.base, block.state
+    assert h is not None and base is not None  # a block the kernels did not walk holds its states and logits
     prev, tokens, embs = anchors, [], []
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     for k, row in enumerate(rows):
@@ -208,7 +214,7 @@ def draft_phase_seconds(
         ctx, torch.zeros(1, context, width, device=dev, dtype=dtype), torch.tensor([context], device=dev)
     )
     batch = Batch(
-        target=None,
+        target=cast(TargetState, None),  # a drafting phase alone: propose reads no target state
         ctx=ctx,
         anchors=torch.zeros(1, dtype=torch.long, device=dev),
         params=[SamplingParams()],
@@ -242,6 +248,7 @@ def teacher_forced(
     rows, mh = draft.spec.sampled_rows, draft.markov_head
     block = draft_block(draft, anchors, ctx)
     h, base, state = block.h, block.base, block.state
+    assert h is not None and base is not None  # not walked: the block holds its states and logits
     prev, tokens, logps = anchors, [], []
     for k, row in enumerate(rows):
         logits = base[:, k]
@@ -294,7 +301,16 @@ def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
         return
     taps, counts = take_pending(batch)
     if taps is not None:
+        if batch.ctx is None or counts is None:
+            raise ValueError("flush_context: the batch has no draft context (it was made without a draft)")
         draft.extend_context(batch.ctx, taps, counts)
+
+
+def draft_taps(taps: torch.Tensor | None) -> torch.Tensor:
+    """The taps a target forward returned for the draft context (a target with a draft taps)."""
+    if taps is None:
+        raise RuntimeError("the target returned no taps for the draft context (it taps none of the draft's layers)")
+    return taps
 
 
 @torch.inference_mode()
@@ -313,12 +329,13 @@ def decode_step(
     drafting = draft is not None and policy.should_draft(batch)
     prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
     caught_up = sum(t.shape[1] for t in batch.pending) if drafting else 0
-    if drafting:
+    if drafting and draft is not None:
         prop = propose(draft, batch, policy.draft_depth(batch))
     g = prop.tokens.shape[1] if prop is not None else 0
     t1 = now(dev)
     plain_greedy = not g and all(p.greedy for p in batch.params)
     if g:
+        assert prop is not None  # g > 0: the drafts of a proposal
         n = policy.verify_lengths(prop, batch)
         m = int(n.max()) if B else 0
         tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
@@ -341,21 +358,23 @@ def decode_step(
         # without fp32 logits"); the padding positions' tokens are never read
         best, taps = target.forward(batch.target, tokens, 1 + n, logits="argmax")
         t3 = now(dev)
+        assert prop is not None  # g > 0
         accepted, nxt = greedy_accept_ids(best, prop.tokens[:, : tokens.shape[1] - 1], n)
     else:
         logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
         t3 = now(dev)
+        assert prop is not None  # drafts, or the empty proposal of sampled rows
         accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
     if not plain_greedy:
         keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
     target.commit(batch.target, keep)
     t4 = now(dev)
     if drafting:  # the committed positions' taps reach the draft context with the next block's call
-        batch.unposted = (taps, keep)
+        batch.unposted = (draft_taps(taps), keep)
     elif draft is not None:  # a plain step committed one token per row (taps: [B, 1, D], a new tensor)
         if batch.unposted is not None:  # the last drafting step's taps go in first, where they belong
             flush_context(draft, batch)
-        batch.pending.append(taps)
+        batch.pending.append(draft_taps(taps))
     t5 = now(dev)
     batch.anchors = nxt
     nxt_ids = nxt.tolist()
@@ -363,6 +382,7 @@ def decode_step(
     if plain_greedy:
         acc, verified, committed = [0] * B, [0] * B, [[i] for i in nxt_ids]
     else:
+        assert prop is not None  # not plain greedy: a proposal, if an empty one
         acc, drafts, verified = accepted.tolist(), prop.tokens.tolist(), n.tolist()
         committed = [drafts[b][: acc[b]] + [nxt_ids[b]] for b in range(B)]
     return StepResult(

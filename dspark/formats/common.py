@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from dspark.errors import FormatError
 from dspark.formats.spec import (
     MARKOV_HEAD_TYPES,
     Backbone,
     DraftSpec,
+    FormatName,
     LayerAttention,
+    Layout,
     query_slots_for,
 )
 
@@ -84,6 +86,10 @@ def get_str(cfg: dict, key: str, prefix: str = "", *, default: Any = _MISSING):
     return value
 
 
+@overload
+def get_dict(cfg: dict, key: str, prefix: str = "", *, required: Literal[True] = True) -> dict: ...
+@overload
+def get_dict(cfg: dict, key: str, prefix: str = "", *, required: bool) -> dict | None: ...
 def get_dict(cfg: dict, key: str, prefix: str = "", *, required: bool = True) -> dict | None:
     where = key_path(prefix, key)
     value = cfg.get(key)
@@ -110,7 +116,7 @@ def get_layer_ids(cfg: dict, key: str, prefix: str = "", *, minimum: int) -> tup
         raise FormatError(f"{where} is missing (a list of layer ids is required)")
     if not isinstance(value, list) or not value:
         raise FormatError(f"{where} must be a non-empty list of integers, got {value!r}")
-    ids = []
+    ids: list[int] = []
     for i, item in enumerate(value):
         if not _is_int(item):
             raise FormatError(f"{where}[{i}] must be an integer, got {item!r}")
@@ -420,8 +426,8 @@ def parse_heads(cfg: dict, prefix: str, *, defaults: dict | None, warnings: list
 class Resolved:
     """What a reader decided, before the generic checks turn it into a DraftSpec."""
 
-    format: str
-    layout: str
+    format: FormatName
+    layout: Layout
     layout_source: str
     gamma: int
     block_size: int
@@ -451,11 +457,11 @@ def build_spec(r: Resolved) -> DraftSpec:
     if len(r.layer_attention) != r.backbone.num_layers:
         raise FormatError(f"{len(r.layer_attention)} layer attention entries for {r.backbone.num_layers} layers")
     return DraftSpec(
-        format=r.format,  # type: ignore[arg-type]
-        layout=r.layout,  # type: ignore[arg-type]
+        format=r.format,
+        layout=r.layout,
         layout_source=r.layout_source,
         gamma=r.gamma,
-        query_slots=query_slots_for(r.layout, r.gamma),  # type: ignore[arg-type]
+        query_slots=query_slots_for(r.layout, r.gamma),
         block_size=r.block_size,
         hidden_state_indices=r.hidden_state_indices,
         mask_token_id=r.mask_token_id,

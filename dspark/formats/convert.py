@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from dspark.errors import FormatError
 from dspark.formats.load import load_spec, load_weights, locate, read_config
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, backbone_of
 from dspark.formats.weights import WeightsMeta, check_dtypes, check_finite, check_shapes, check_vocab_maps
 
 TARGETS = ("speculators", "deepspec")
@@ -186,7 +186,7 @@ def _qwen3_backbone(spec: DraftSpec, family_name: str):
 
 
 def _backbone_keys(spec: DraftSpec) -> dict:
-    b = spec.backbone
+    b = backbone_of(spec)
     rope = {"rope_type": "default", **(b.rope_scaling or {}), "rope_theta": b.rope_theta}
     return {
         "hidden_size": b.hidden_size,
@@ -207,7 +207,7 @@ def _backbone_keys(spec: DraftSpec) -> dict:
 
 def _head_keys(spec: DraftSpec, *, explicit: bool) -> dict:
     """Head settings; DeepSpec omits the keys it does not use, speculators writes them all."""
-    keys = {"markov_rank": spec.markov_rank, "enable_confidence_head": spec.confidence_head}
+    keys: dict[str, int | str] = {"markov_rank": spec.markov_rank, "enable_confidence_head": spec.confidence_head}
     if explicit or spec.markov_rank > 0:
         keys["markov_head_type"] = spec.markov_head_type
     if explicit or spec.confidence_head:

@@ -8,9 +8,9 @@ MoE blocks with hyper-connections and MLA attention, which dspark's backbone doe
 from __future__ import annotations
 
 from dspark.errors import FormatError
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, FormatName
 
-FORMAT = "deepseek_v4"
+FORMAT: FormatName = "deepseek_v4"
 KEYS = ("dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank", "dspark_noise_token_id")
 
 

@@ -18,9 +18,9 @@ from dspark.formats.common import (
     parse_heads,
     window_is_gated,
 )
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, FormatName
 
-FORMAT = "deepspec"
+FORMAT: FormatName = "deepspec"
 ARCHITECTURES = {"qwen3dsparkmodel": "qwen3", "gemma4dsparkmodel": "gemma4"}
 
 
@@ -40,7 +40,10 @@ def _architecture(config: dict) -> str | None:
 
 def read(config: dict, weights_meta) -> DraftSpec:
     warnings: list[str] = []
-    family = ARCHITECTURES[_architecture(config)]
+    arch = _architecture(config)
+    if arch is None:
+        raise FormatError(f"architectures={config.get('architectures')!r} names no DeepSpec draft")
+    family = ARCHITECTURES[arch]
     qk_norm = weights_meta.has("layers.0.self_attn.q_norm.weight") if weights_meta is not None else True
     backbone = parse_backbone(config, "", family=family, qk_norm=qk_norm, warnings=warnings)
     block_size = get_int(config, "block_size", minimum=1)

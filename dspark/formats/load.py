@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeGuard
 
 from dspark.errors import FormatError
 from dspark.formats import deepseek_v4, deepspec, specforge, speculators
-from dspark.formats.spec import DraftSpec, query_slots_for
+from dspark.formats.spec import DraftSpec, Layout, query_slots_for
 from dspark.formats.weights import WeightsMeta, check_dtypes, check_finite, check_shapes, check_vocab_maps, iter_tensors
 
 LAYOUTS = ("anchor_first", "bonus_anchor")
+
+
+def is_layout(name: str) -> TypeGuard[Layout]:
+    return name in LAYOUTS
+
+
 # Most specific first; a file matching two of them is refused (its layout would be a guess).
 READERS = (speculators, deepseek_v4, specforge, deepspec)
 
@@ -119,7 +126,7 @@ def pick_reader(config: dict):
 
 
 def force_layout(spec: DraftSpec, layout: str) -> DraftSpec:
-    if layout not in LAYOUTS:
+    if not is_layout(layout):
         raise FormatError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     # The draft was built with block_size query rows; only which rows are read changes.
     gamma = spec.block_size if layout == "anchor_first" else spec.block_size - 1

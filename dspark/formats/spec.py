@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from dspark.errors import FormatError
+
 Layout = Literal["anchor_first", "bonus_anchor"]
 FormatName = Literal["deepspec", "speculators", "specforge", "deepseek_v4"]
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -101,6 +103,13 @@ class DraftSpec:
             "verifier": self.verifier,
             "warnings": list(self.warnings),
         }
+
+
+def backbone_of(spec: DraftSpec) -> Backbone:
+    """spec.backbone, which every reader sets: a description made without one has no layers to build or check."""
+    if spec.backbone is None:
+        raise FormatError("the draft description has no backbone (hidden size, heads, ...)")
+    return spec.backbone
 
 
 def query_slots_for(layout: Layout, gamma: int) -> int:

@@ -21,9 +21,9 @@ from dspark.formats.common import (
     parse_backbone,
     parse_heads,
 )
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, FormatName
 
-FORMAT = "specforge"
+FORMAT: FormatName = "specforge"
 DC = "dflash_config"
 
 # SpecForge's DSparkConfig defaults: transformers' save_pretrained omits a value equal to the

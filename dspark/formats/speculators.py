@@ -22,9 +22,9 @@ from dspark.formats.common import (
     parse_heads,
     window_is_gated,
 )
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, FormatName, Layout
 
-FORMAT = "speculators"
+FORMAT: FormatName = "speculators"
 MODEL_TYPE = "dspark"
 TL = "transformer_layer_config"
 
@@ -88,7 +88,7 @@ def read(config: dict, weights_meta) -> DraftSpec:
 # ---------------------------------------------------------------- layout
 
 
-def resolve_layout(config: dict, block_size: int, warnings: list[str]) -> tuple[str, str, int]:
+def resolve_layout(config: dict, block_size: int, warnings: list[str]) -> tuple[Layout, str, int]:
     """(layout, layout_source, gamma) from sample_from_anchor, speculative_tokens and block_size."""
     tokens = speculative_tokens(config)
     flag = config.get("sample_from_anchor")
@@ -98,7 +98,7 @@ def resolve_layout(config: dict, block_size: int, warnings: list[str]) -> tuple[
         warnings.append("sample_from_anchor is null: treated as absent (legacy file)")
 
     if flag is not None:
-        layout = "anchor_first" if flag else "bonus_anchor"
+        layout: Layout = "anchor_first" if flag else "bonus_anchor"
         expected = _gamma(layout, block_size)
         if tokens is not None and tokens != expected:
             raise FormatError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import FormatError
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, backbone_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -130,6 +130,8 @@ def iter_tensors(meta: WeightsMeta):
 
     by_file: dict[Path, list[str]] = {}
     for name, info in meta.infos.items():
+        if info.file is None:
+            raise FormatError(f"tensor {name} of {meta.origin} is held in memory: there is no file to read it from")
         by_file.setdefault(info.file, []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
@@ -269,7 +271,7 @@ def check_shapes(spec: DraftSpec, meta: WeightsMeta) -> None:
     for name, shape in req.items():
         if not meta.has(name):
             raise FormatError(f"tensor {name} is missing from {meta.origin} (expected shape {list(shape)})")
-    gemma_layers = spec.backbone.family == "gemma4"
+    gemma_layers = backbone_of(spec).family == "gemma4"
     for name in meta.names():
         expected = req.get(name, opt.get(name))
         if expected is None:
@@ -277,7 +279,7 @@ def check_shapes(spec: DraftSpec, meta: WeightsMeta) -> None:
             if gemma_layers and m and int(m.group(1)) < spec.num_layers:
                 continue
             raise FormatError(f"unexpected tensor {name} in {meta.origin}: {_unexpected_reason(spec, name)}")
-        got = meta.shape(name)
+        got = meta.infos[name].shape
         if got != expected:
             raise FormatError(f"tensor {name} has shape {list(got)}, expected {list(expected)}: {_why(spec, name)}")
 
@@ -288,13 +290,13 @@ def _unexpected_reason(spec: DraftSpec, name: str) -> str:
     if name.startswith("confidence_head."):
         return f"config says the confidence head is {'on' if spec.confidence_head else 'off'}"
     if name.startswith("layers."):
-        b = spec.backbone
+        b = backbone_of(spec)
         return f"config says {spec.num_layers} draft layer(s) (qk_norm={b.qk_norm}, attention_bias={b.attention_bias})"
     return "not part of a DSpark draft"
 
 
 def _layer_shapes(spec: DraftSpec, i: int) -> dict[str, tuple[int, ...]]:
-    b = spec.backbone
+    b = backbone_of(spec)
     H, I = b.hidden_size, b.intermediate_size
     q, kv = b.num_attention_heads * b.head_dim, b.num_key_value_heads * b.head_dim
     p = f"layers.{i}."

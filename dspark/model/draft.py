@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dspark.errors import FormatError
-from dspark.formats.spec import DraftSpec
+from dspark.formats.spec import DraftSpec, backbone_of
 from dspark.model import fast
 from dspark.model.heads import ConfidenceHead, MarkovHead
 from dspark.model.layers import DraftLayer, LayerKV, Rope
@@ -121,6 +122,7 @@ class DSparkDraft(nn.Module):
         self.confidence_head = None
         if spec.confidence_head:
             self.confidence_head = ConfidenceHead(H + (spec.markov_rank if spec.confidence_head_with_markov else 0))
+        self.d2t: torch.Tensor | None  # a buffer with a reduced draft vocabulary
         if spec.has_d2t:
             self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         else:
@@ -183,7 +185,8 @@ class DSparkDraft(nn.Module):
         """taps [N, T, n_taps*Ht] (tapped target states of committed positions) -> per-layer K/V."""
         ctx = self.hidden_norm(self.fc(taps))  # [N, T, H]
         cos, sin = self.rope(positions, ctx.dtype)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+        # a ModuleList's items are typed Module: these are the DraftLayers __init__ made
+        return [cast(DraftLayer, layer).self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def _masks(self, anchors: torch.Tensor, T: int, S: int) -> list[torch.Tensor]:
         """One [G, 1, n*S, T + n*S] bool mask per layer (spec.layer_attention) for groups of n
@@ -302,13 +305,15 @@ class DSparkDraft(nn.Module):
         if self.confidence_head is None:
             return None
         if self.spec.confidence_head_with_markov:
+            if prev_emb is None:
+                raise ValueError("a confidence head with markov reads the embeddings of the tokens before each slot")
             h = torch.cat([h, prev_emb.to(h.dtype)], dim=-1)
         return self.confidence_head(h)
 
     def new_context_cache(self, batch: int, device, dtype=None) -> ContextCache:
         """An empty context cache for `batch` requests, in `dtype` (default: what the draft decodes
         with here, fast.context_dtype: bf16 where dspark's kernels run it)."""
-        b = self.spec.backbone
+        b = backbone_of(self.spec)
         dtype = fast.context_dtype(self) if dtype is None else dtype
         empty = torch.zeros(batch, b.num_key_value_heads, 0, b.head_dim, device=device, dtype=dtype)
         return ContextCache(

@@ -6,7 +6,7 @@ Defaults suit small targets; DeepSpec's own heads use 5 taps spread from layer 1
 from __future__ import annotations
 
 from dspark.errors import FormatError
-from dspark.formats.spec import Backbone, DraftSpec, LayerAttention, query_slots_for
+from dspark.formats.spec import Backbone, DraftSpec, LayerAttention, Layout, query_slots_for
 
 
 def default_taps(num_target_layers: int, n_taps: int) -> tuple[int, ...]:
@@ -21,7 +21,7 @@ def make_spec(
     target_config,
     *,
     gamma: int = 7,
-    layout: str = "anchor_first",
+    layout: Layout = "anchor_first",
     num_layers: int = 2,
     n_taps: int = 3,
     taps: tuple[int, ...] | None = None,

@@ -65,7 +65,7 @@ def _pack(w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> list[torch.Tenso
 def _matrices(draft) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Every matrix of the draft as the kernels take it, with its bias: fc, then per layer the
     fused q/k/v, the fused k/v (the context update), o, the fused gate/up and down."""
-    out = [(draft.fc.weight, None)]
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(draft.fc.weight, None)]
     for layer in draft.layers:
         a, m = layer.self_attn, layer.mlp
         out += [

@@ -75,6 +75,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(H, self.num_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(H, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        self.q_norm: Qwen3RMSNorm | None
+        self.k_norm: Qwen3RMSNorm | None
         if b.qk_norm:
             self.q_norm = Qwen3RMSNorm(self.head_dim, eps=b.rms_norm_eps)
             self.k_norm = Qwen3RMSNorm(self.head_dim, eps=b.rms_norm_eps)

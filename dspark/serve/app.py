@@ -145,6 +145,7 @@ def create_app(
             await asyncio.to_thread(worker.stop)
 
     async def check_key(request: Request) -> None:
+        assert api_key is not None  # the check is installed only with a key
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(

@@ -17,15 +17,18 @@ import asyncio
 import copy
 import queue
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from dspark.errors import DSparkError
-from dspark.serve.protocol import GenRequest, bad, default_max_tokens, quote
+from dspark.serve.protocol import GenRequest, Messages, bad, default_max_tokens, quote
 from dspark.target.text import encode_prompt
 
 try:
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError as _JinjaTemplateError
+
+    TEMPLATE_ERRORS: tuple[type[Exception], ...] = (_JinjaTemplateError,)
 except ImportError:  # no jinja2: transformers cannot render chat templates either
-    TemplateError = ()
+    TEMPLATE_ERRORS = ()
 
 TOKENIZER_THREADS = 2  # a long prompt being tokenized leaves a thread for the next short one
 NORMALIZER_SLACK = 4  # a normalizer (NFC, NFKC) can compose several characters into one
@@ -41,7 +44,7 @@ def max_chars_per_token(tokenizer) -> int:
 
 def prompt_chars(req: GenRequest) -> int:
     if req.kind == "chat":
-        return sum(len(m["content"]) for m in req.prompt)
+        return sum(len(m["content"]) for m in cast(Messages, req.prompt))  # a chat request holds messages
     return len(req.prompt)
 
 
@@ -70,8 +73,9 @@ class PromptEncoder:
 
     async def encode(self, req: GenRequest) -> tuple[list[int], int]:
         """The prompt's token ids and max_tokens (the endpoint's default resolved), or a 400."""
+        ids: list[int]
         if req.kind == "completion" and isinstance(req.prompt, tuple):
-            ids = list(req.prompt)
+            ids = list(cast(tuple[int, ...], req.prompt))  # a completion's tuple is token ids
         else:
             self._check_chars(req)
             ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenize, req)
@@ -102,7 +106,7 @@ class PromptEncoder:
             return list(encode_prompt(tok, list(req.prompt) if chat else req.prompt, chat))
         except DSparkError as err:  # a target without a chat template
             raise bad(req.prompt_param, str(err)) from None
-        except TemplateError as err:  # the template's own refusal, e.g. roles that do not alternate
+        except TEMPLATE_ERRORS as err:  # the template's own refusal, e.g. roles that do not alternate
             raise bad("messages", f"the chat template refused these messages: {quote(str(err), 200)}") from None
         finally:
             self._free.put(tok)

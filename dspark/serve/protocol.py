@@ -84,12 +84,15 @@ def _text(param: str, s: str) -> str:
     return s
 
 
+Messages = tuple[dict[str, str], ...]  # a chat request's {"role", "content"} messages
+
+
 @dataclass(frozen=True)
 class GenRequest:
     """One validated generation request, independent of the endpoint it came from."""
 
     kind: str  # "completion" | "chat"
-    prompt: object  # str, tuple of token ids, or tuple of {"role", "content"} dicts (chat)
+    prompt: str | tuple[int, ...] | Messages  # text or token ids (completion), messages (chat)
     max_tokens: int | None  # None: the endpoint's default (see default_max_tokens)
     temperature: float = 1.0  # OpenAI's default
     top_p: float = 1.0

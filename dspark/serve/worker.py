@@ -22,12 +22,16 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dspark.engine.marks import TextPieces
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.serve.prometheus import ServerMetrics
 from dspark.serve.protocol import APIError, GenRequest, bad, usage
+
+if TYPE_CHECKING:
+    from dspark.engine.engine import Request
 
 log = logging.getLogger("dspark")
 
@@ -78,7 +82,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.settled = False  # loop side: no abort needed (outcome delivered, or abort already sent)
         # worker side
-        self.engine_req = None
+        self.engine_req: Request | None = None
         self.in_flight = False  # counts against the admission limit until closed
         self.closed = False
         self.started = False
@@ -86,6 +90,13 @@ class Job:
         self.pieces = TextPieces() if req.marks else None
         # every mark so far, for a non-streamed body (a stream has handed them out already)
         self.marks: list[dict] | None = [] if req.marks and not req.stream else None
+
+    @property
+    def request(self) -> Request:
+        """The engine's request of an admitted job (every job in the worker's table is one)."""
+        if self.engine_req is None:
+            raise RuntimeError(f"{self.id} was never admitted to the engine")
+        return self.engine_req
 
     def push(self, event) -> None:
         try:
@@ -265,7 +276,9 @@ class EngineWorker:
     def _take_marks(self, job: Job) -> list[dict]:
         """The marks of job's tokens committed since the last call, as the wire carries them."""
         out = []
-        for m in job.pieces.take(job.engine_req):
+        if job.pieces is None:
+            raise RuntimeError(f"{job.id} asked for no marks")
+        for m in job.pieces.take(job.request):
             d = m.to_dict()
             if m.draft is not None:  # what the draft had written where the target corrected it
                 d["draft_text"] = self.engine.decode([m.draft])
@@ -290,7 +303,7 @@ class EngineWorker:
         self._running = len(eng.running)
         # decoded this step: those still running plus those it finished (prefill-only finishes are not returned)
         self.metrics.engine_step(eng.metrics, seconds, len(eng.running) + len(finished))
-        done = [j for j in self._jobs.values() if j.engine_req.finished]
+        done = [j for j in self._jobs.values() if j.request.finished]
         now = time.perf_counter()
         self._rate.append((now, self._generated))
         while now - self._rate[0][0] > RATE_WINDOW_S:
@@ -331,7 +344,7 @@ class EngineWorker:
         }
 
     def _finish(self, job: Job) -> None:
-        r = job.engine_req
+        r = job.request
         if r.finish_reason == "error":  # this request alone failed (engine.Engine._recover); the batch goes on
             return self._fail([job], r.error or "internal error in the engine")
         self._close(job)
@@ -341,12 +354,16 @@ class EngineWorker:
         text = r.text if r.text is not None else self.engine.decode(r.output_ids)
         if not text.startswith(job.sent):
             log.warning("dspark serve: %s: streamed text is not a prefix of the final text (detokenizer)", job.id)
+        reason = r.finish_reason
+        if reason is None:
+            raise RuntimeError(f"{job.id} is not finished")
+        assert r.metrics is not None  # add_request gives every request its metrics
         spec = r.metrics.to_dict() if self.engine.draft is not None else None
         tail_marks = self._take_marks(job) if job.pieces is not None else None
-        self.metrics.count(r.finish_reason)  # before the client can see the answer: /metrics never lags it
+        self.metrics.count(reason)  # before the client can see the answer: /metrics never lags it
         job.push(
             Done(
-                r.finish_reason,
+                reason,
                 text,
                 text[len(job.sent) :],
                 usage(len(r.prompt_ids), len(r.output_ids)),

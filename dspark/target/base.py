@@ -7,7 +7,7 @@ The engine, the decode step and the benchmarks see only this protocol.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -39,8 +39,14 @@ class TargetState(Protocol):
     pending: int
 
 
+# The state type a target makes and takes back: each runtime reads only its own states
+# (`Target` unparameterised, as the engine names it, is any runtime's).
+StateT = TypeVar("StateT", bound=TargetState)
+
+
 @runtime_checkable
-class Target(Protocol):
+class Target(Protocol[StateT]):
+    model: Any  # the Hugging Face model whose weights it runs (the reference path)
     device: torch.device
     dtype: torch.dtype
     vocab_size: int
@@ -51,22 +57,22 @@ class Target(Protocol):
         """Tap index i = input of decoder layer i (0 = the embeddings; the layer count = the last
         layer's output before the final norm)."""
 
-    def view(self, tap_indices: tuple[int, ...] = ()) -> "Target":
+    def view(self, tap_indices: tuple[int, ...] = ()) -> "Target[StateT]":
         """The same weights with taps of its own."""
 
-    def new_state(self, batch: int = 1) -> TargetState: ...
+    def new_state(self, batch: int = 1) -> StateT: ...
 
     def forward(
-        self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
+        self, state: StateT, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B, S] (row b valid for its first counts[b]) at positions continuing each row ->
         (the `logits` mode's output, taps [B, S, n_taps * H] or None), written past the committed
         lengths, pending until `commit`. Raises RequestError past max_length and NonFiniteError
         (naming the rows) where the states are NaN/inf."""
 
-    def commit(self, state: TargetState, keep: torch.Tensor) -> None:
+    def commit(self, state: StateT, keep: torch.Tensor) -> None:
         """Keep the first keep[b] pending positions of each row, drop the rest."""
 
-    def select(self, state: TargetState, rows: torch.Tensor) -> TargetState: ...
+    def select(self, state: StateT, rows: torch.Tensor) -> StateT: ...
 
-    def merge(self, states: list[TargetState]) -> TargetState: ...
+    def merge(self, states: list[StateT]) -> StateT: ...

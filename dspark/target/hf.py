@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from dspark.errors import RequestError
 from dspark.target.base import check_finite
@@ -27,6 +27,15 @@ def decoder_layers(model) -> torch.nn.ModuleList:
         if isinstance(layers, torch.nn.ModuleList):
             return layers
     raise RequestError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def _kv(layer: CacheLayerMixin | LinearAttentionCacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache layer's (keys, values), as a forward wrote them."""
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise RequestError(
+            f"target cache layer {type(layer).__name__} holds no keys and values (full-attention layers only)"
+        )
+    return layer.keys, layer.values
 
 
 @dataclass
@@ -56,7 +65,7 @@ class HFTarget:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.set_taps(tap_indices)
 
     def view(self, tap_indices: tuple[int, ...] = ()) -> "HFTarget":
@@ -95,7 +104,7 @@ class HFTarget:
     @torch.inference_mode()
     def forward(
         self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*Hidden].
 
         Positions continue each row's committed length; padding rows/keys are masked out.
@@ -148,8 +157,9 @@ class HFTarget:
                 raise RequestError(
                     f"target cache layer {type(layer).__name__} is not supported (full-attention layers only)"
                 )
-            layer.keys = pack(layer.keys, state.lengths, old, keep)
-            layer.values = pack(layer.values, state.lengths, old, keep)
+            keys, values = _kv(layer)
+            layer.keys = pack(keys, state.lengths, old, keep)
+            layer.values = pack(values, state.lengths, old, keep)
         state.lengths = state.lengths + keep
         state.pending = 0
 
@@ -160,14 +170,16 @@ class HFTarget:
         if state.cache.is_initialized:
             T = int(out.lengths.max()) if len(rows) else 0
             for li, layer in enumerate(state.cache.layers):
-                cache.update(layer.keys[rows][:, :, :T], layer.values[rows][:, :, :T], li)
+                keys, values = _kv(layer)
+                cache.update(keys[rows][:, :, :T], values[rows][:, :, :T], li)
         return out
 
     def merge(self, states: list[TargetState]) -> TargetState:
         """One batch from several states (a request joins the batch after its own prefill)."""
         cache = DynamicCache(config=self.config)
         for li in range(len(states[0].cache.layers)):
-            keys = merge_rows([s.cache.layers[li].keys for s in states])
-            values = merge_rows([s.cache.layers[li].values for s in states])
+            kvs = [_kv(s.cache.layers[li]) for s in states]
+            keys = merge_rows([k for k, _ in kvs])
+            values = merge_rows([v for _, v in kvs])
             cache.update(keys, values, li)
         return TargetState(cache, torch.cat([s.lengths for s in states]))

@@ -33,6 +33,8 @@ class NativeState:
     def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(keys, values) [B, Hkv, C, D] of each layer], views of kv."""
         if not self._views or self._views[0] is not self.kv:
+            if self.kv is None:
+                raise RuntimeError("layer_kv() before reserve(): the state holds no kv tensor yet")
             self._views = (self.kv, [(layer[0], layer[1]) for layer in self.kv])
         return self._views[1]
 

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,7 +129,8 @@ def smollm2_dir() -> Path:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
-        model.hf_quantizer = None
+        # torch's stub of Module.__setattr__ takes modules and tensors only
+        model.hf_quantizer = None  # type: ignore[assignment]
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -149,6 +151,7 @@ def resolve_target(name_or_path: str) -> Path:
 
 def resolve_target_file(name_or_path: str) -> tuple[Path | None, str | None]:
     """The file that holds a target's weights (hashed into data manifests) and its chat template."""
+    weights: Path | None
     if name_or_path == SMOLLM2:
         weights, path = smollm2_gguf(), smollm2_dir()
     else:
@@ -168,7 +171,9 @@ def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
     """-> (model, tokenizer or None)."""
     device = device or default_device()
     path = resolve_target(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device))
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose stub mypy does not bind to the instance
+    model = model.to(device).eval()  # type: ignore[arg-type]
     tokenizer = None
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -244,7 +249,8 @@ def open_target(
             )
         else:
             weights = FLOAT_NAMES[act]
-    target = make_target(model, "native", weights, act_dtype=act)  # refuses an unsupported model by name
+    # refuses an unsupported model by name; the native runtime makes a NativeTarget
+    target = cast(NativeTarget, make_target(model, "native", weights, act_dtype=act))
     if runtime == "auto":
         notes.append(f"runtime auto -> {target.describe()}")
     return target, tokenizer, notes

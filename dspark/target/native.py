@@ -54,8 +54,9 @@ def supports(model) -> tuple[bool, str]:
     mt = getattr(cfg, "model_type", None)
     if mt not in FAMILIES:
         return False, f"architecture {type(model).__name__} (model_type {mt!r}) is not one of {', '.join(FAMILIES)}"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return False, f"{type(model).__name__}: activation {cfg.hidden_act!r} (only silu is implemented)"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"{type(model).__name__}: activation {act!r} (only silu is implemented)"
     rope = _rope_type(cfg)
     if rope not in STATIC_ROPE:
         return (
@@ -344,7 +345,7 @@ class NativeTarget:
     @torch.inference_mode()
     def forward(
         self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*H].
 
         logits="last": only each row's last valid position -> [B, 1, V] (prefill needs no more).
@@ -361,19 +362,19 @@ class NativeTarget:
         B, S = tokens.shape
         dev = self.device
         tokens = tokens.to(dev, torch.long)  # the layer stack reads int64 ids (F.embedding took int32 too)
-        full = counts is None
         lengths = state.lengths
         L0 = int(lengths.max())
-        if (L0 + S if full else int((lengths + counts.to(dev)).max())) > self.max_length:
+        if (L0 + S if counts is None else int((lengths + counts.to(dev)).max())) > self.max_length:
             raise RequestError(f"sequence would exceed the target's context of {self.max_length} tokens")
         state.reserve(L0 + S, self._alloc)
         H, width = self.embed.shape[1], self._tap_width
         ids = None
-        if self._stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
-            argmax = logits == "argmax" and self._stack.head
-            # the call makes the taps [B, S, n*H] and writes each tap as its layer runs
-            out = self._ext.layers_forward(
-                self._stack.id,
+        stack = self._stack
+        if stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
+            argmax = logits == "argmax" and stack.head
+            # the call makes the taps [B, S, n*H] and writes each tap as its layer runs (stack.ext is self._ext)
+            out = stack.ext.layers_forward(
+                stack.id,
                 tokens,
                 self.embed,
                 state.kv,
@@ -398,6 +399,7 @@ class NativeTarget:
             x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
             x, h = torch_layers.layers(self, x, state, pos, L0, tapped)
         for col, src in self._tap_fill:
+            assert tapped is not None  # _tap_fill lists taps: the width is not 0, so the taps were made
             tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]
         state.pending = S
         # a NaN / inf row must end its own request, not become tokens (engine.Engine._recover); on the
@@ -409,11 +411,11 @@ class NativeTarget:
         if logits == "argmax":
             return (ids if ids is not None else kernels.argmax(self._logits(h))), tapped
         if logits == "last":
-            if full:
+            if counts is None:  # full
                 return self._logits(h[:, -1:]), tapped  # [B, 1, V]
             h = h[torch.arange(B, device=dev), counts.to(dev) - 1][:, None]  # [B, 1, H]
             return self._logits(h), tapped
-        if full or bool((counts == S).all()):
+        if counts is None or bool((counts == S).all()):
             return self._logits(h), tapped
         valid = torch.arange(S, device=dev)[None, :] < counts.to(dev)[:, None]  # [B, S]
         out = torch.zeros(B, S, self.vocab_size, device=dev)

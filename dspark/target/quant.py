@@ -21,7 +21,7 @@ FLOAT_NAMES = {v: k for k, v in FLOATS.items()}  # a float dtype -> its weight-f
 GROUP = 32  # int4 group size along the input dimension (GGUF Q4_0/Q4_1 blocks are 32 weights)
 
 
-def int4_groups(w: torch.Tensor, group: int = GROUP):
+def int4_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit quantisation per `group` inputs (the GGUF Q4_1 rule: min and (max-min)/15).
 
     w [N, K] -> (q [N, K] int32 in 0..15, scale [N, K/group], minimum [N, K/group]) all fp32.
@@ -124,6 +124,7 @@ class Linear:
         if self.packed is not None:
             return kernels.packed_linear(x, self.packed, self.b, self.out_features)
         if self.fmt in FLOATS:
+            assert self.w is not None  # a float format not packed keeps its weight as is
             return F.linear(x, self.w, self.b)
         if self.q4 is not None or self.q8 is not None:  # dspark's tile takes x's own shape
             y = kernels.q4_linear(x, self.q4) if self.q4 is not None else kernels.q8_linear(x, self.q8)

@@ -73,6 +73,7 @@ def layers(t, x, state, pos, L0: int, tapped):
             q = t._ext.rope_cache_bf16(qk, v, t.cos, t.sin, kc, vc, pos)  # [B, S, Hq, D]
             o = t._ext.attn_bf16(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
         else:
+            assert cos is not None and sin is not None  # the table rows are gathered unless fused_attn
             qk = rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
             q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
             if uniform:
@@ -112,5 +113,7 @@ def add_norm(
         return ext.add_rms_bf16(x, r, w, eps, NO_TENSOR if col < 0 else taps, max(col, 0))
     x = x + r
     if col >= 0:
+        if taps is None:
+            raise ValueError(f"add_norm: col={col} names columns of taps, but no taps were given")
         taps[..., col : col + x.shape[-1]] = x
     return x, rms(x, w, eps)

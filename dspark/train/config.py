@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from dspark.formats.spec import MARKOV_HEAD_TYPES
+from dspark.formats.spec import MARKOV_HEAD_TYPES, Layout
 from dspark.model.factory import make_spec
 from dspark.train.errors import TrainError
 
@@ -40,7 +40,7 @@ RESUMABLE_CHANGES = {
 @dataclass
 class DraftOptions:
     gamma: int = 7
-    layout: str = "anchor_first"
+    layout: Layout = "anchor_first"
     num_layers: int = 2
     intermediate_size: int | None = None  # None: the target's
     kv_heads: int | None = None  # None: the target's (each context position passes kv_heads * head_dim values)

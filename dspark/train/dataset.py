@@ -90,7 +90,8 @@ def load_sequences(path, vocab_size: int | None = None, max_len: int | None = No
 def token_subset(seqs: list[Sequence], answer_tokens: int, seed: int) -> list[Sequence]:
     """A seeded random subset holding about `answer_tokens` answer tokens (whole sequences, at least one)."""
     g = torch.Generator().manual_seed(seed)
-    out, total = [], 0
+    out: list[Sequence] = []
+    total = 0
     for i in torch.randperm(len(seqs), generator=g).tolist():
         if out and total >= answer_tokens:
             break

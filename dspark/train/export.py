@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from transformers import AutoConfig
@@ -28,7 +29,14 @@ from dspark.train.vocab import t2d_mask
 HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
-def default_verifier(target: str, target_config) -> dict:
+class Verifier(TypedDict):
+    """The verifier a speculators config records."""
+
+    name_or_path: str
+    architectures: list[str]
+
+
+def default_verifier(target: str, target_config) -> Verifier:
     """The verifier recorded in speculators configs: hub id for bundled targets, else the path given."""
     if target in HUB_IDS:
         name = HUB_IDS[target]
@@ -116,7 +124,7 @@ def export_run(run_dir, dst, fmt: str | None = None, verifier: str | None = None
     cfg = read_run_config(run_dir)
     state = load_state(run_dir)
     target_config = AutoConfig.from_pretrained(resolve_target(cfg.target))
-    ver = (
+    ver: Verifier = (
         {"name_or_path": verifier, "architectures": list(target_config.architectures or [])}
         if verifier
         else default_verifier(cfg.target, target_config)

@@ -55,7 +55,9 @@ class TapCapture:
     def __init__(self, model, taps: tuple[int, ...]):
         layers = decoder_layers(model)
         check_taps(taps, len(layers))
-        self.taps, self.captured, self._hooks = tuple(taps), {}, []
+        self.taps = tuple(taps)
+        self.captured: dict[int, torch.Tensor] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for i in self.taps:
             module = model.get_input_embeddings() if i == 0 else layers[i - 1]
             self._hooks.append(module.register_forward_hook(self._hook(i)))
@@ -89,6 +91,8 @@ def run_native(target: NativeTarget, seqs: list[Sequence]) -> list[tuple[torch.T
     batch through a fresh cache, the final states post-norm as `last_hidden_state` is."""
     ids, counts = right_padded(seqs)
     final, taps = target.forward(target.new_state(len(seqs)), ids, counts, logits="final")
+    if taps is None:
+        raise RuntimeError("run_native: the target taps no layer (set its taps to the draft's first)")
     return [(taps[b, : len(s.ids)], final[b, : len(s.ids)]) for b, s in enumerate(seqs)]
 
 
@@ -215,6 +219,7 @@ def build_cache(
     finally:
         extract.close()
         bar.close()
+    assert widths is not None  # seqs is not empty (check_head read its first): a batch ran
     meta = {
         "version": CACHE_VERSION,
         "target": target_name,

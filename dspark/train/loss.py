@@ -155,7 +155,7 @@ class TargetHead:
             z = self.lm_head(x).float()
             return F.log_softmax(z, dim=-1), z.argmax(-1)
         part = F.linear(x, self.rows, self.row_bias).float()
-        if self.lse is None or keys is None:
+        if self.lse is None or self.top is None or keys is None:  # lse and top are made together
             z = self.lm_head(x).float()
             return part - z.logsumexp(-1, keepdim=True), z.argmax(-1)
         keys = keys.cpu()

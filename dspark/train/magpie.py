@@ -16,6 +16,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import AbstractSet, Any
 
 import numpy as np
 import torch
@@ -334,7 +335,7 @@ def write_prompts(
     sampling: PromptSampling,
     stops: set[int],
     filters: FilterSettings | None = None,
-    protected: set[tuple[str, ...]] = frozenset(),
+    protected: AbstractSet[tuple[str, ...]] = frozenset(),
     max_batches: int | None = None,
     progress: bool = True,
 ) -> FilterReport:
@@ -344,7 +345,7 @@ def write_prompts(
     out.parent.mkdir(parents=True, exist_ok=True)
     side = out.with_name(out.name + ".meta.json")
     meta = {"sampling": dict(sampling.__dict__), "filters": dict((filters or FilterSettings()).__dict__)}
-    state = json.loads(side.read_text()) if side.exists() else {"batches": 0, **meta}
+    state: dict[str, Any] = json.loads(side.read_text()) if side.exists() else {"batches": 0, **meta}
     if {k: state.get(k) for k in meta} != meta:
         raise TrainError(f"{out} was written with other sampling or filter settings: use another --out")
     filt = PromptFilter(filters or FilterSettings(), set(protected))

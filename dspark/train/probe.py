@@ -76,12 +76,13 @@ class ProbeSettings:
     def check(self, num_layers: int | None = None) -> None:
         """TrainError on a bad setting; the taps' range too once the target's layer count is known."""
         parse_inputs(",".join(self.inputs))
-        for n in self.taps() if num_layers is not None else ():
-            if not 0 <= n <= num_layers:
-                raise TrainError(
-                    f"--inputs 'tap:{n}': N must be in 0..{num_layers} for this {num_layers}-layer "
-                    f"target ({num_layers}: the last layer's output before the final norm)"
-                )
+        if num_layers is not None:
+            for n in self.taps():
+                if not 0 <= n <= num_layers:
+                    raise TrainError(
+                        f"--inputs 'tap:{n}': N must be in 0..{num_layers} for this {num_layers}-layer "
+                        f"target ({num_layers}: the last layer's output before the final norm)"
+                    )
         for k in ("pairs", "width", "batch", "curve_points", "curve_anchors"):
             if getattr(self, k) < 1:
                 raise TrainError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
@@ -239,6 +240,11 @@ class Probe(nn.Module):
     ):
         super().__init__()
         H = head.shape[1]
+        # buffers (torch's Module stub would read them as Tensor | Module)
+        self.head: torch.Tensor
+        self.embed: torch.Tensor | None
+        self.shift: torch.Tensor
+        self.scale: torch.Tensor
         self.register_buffer("head", head.detach().to(head_dtype), persistent=False)
         self.register_buffer("embed", None if embed is None else embed.detach().to(torch.bfloat16), persistent=False)
         d_in = in_states + (0 if embed is None else embed.shape[1])
@@ -309,8 +315,13 @@ def fit(probe: Probe, train: Pairs, held: Pairs, cfg: ProbeSettings, progress: b
         return min(1.0, max(step / steps if steps else 0.0, elapsed / budget if budget else 0.0))
 
     curve, fit_s, curve_s, step, next_point, losses = [], 0.0, 0.0, 0, 1, []
+    if not steps and budget is None:
+        raise TrainError("a probe fit needs steps or a time budget")  # steps is None only under a time budget
     bar = tqdm(
-        total=steps or int(math.ceil(budget)), desc="probe fit", unit="step" if steps else "s", disable=not progress
+        total=steps or int(math.ceil(budget or 0)),
+        desc="probe fit",
+        unit="step" if steps else "s",
+        disable=not progress,
     )
     while True:
         t0 = time.perf_counter()

@@ -61,7 +61,8 @@ def pack(shards: list, out, *, target_file=None, chat_template: str | None = Non
     }
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (TOKENS + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
+    # numpy's stub matches **arrays against its allow_pickle: bool keyword too
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]
     tmp.replace(out / TOKENS)
     prompt_tokens = int(arrays["prompt_len"].sum())
     manifest = {

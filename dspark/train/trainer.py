@@ -208,13 +208,13 @@ class Run:
         self.target_head = TargetHead(self.lm_head, draft_ids, positions=self.offsets[-1])
         self.held_head = TargetHead(self.lm_head, draft_ids, positions=sum(len(s.ids) for s in self.held or []))
         distributed.broadcast_parameters(ctx, self.draft)
-        self.features = self._features()
-        self.held_features = None
+        self.features: OnlineFeatures | CachedFeatures | ScaledFeatures = self._features()
+        self.held_features: OnlineFeatures | ScaledFeatures | None = None
         if self.held is not None and ctx.main:
             self.held_features = OnlineFeatures(
                 self.model, self.spec.hidden_state_indices, self.held, cfg.feature_batch_tokens, cfg.feature_runtime
             )
-        self.tap_scale = None
+        self.tap_scale: torch.Tensor | None = None
         # a checkpoint from before tap scaling existed holds weights for raw taps: keep it that way
         if cfg.tap_scale and (saved is None or saved.get("tap_scale") is not None):
             self._scale_taps(None if saved is None else saved["tap_scale"])
@@ -284,8 +284,11 @@ class Run:
         V = self.spec.vocab_size
         ids = select_draft_vocab(self.seqs, V, self.spec.draft_vocab_size)
         head = self.model.get_output_embeddings().weight
+        d2t = self.draft.d2t
+        if d2t is None:
+            raise TrainError("a reduced draft vocabulary needs a draft with d2t (has_d2t)")
         with torch.no_grad():
-            self.draft.d2t.copy_(d2t_offsets(ids).to(self.draft.d2t.device))
+            d2t.copy_(d2t_offsets(ids).to(d2t.device))
             self.draft.lm_head.weight.copy_(head.detach()[ids.to(head.device)].float())
         self.draft.lm_head.weight.requires_grad_(False)
         answers = sum(int(s.loss_mask.sum()) for s in self.seqs)
@@ -367,7 +370,9 @@ class Run:
     def chunks(self, local: list[int], blocks: list) -> list[list[int]]:
         """Positions in `local` grouped so a chunk holds at most cfg.chunk_anchors blocks (a sequence
         with more goes alone): one draft forward per chunk instead of one per sequence."""
-        out, cur, n = [], [], 0
+        out: list[list[int]] = []
+        cur: list[int] = []
+        n = 0
         for k, blk in enumerate(blocks):
             a = blk.anchors.numel()
             if a == 0:
