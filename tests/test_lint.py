@@ -16,18 +16,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _tool(name: str) -> str:
+    """A pinned lint tool, on PATH or beside this Python; the suite fails (never skips) without it."""
+    tool = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if tool is None:
+        pytest.fail(f"{name} is not installed: `bash scripts/setup.sh --test` installs the pinned version")
+    return tool
+
+
 def _ruff() -> str:
-    ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))
-    if ruff is None:
-        pytest.fail("ruff is not installed: `bash scripts/setup.sh --test` installs the pinned version")
-    return ruff
+    return _tool("ruff")
 
 
 def _mypy() -> str:
-    mypy = shutil.which("mypy") or shutil.which("mypy", path=str(Path(sys.executable).parent))
-    if mypy is None:
-        pytest.fail("mypy is not installed: `bash scripts/setup.sh --test` installs the pinned version")
-    return mypy
+    return _tool("mypy")
 
 
 def test_ruff_finds_nothing():
@@ -66,10 +68,9 @@ def test_ruff_format_would_find_a_line_laid_out_otherwise(tmp_path):
 
 
 def test_ruff_would_find_an_unused_import(tmp_path):
-    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     (tmp_path / "bad.py").write_text("import os\n")
     out = subprocess.run(
-        [ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path / "bad.py")],
+        [_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path / "bad.py")],
         capture_output=True,
         text=True,
     )
@@ -105,9 +106,7 @@ def test_mypy_would_find_a_type_error(tmp_path):
 def test_the_kernels_are_laid_out_as_clang_format_lays_them_out():
     """dspark/csrc as the repository's .clang-format lays it out (`clang-format -i dspark/csrc/*.cpp dspark/csrc/*.h`
     fixes it)."""
-    tool = shutil.which("clang-format") or shutil.which("clang-format", path=str(Path(sys.executable).parent))
-    if tool is None:
-        pytest.fail("clang-format is not installed: `bash scripts/setup.sh --test` installs the pinned version")
+    tool = _tool("clang-format")
     csrc = ROOT / "dspark" / "csrc"
     sources = sorted(str(p) for p in [*csrc.glob("*.cpp"), *csrc.glob("*.h")])
     out = subprocess.run([tool, "--dry-run", "--Werror", *sources], cwd=ROOT, capture_output=True, text=True)
