@@ -86,7 +86,7 @@ def into_huge_pages(holders) -> int:
     the tensors then stay as they are).
 
     A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
-    TLB misses a step, and the matmuls stream at ~75 % of the speed they reach in 2 MB pages
+    TLB misses a step, and the matmuls stream measurably slower than in 2 MB pages
     (docs/history/benchmarks.md, "... huge pages, ..."). Only plain CPU tensors move (not oneDNN's packed ones)."""
 
     def held(obj, field):

@@ -245,13 +245,56 @@ def test_adaptive_learns_overhead_and_scale_from_earlier_steps():
 
     sched.observe(Res(), [])
     assert sched.overhead == pytest.approx(0.005)
-    assert sched.scale == pytest.approx(2.0, rel=1e-3)
-    Res.t_verify = 100.0  # a descheduled step: clamped, then averaged in with weight 0.1
+    assert sched.draft_scale == pytest.approx(2.0, rel=1e-3)
+    assert sched.plain_scale == sched.draft_scale  # no skipped step yet: the drafting steps' scale stands in
+    Res.t_verify = 100.0  # a descheduled step: clamped at 4x, then averaged in (the mean of the first steps)
     sched.observe(Res(), [])
-    assert sched.scale == pytest.approx(0.9 * 2.0 + 0.1 * 4.0, rel=1e-3)
+    assert sched.draft_scale == pytest.approx((2.0 + 4.0) / 2, rel=1e-3)
+    for _ in range(20):  # past the first steps: a running average with weight 0.1
+        Res.t_verify = 0.02933
+        sched.observe(Res(), [])
+    before = sched.draft_scale
+    Res.t_verify = 100.0
+    sched.observe(Res(), [])
+    assert sched.draft_scale == pytest.approx(0.9 * before + 0.1 * 4.0, rel=1e-3)
     frozen = AdaptiveScheduler(curve, learn=False)
     frozen.observe(Res(), [])
-    assert (frozen.overhead, frozen.scale) == (0.0, 1.0)
+    assert (frozen.overhead, frozen.draft_scale, frozen.plain_scale) == (0.0, 1.0, 1.0)
+
+
+def test_adaptive_corrects_a_profile_that_overprices_verification_from_the_steps_it_measures():
+    """The start-up profile's 2-token point moves against its 1-token point from one start-up to
+    the next on a shared machine; break-even reads their ratio. Drafting steps and skipped steps
+    each correct the curve for their own forwards, so a profile that made a 2-token verify look
+    20% dearer than one token, where decoding measures 5%, stops hiding a draft that pays."""
+    curve = CostCurve((1, 2, 4), (0.010, 0.012, 0.016))  # the profile: 2 tokens 1.2x one
+    sched = AdaptiveScheduler(curve)
+    sched.seed(DraftPrior(np.array([1] * 29 + [0] * 71), 2, 0.001))  # first slot 0.29
+
+    def step(drafted: bool, t_verify: float):
+        class Res:
+            pass
+
+        res = Res()
+        res.drafted = torch.tensor([2 if drafted else 0])
+        res.verified = torch.tensor([1 if drafted else 0])
+        res.accepted = torch.tensor([0])
+        res.t_draft, res.t_other, res.t_verify, res.caught_up = (0.001 if drafted else 0.0), 0.0, t_verify, 0
+        return res
+
+    R = 1
+    # (0.001 + 0.012) / 0.010 - 1: slot 1 must reach 0.3 and the draft's 0.29 does not
+    assert sched.break_even(R) == pytest.approx(0.30)
+    assert sched.expected_rates(R)[0] < sched.expected_rates(R)[1]
+    for _ in range(30):  # decoding measures 10.0 ms plain, 10.5 ms for a 2-token verify
+        sched.observe(step(False, 0.010), [])
+        sched.observe(step(True, 0.0105), [])
+    assert sched.plain_scale == pytest.approx(1.0)
+    assert sched.draft_scale == pytest.approx(0.0105 / 0.012)
+    assert sched.break_even(R) == pytest.approx((0.001 + 0.0105) / 0.010 - 1, abs=0.02)
+    sched.realised[0] = 0.29  # the acceptance it measures: what the prior said
+    spec, plain = sched.expected_rates(R)
+    assert spec > plain  # now drafting pays
 
 
 def test_policy_errors_are_clear():

@@ -35,7 +35,7 @@ ARM_KINDS = {
     "adaptive": "dspark adaptive",
 }
 SPECULATIVE = ("full", "threshold", "adaptive")
-OVERHEAD_BUDGET = 0.10  # issue 3: engine overhead must stay under 10% of step time
+OVERHEAD_BUDGET = 0.10  # the engine's own time per step must stay under this share of the step
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,7 @@ inline void tile_a8(const int8_t* xq, const float* sx, const float* xsum, int64_
             t[j][m] = _mm256_add_epi32(t[j][m], _mm256_madd_epi16(pairs, ones));
           }
           // each sum added as it comes, in its register: integer adds may be reassociated, and
-          // GCC then spilled every product to the stack to add them later (4-8 rows 7-8 % slower)
+          // GCC then spilled every product to the stack to add them later (slower at 4-8 rows)
           asm("" : "+x"(t[j][m]));
         }
       }

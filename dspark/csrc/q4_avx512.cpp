@@ -72,7 +72,7 @@ inline void tile(const uint16_t* x, int64_t K, const Unpack& unpack, const Scale
           const uint16_t* xp = x + m * K + g * 32 + 4 * r;
           if constexpr (M >= 2) {
             // several rows: each x pair broadcast inside the instruction ({1to16}, one fused load),
-            // the same arithmetic as below with fewer instructions to issue (+25 % at 8 rows)
+            // the same arithmetic as below with fewer instructions to issue (faster at 8 rows)
             asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(t[j][m]) : "v"(wa), "m"(*reinterpret_cast<const uint32_t*>(xp)));
             asm("vdpbf16ps %2%{1to16%}, %1, %0"
                 : "+v"(u[j][m])

@@ -33,10 +33,10 @@ log = logging.getLogger("dspark")
 # been verified this many times, fewer than this share of those first drafts were accepted.
 # Slot 0 rather than the mean acceptance length: a verification policy that trims (threshold,
 # adaptive) lowers the length of a healthy draft, never the acceptance of what it verifies.
-# A draft that accepts next to nothing (random weights, another target's draft) sits near 0%,
-# the bundled SmolLM2 draft at 29% on average and at 10% on its worst prompts. Subtler misreads of a weak
-# draft are `dspark doctor`'s job:
-# on the bundled draft, taps off by one still agree on 35% of first slots (declared: 40%).
+# A draft that accepts next to nothing (random weights, another target's draft) sits near zero,
+# far below a healthy draft even on its worst prompts, so the warning does not fire on hard
+# text. Subtler misreads of a weak draft (taps off by one still agree on most of the first
+# slots a correct reading gets) are `dspark doctor`'s job.
 DEGRADED_AFTER_VERIFIED = 64
 DEGRADED_FIRST_SLOT_RATE = 0.05
 

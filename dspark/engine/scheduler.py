@@ -36,14 +36,12 @@ REALISED_MIN = 16  # verified requests at a depth before its measured acceptance
 SKIP_PROBE_MAX = 256  # a probe that confirms skipping doubles the wait before the next, up to this
 # probes may cost at most this share of the time spent decoding plainly: a draft pass dearer than a
 # target step waits longer between probes (the first wait is max(SKIP_PROBE, probe cost / share)).
-# Measured on SmolLM2 (docs/history/benchmarks.md "what a draft that does not pay still costs ..."): a probe
-# that confirms skipping costs ~6 ms
-# against a ~11 ms plain step; at 0.5 % and waits up to 128 steps probes took 0.4-0.8 % of decoding,
-# most of what a draft that never pays still cost against plain decoding.
+# Probes are most of what a draft that never pays still costs against plain decoding, so the share
+# is that cost's budget (docs/SCHEDULING.md, "Algorithm 1").
 PROBE_SHARE = 0.0025
 # while skipping, the two rates are compared again every RECHECK steps (and after every probe, or
-# when the batch changes): between probes they move by running averages only, and the comparison
-# runs before every step, where ~0.1 ms is 1% of a CPU step
+# when the batch changes): between probes they move by running averages only, and a comparison
+# before every step would be a visible share of a CPU step
 RECHECK = 8
 
 
@@ -227,13 +225,16 @@ class ThresholdScheduler(VerifyPolicy):
 
 
 class AdaptiveScheduler(VerifyPolicy):
-    """Algorithm 1 with SPS(B) = 1 / (overhead + scale * curve.step_time(B)).
+    """Algorithm 1 with SPS(B) = 1 / (overhead + draft_scale * curve.step_time(B)).
 
     overhead = the step's time outside the target forward (draft pass, acceptance, commit),
-    which verification length does not change; scale corrects the start-up profile for the
-    load and context length seen since. Both are running averages of earlier steps (via
-    `observe`), fixed before the current drafts exist, so they cannot leak into losslessness.
-    learn=False keeps overhead 0 and scale 1 (the paper's SPS = verify steps per second).
+    which verification length does not change; draft_scale and plain_scale correct the start-up
+    profile for the load and context length seen since, one from the forwards of drafting steps,
+    one from those of steps that skip drafting: on a shared 2-core machine the profile's 2-token
+    point moves against its 1-token point from one start-up to the next, and break-even reads
+    their ratio. All are running averages of earlier steps (via `observe`), fixed before the
+    current drafts exist, so they cannot leak into losslessness. learn=False keeps overhead 0
+    and both scales 1 (the paper's SPS = verify steps per second).
 
     Admission only trims verification; the draft pass is paid on every drafting step. So before
     a step (`should_draft`) the policy also compares the best expected rate with drafting against
@@ -254,12 +255,15 @@ class AdaptiveScheduler(VerifyPolicy):
         super().__init__(calibration)
         self.curve, self.learn, self.skip, self.probe_share = curve, learn, skip, probe_share
         # overhead: a drafting step's fixed time at depth 1; each slot past the first adds slot_cost
-        self.overhead, self.scale, self.slot_cost = 0.0, 1.0, 0.0
+        self.overhead, self.slot_cost = 0.0, 0.0
+        # measured forward time / the curve's, for drafting steps and for skipped ones; each kind
+        # stands in for the other until it has its own measurement (see `_scale`)
+        self._scales: dict[bool, float] = {}
+        self._scales_n: dict[bool, int] = {True: 0, False: 0}
         self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
         self.survival: np.ndarray | None = None  # running mean predicted prefix survival per depth [g]
         self.realised: np.ndarray | None = None  # running P(first j+1 drafts accepted | verified), per depth
         self.realised_n: np.ndarray | None = None  # how many verified requests each depth has seen
-        self._seen = 0
         self._drafted_seen = 0  # drafting steps behind `overhead` (not counting a prior's draft phase)
         self._plain_seen = 0  # skipped steps behind `plain_overhead`
         self._skipped = 0  # consecutive steps without drafting
@@ -288,7 +292,20 @@ class AdaptiveScheduler(VerifyPolicy):
         self.plain_overhead = 0.0
 
     def sps(self, tokens: int) -> float:
-        return 1.0 / (self.overhead + self.scale * self._step_time(tokens))
+        return 1.0 / (self.overhead + self.draft_scale * self._step_time(tokens))
+
+    def _scale(self, drafted: bool) -> float:
+        return self._scales.get(drafted, self._scales.get(not drafted, 1.0))
+
+    @property
+    def draft_scale(self) -> float:
+        """Measured / profiled time of a drafting step's target forward (running average)."""
+        return self._scale(True)
+
+    @property
+    def plain_scale(self) -> float:
+        """Measured / profiled time of a skipped step's target forward (running average)."""
+        return self._scale(False)
 
     def _step_time(self, tokens: int) -> float:
         """curve.step_time(tokens), looked up once per token count: the policy reads it before and
@@ -327,7 +344,7 @@ class AdaptiveScheduler(VerifyPolicy):
         tau, best = float(R), 0.0
         for j, s in enumerate(self.expected_survival().tolist()):
             tau += R * s
-            rate = tau / (self.overhead + j * self.slot_cost + self.scale * self._step_time(R * (j + 2)))
+            rate = tau / (self.overhead + j * self.slot_cost + self.draft_scale * self._step_time(R * (j + 2)))
             if rate > best:
                 best, self._best_depth = rate, j + 1
         return best, plain
@@ -336,11 +353,11 @@ class AdaptiveScheduler(VerifyPolicy):
         """The first-slot acceptance at which drafting and verifying one slot would commit tokens as
         fast as plain decoding, from the same measured times as `expected_rates`: what a draft must
         reach before it can speed this machine up (above 1: one slot cannot pay here at all)."""
-        return (self.overhead + self.scale * self._step_time(2 * R)) / self._plain_step(R) - 1.0
+        return (self.overhead + self.draft_scale * self._step_time(2 * R)) / self._plain_step(R) - 1.0
 
     def _plain_step(self, R: int) -> float:
         """Expected seconds of a step that skips drafting, at R requests."""
-        return (self.plain_overhead or 0.0) + self.scale * self._step_time(R)
+        return (self.plain_overhead or 0.0) + self.plain_scale * self._step_time(R)
 
     def expected_survival(self) -> np.ndarray:
         """[g] prefix survival per depth for the skip rule: what verification actually accepted where
@@ -360,8 +377,8 @@ class AdaptiveScheduler(VerifyPolicy):
         `probe_share` of the plain decoding time in between (a probe pays the drafting overhead and
         at least one more verified token per request)."""
         plain_step = self._plain_step(R)
-        extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + self.scale * max(
-            0.0, self._step_time(2 * R) - self._step_time(R)
+        extra = max(0.0, self.overhead - (self.plain_overhead or 0.0)) + max(
+            0.0, self.draft_scale * self._step_time(2 * R) - self.plain_scale * self._step_time(R)
         )
         return max(SKIP_PROBE, math.ceil(extra / (self.probe_share * plain_step)))
 
@@ -435,14 +452,16 @@ class AdaptiveScheduler(VerifyPolicy):
             return
         fixed = res.t_draft + res.t_other
         verified = res.verified
-        drafted = res.drafted[0] > 0  # every row of a step drafts, or none does
+        drafted = bool(res.drafted[0] > 0)  # every row of a step drafts, or none does
         tokens = len(verified) * (1 + max(verified)) if drafted else len(verified)  # batch_tokens
         predicted = self._step_time(tokens)
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
-        w = 1.0 if self._seen == 0 else EMA
-        self.scale = (1 - w) * self.scale + w * ratio
-        self._seen += 1
+        # the mean of the first steps of a kind, then a running average: one slow first forward
+        # must not set the ratio of the two kinds, which decides whether drafting pays
+        n = self._scales_n[drafted] = self._scales_n[drafted] + 1
+        w = max(EMA, 1.0 / n)
+        self._scales[drafted] = (1 - w) * self._scales.get(drafted, 0.0) + w * ratio
         if not drafted:  # a skipped step: its fixed time is the plain overhead
             # the first one replaces the stand-in (a drafting step's non-draft part, or a prior's 0)
             w = 1.0 if self._plain_seen == 0 else EMA
