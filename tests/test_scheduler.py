@@ -271,16 +271,16 @@ def test_adaptive_corrects_a_profile_that_overprices_verification_from_the_steps
     sched = AdaptiveScheduler(curve)
     sched.seed(DraftPrior(np.array([1] * 29 + [0] * 71), 2, 0.001))  # first slot 0.29
 
-    def step(drafted: bool, t_verify: float):
-        class Res:
-            pass
-
-        res = Res()
-        res.drafted = torch.tensor([2 if drafted else 0])
-        res.verified = torch.tensor([1 if drafted else 0])
-        res.accepted = torch.tensor([0])
-        res.t_draft, res.t_other, res.t_verify, res.caught_up = (0.001 if drafted else 0.0), 0.0, t_verify, 0
-        return res
+    def step(drafted: bool, t_verify: float) -> SimpleNamespace:
+        return SimpleNamespace(
+            drafted=torch.tensor([2 if drafted else 0]),
+            verified=torch.tensor([1 if drafted else 0]),
+            accepted=torch.tensor([0]),
+            t_draft=0.001 if drafted else 0.0,
+            t_other=0.0,
+            t_verify=t_verify,
+            caught_up=0,
+        )
 
     R = 1
     # (0.001 + 0.012) / 0.010 - 1: slot 1 must reach 0.3 and the draft's 0.29 does not

@@ -259,13 +259,12 @@ class AdaptiveScheduler(VerifyPolicy):
         # measured forward time / the curve's, for drafting steps and for skipped ones; each kind
         # stands in for the other until it has its own measurement (see `_scale`)
         self._scales: dict[bool, float] = {}
-        self._scales_n: dict[bool, int] = {True: 0, False: 0}
+        self._steps = {True: 0, False: 0}  # steps observed of each kind (drafted or not)
         self.plain_overhead: float | None = None  # fixed time of a step that skips drafting
         self.survival: np.ndarray | None = None  # running mean predicted prefix survival per depth [g]
         self.realised: np.ndarray | None = None  # running P(first j+1 drafts accepted | verified), per depth
         self.realised_n: np.ndarray | None = None  # how many verified requests each depth has seen
         self._drafted_seen = 0  # drafting steps behind `overhead` (not counting a prior's draft phase)
-        self._plain_seen = 0  # skipped steps behind `plain_overhead`
         self._skipped = 0  # consecutive steps without drafting
         self._probe_every: int | None = None  # set when skipping starts (_probe_wait)
         self._probing = False  # the last drafting step was a probe between skipped steps
@@ -341,10 +340,10 @@ class AdaptiveScheduler(VerifyPolicy):
         from earlier steps' survivals and timings. Runs before every step: plain floats, no arrays
         (depth j verifies R * (1 + j) tokens)."""
         plain = R / self._plain_step(R)
-        tau, best = float(R), 0.0
+        tau, best, scale = float(R), 0.0, self.draft_scale
         for j, s in enumerate(self.expected_survival().tolist()):
             tau += R * s
-            rate = tau / (self.overhead + j * self.slot_cost + self.draft_scale * self._step_time(R * (j + 2)))
+            rate = tau / (self.overhead + j * self.slot_cost + scale * self._step_time(R * (j + 2)))
             if rate > best:
                 best, self._best_depth = rate, j + 1
         return best, plain
@@ -417,7 +416,7 @@ class AdaptiveScheduler(VerifyPolicy):
             return True
         R = int(batch.anchors.shape[0])
         # the first skipped step replaced the prior's stand-in plain overhead: compare again at once
-        fresh = self._plain_seen == 1 and self._skipped == 1
+        fresh = self._steps[False] == 1 and self._skipped == 1
         if fresh or self._probing or self._skip_R != R or self._skipped % RECHECK == 0:
             spec, plain = self.expected_rates(R)
             if spec >= plain:
@@ -459,14 +458,13 @@ class AdaptiveScheduler(VerifyPolicy):
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
         # the mean of the first steps of a kind, then a running average: one slow first forward
         # must not set the ratio of the two kinds, which decides whether drafting pays
-        n = self._scales_n[drafted] = self._scales_n[drafted] + 1
+        n = self._steps[drafted] = self._steps[drafted] + 1
         w = max(EMA, 1.0 / n)
         self._scales[drafted] = (1 - w) * self._scales.get(drafted, 0.0) + w * ratio
         if not drafted:  # a skipped step: its fixed time is the plain overhead
             # the first one replaces the stand-in (a drafting step's non-draft part, or a prior's 0)
-            w = 1.0 if self._plain_seen == 0 else EMA
+            w = 1.0 if n == 1 else EMA
             self.plain_overhead = fixed if self.plain_overhead is None else (1 - w) * self.plain_overhead + w * fixed
-            self._plain_seen += 1
             return
         if not res.caught_up:  # a catch-up of the prompt or of skipped steps is paid once, not a step
             w = 1.0 if self._drafted_seen == 0 else EMA
