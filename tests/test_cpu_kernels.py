@@ -12,6 +12,7 @@ from dspark import kernels
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.target.native import NativeTarget
+from dspark.reference import kernel_loop
 from dspark.target import torch_layers
 from dspark.target.quant import Linear
 from tests.tiny import bigram_draft, q4_exact, tiny_draft, tiny_target
@@ -267,7 +268,7 @@ def test_the_extensions_forward_stays_near_torchs(ext):
         assert torch.equal(ta[..., H : 2 * H], ta[..., 2 * H : 3 * H])
     final, ta = ours.forward(ours.new_state(1), ids, logits="final")
     assert torch.equal(
-        torch_layers.norm(ours._ext, ta[..., 3 * H :], ours.norm, ours.eps), final
+        kernel_loop.norm(ours._ext, ta[..., 3 * H :], ours.norm, ours.eps), final
     )  # the final norm of the last tap
 
 
@@ -727,21 +728,25 @@ def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
 
 def test_qwen3_q_k_norms_run_on_the_norm_kernel_with_torchs_bits(ext, monkeypatch):
     """A bf16 Qwen3 target's q/k norms go through the norm kernel (a weight row per head) in one
-    call; its logits are bit for bit those of the same forward with torch's norm there."""
+    call of its layer stack; its logits are bit for bit those of the kernels' loop with torch's
+    norm there."""
     from tests.test_native import _mk
 
     model = _mk("qwen3-qknorm").to(torch.bfloat16)
     target = NativeTarget(model, (1,))
-    assert target._ext is not None and target.layers[0].qk_norm.dim() == 2
+    assert target._stack is not None and target.layers[0].qk_norm.dim() == 2
     ids = torch.randint(4, 96, (2, 11), generator=torch.Generator().manual_seed(4))
     kernel, ktaps = target.forward(target.new_state(2), ids)
-    plain_norm = torch_layers.norm
+    plain_norm = kernel_loop.norm
 
     def torch_qk(ext, x, w, eps):  # the per-head weights in torch, every other norm as before
         return torch_layers.rms(x, w, eps) if w.dim() == 2 else plain_norm(ext, x, w, eps)
 
-    monkeypatch.setattr(torch_layers, "norm", torch_qk)
-    ref, rtaps = target.forward(target.new_state(2), ids)
+    monkeypatch.setattr(kernel_loop, "norm", torch_qk)
+    monkeypatch.setattr(torch_layers, "layers", kernel_loop.layers)
+    loop = target.view((1,))
+    loop._stack = None
+    ref, rtaps = loop.forward(loop.new_state(2), ids)
     assert torch.equal(kernel, ref) and torch.equal(ktaps, rtaps)
 
 
@@ -814,10 +819,11 @@ def test_silu_mul_gives_torchs_bits(ext):
 
 
 @pytest.mark.parametrize("family", ["llama-int4", "llama-bf16", "qwen2-bias", "qwen3-qknorm"])
-def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family):
+def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch):
     """csrc/layers.cpp runs a forward's layers in one call: logits, final states, taps (tap 0, a
     middle layer, the last one) and the cache bit for bit those of the Python loop over the same
-    kernels: prefill, a verify block, a ragged batch."""
+    kernels (dspark/reference/kernel_loop.py): prefill, a verify block, a ragged batch."""
+    monkeypatch.setattr(torch_layers, "layers", kernel_loop.layers)
     from tests.test_native import _mk
 
     model = {

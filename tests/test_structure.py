@@ -163,6 +163,22 @@ def session_citations(root: Path) -> list[str]:
     ]
 
 
+REFERENCE = "dspark.reference"
+
+
+def reference_imports(trees: dict[str, ast.Module]) -> list[str]:
+    """Modules outside dspark.reference that import it: a reference is what tests compare a
+    compiled path against, never a path the package runs."""
+    known, found = set(trees), []
+    for name, tree in sorted(trees.items()):
+        if name == REFERENCE or name.startswith(REFERENCE + "."):
+            continue
+        refs = sorted(d for d in imported_modules(name, tree, known) if d == REFERENCE or d.startswith(REFERENCE + "."))
+        if refs:
+            found.append(f"{name} imports {', '.join(refs)}")
+    return found
+
+
 # ---- the checks on the real package ------------------------------------------------------------
 
 
@@ -188,6 +204,25 @@ def test_a_session_citation_is_found(tmp_path):
     (tmp_path / "dspark" / "csrc" / "k.cpp").write_text("// fast (Session 17)\nint x;\n")
     (tmp_path / "dspark" / "a.py").write_text('"""the session is over"""\n')
     assert session_citations(tmp_path / "dspark") == ["dspark/csrc/k.cpp:1"]
+
+
+def test_no_decoding_module_imports_a_reference_implementation():
+    trees = parse_package()
+    assert any(n.startswith(REFERENCE + ".") for n in trees), "the reference package holds the kernels' loop"
+    assert reference_imports(trees) == []
+
+
+def test_a_reference_import_is_found(tmp_path):
+    pkg = tmp_path / "dspark"
+    (pkg / "reference").mkdir(parents=True)
+    (pkg / "target").mkdir()
+    for f in ("__init__.py", "reference/__init__.py", "reference/loop.py", "target/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "reference" / "other.py").write_text("from dspark.reference import loop\n")  # inside: allowed
+    (pkg / "target" / "native.py").write_text("def f():\n    from dspark.reference import loop\n")
+    assert reference_imports(parse_package(pkg)) == [
+        "dspark.target.native imports dspark.reference, dspark.reference.loop"
+    ]
 
 
 def test_below_the_api_nothing_imports_the_api():

@@ -1,5 +1,5 @@
 // A decoder's layer stack in one call (docs/history/benchmarks.md, "... the layer loop in one call ..."): the same
-// kernels, in the same order, as the Python loop of dspark/target/torch_layers.py (`layers`), whose ~15
+// kernels, in the same order, as the Python loop of dspark/reference/kernel_loop.py (`layers`), whose ~15
 // Python-level calls and views a layer cost ~0.6-1 ms of a ~7-9 ms SmolLM2 step. Bit for bit
 // the Python loop's result (tested). The embedding lookup, the positions and, for a greedy plain
 // step, the head and its argmax run in the same call ("a greedy plain step in one call"): after a step has streamed

@@ -11,7 +11,8 @@ step is bound by reading the weights and by per-op overhead, not by FLOPs:
   of decoder layer i = HF hidden_states[i]; tap num_layers = the last layer's output BEFORE the
   final norm);
 - with dspark's CPU extension (dspark/kernels.py) the whole layer loop is one call
-  (csrc/layers.cpp); elsewhere (float32 weights, GPUs) target/torch_layers.py runs it on torch's ops;
+  (csrc/layers.cpp); elsewhere (float32 activations, GPUs, no compiler, weights off the matmul
+  tile) target/torch_layers.py runs it on torch's ops: one implementation or the other, never a mix;
 - the LM head runs only on the positions whose logits are used;
 - weights in the format that is fastest on the machine (target/quant.py): fp32, bf16, or
   weight-only int8 / int4 (the layout of the GGUF Q4_0/Q4_1 files, held exactly as shipped).
@@ -146,8 +147,8 @@ class NativeTarget:
     act_dtype: activation/KV dtype; default fp32 for fp32 weights, else bf16 (torch's CPU
       int8/int4 kernels are vectorised for bf16 activations only). fp32 activations with
       int4/int8 weights are exact but slow: for tests.
-    ops: 'auto' (dspark's compiled CPU ops where they run: the int4 and Q8_0 matmuls, the fused
-      norms, attention by position; dspark.kernels) | 'torch' (torch's ops throughout, to compare).
+    ops: 'auto' (dspark's compiled CPU kernels where they run: the layer stack in one call, the
+      int4 and Q8_0 matmuls; dspark.kernels) | 'torch' (torch's ops throughout, to compare).
     """
 
     def __init__(
@@ -196,7 +197,7 @@ class NativeTarget:
                 self.embed = base.embed_tokens.weight.detach().to(act)
                 self.layers = self._build(base, self.weights, act)
             self.norm = base.norm.weight.detach().to(act)
-            # the norms and attention of dspark's extension (bf16 only; torch's ops otherwise)
+            # dspark's extension runs the layer stack (bf16 only; torch's ops otherwise: _LayerStack.of)
             self._ext = (
                 kernels.extension() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             )
@@ -286,8 +287,8 @@ class NativeTarget:
         return "+".join(sorted({"dspark" if lin.q4 is not None else "torch" for lin in self._int4_linears()})) or None
 
     def extension(self) -> str | None:
-        """The build of dspark's extension this target's norms, attention and RoPE run on (its ISA
-        and source hash), or None."""
+        """The build of dspark's extension this target's layer stack runs on (its ISA and source
+        hash), or None."""
         return kernels.build_tag() if self._ext is not None else None
 
     def describe(self) -> str:
@@ -300,10 +301,14 @@ class NativeTarget:
                 if ours
                 else f", int4 kernel: {int4[0].kernel}"
             )
-        ext = f", norms and attention: dspark {kernels.extension_isa()}" if self._ext is not None else ""
+        layers = (
+            f", layers in one call: dspark {kernels.extension_isa()}"
+            if self._stack is not None
+            else ", layers on torch's ops"
+        )
         return (
             f"native runtime, weights {self.weights} (head {self.head_format}), "
-            f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{ext}"
+            f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{layers}"
         )
 
     # ---- hidden-state taps -------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The native runtime's decoder layers on torch's ops, one layer at a time.
 
 The path where dspark's compiled layer stack (csrc/layers.cpp, one call for every layer) does
-not run: float32 weights, GPUs, weights off dspark's matmul tile. The compiled stack runs the
-same kernels in the same order as the fused_attn branch here, and its tests compare the two.
+not run: float32 activations, GPUs, no compiler, weights off dspark's matmul tile. It uses none
+of dspark's kernels but the matmul tile a weight may be held on (target/quant.py): a layer runs
+either all in the compiled stack or all here. The compiled stack's own reference, the same
+kernels called one at a time from Python, is dspark/reference/kernel_loop.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from dspark import kernels
-from dspark.kernels import NO_TENSOR
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,8 +28,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def layers(t, x, state, pos, L0: int, tapped):
     """The decoder layers of target t over the embeddings x [B, S, H] at positions pos [B, S]
-    (L0: the longest row's committed length) -> (the last layer's output, its final norm); the
-    extension's `layers_forward` runs the fused_attn branch in one call."""
+    (L0: the longest row's committed length) -> (the last layer's output, its final norm)."""
     B, S, _ = x.shape
     dev = x.device
     T = L0 + S  # keys read: every row's committed entries + the S new ones (shorter rows masked)
@@ -36,17 +36,12 @@ def layers(t, x, state, pos, L0: int, tapped):
     uniform = B == 1 or bool((lengths == lengths[0]).all())
     Hq, Hkv, D = t.n_heads, t.n_kv, t.head_dim
     G = Hq // Hkv
-    # dspark's RoPE and attention kernels (bf16 on a CPU with the extension) read positions:
-    # no RoPE rows to gather, no mask to build
-    fused_attn = t._ext is not None and D % 16 == 0
-    if fused_attn:
-        cos = sin = None
-    elif uniform:
+    if uniform:
         cos, sin = t.cos[L0 : L0 + S][None, :, None], t.sin[L0 : L0 + S][None, :, None]  # [1, S, 1, D]
     else:
         p = pos.clamp(max=t.cos.shape[0] - 1)  # padding may run past the table; never read
         cos, sin = t.cos[p][:, :, None], t.sin[p][:, :, None]  # [B, S, 1, D]
-    if fused_attn or (uniform and S == 1):
+    if uniform and S == 1:
         mask = None  # one new query per row sees every entry up to itself
     else:
         # key j visible to new position i of row b iff j <= lengths[b] + i: committed entries
@@ -55,43 +50,32 @@ def layers(t, x, state, pos, L0: int, tapped):
         # GQA without copying K/V: the G query heads sharing a KV head are folded into the
         # query axis ([B, Hkv, G*S, D]), so the mask repeats per group
         mask = m[:, None].repeat(1, 1, G, 1)  # [B, 1, G*S, T]
-    bidx = None if fused_attn or uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
+    bidx = None if uniform else torch.arange(B, device=dev)[:, None]  # ragged cache writes
     layer_kv = state.layer_kv()
-    h = norm(t._ext, x, t.layers[0].ln1, t.eps)
+    h = rms(x, t.layers[0].ln1, t.eps)
     for li, layer in enumerate(t.layers):
         qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
         kc, vc = layer_kv[li]  # [B, Hkv, C, D]
-        if fused_attn and layer.qk_norm is None:
-            qk, v = qkv, NO_TENSOR  # the kernel reads the value heads from qkv: no slices
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+        if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
+            qk = rms(qk, layer.qk_norm, t.eps)  # a weight row per head
+        qk = rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
+        q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
+        if uniform:
+            kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
+            vc[:, :, L0 : L0 + S] = v
         else:
-            qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
-            if layer.qk_norm is not None:  # Qwen3: q_norm on query heads, k_norm on key heads, one call
-                qk = norm(t._ext, qk, layer.qk_norm, t.eps)  # a weight row per head
-        if fused_attn:
-            # RoPE and the cache write in one call, then each query (b, s) over keys 0..pos[b, s]:
-            # no mask to build, no transposes
-            q = t._ext.rope_cache_bf16(qk, v, t.cos, t.sin, kc, vc, pos)  # [B, S, Hq, D]
-            o = t._ext.attn_bf16(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
-        else:
-            assert cos is not None and sin is not None  # the table rows are gathered unless fused_attn
-            qk = rope(qk, cos, sin)  # queries and keys rotated together: half the small ops
-            q, k, v = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2)
-            if uniform:
-                kc[:, :, L0 : L0 + S] = k  # every row at the same offset: a slice copy
-                vc[:, :, L0 : L0 + S] = v
-            else:
-                kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
-                vc[bidx, :, pos] = v.transpose(1, 2)
-            qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
-            o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
-            o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
-        x, h = add_norm(t._ext, x, layer.wo(o), layer.ln2, t.eps)
-        # the residual add and the next layer's input norm (the final norm after the last)
+            kc[bidx, :, pos] = k.transpose(1, 2)  # [B, S, Hkv, D] at each row's own offset
+            vc[bidx, :, pos] = v.transpose(1, 2)
+        qg = q.reshape(B, Hkv, G * S, D)  # HF's repeat_kv: query head h uses KV head h // G
+        o = F.scaled_dot_product_attention(qg, kc[:, :, :T], vc[:, :, :T], attn_mask=mask)
+        o = o.view(B, Hq, S, D).transpose(1, 2).reshape(B, S, Hq * D)
+        x, h = add_norm(x, layer.wo(o), layer.ln2, t.eps)
+        # the residual add and the next layer's input norm (the final norm after the last);
         # the last layer's output is tapped before the final norm, like the HF target's hook
         x, h = add_norm(
-            t._ext,
             x,
-            layer.w2(kernels.silu_mul(layer.w13(h), t._ext)),
+            layer.w2(kernels.silu_mul(layer.w13(h), None)),
             t.layers[li + 1].ln1 if li + 1 < t.num_layers else t.norm,
             t.eps,
             tapped,
@@ -100,17 +84,10 @@ def layers(t, x, state, pos, L0: int, tapped):
     return x, h
 
 
-def norm(ext, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return ext.rms_bf16(x, w, eps) if ext is not None else rms(x, w, eps)
-
-
 def add_norm(
-    ext, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, taps: torch.Tensor | None = None, col: int = -1
+    x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, taps: torch.Tensor | None = None, col: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + r, its norm with weight w): one call on dspark's extension. With col >= 0, x + r
-    is also written to taps[..., col : col + H]."""
-    if ext is not None:
-        return ext.add_rms_bf16(x, r, w, eps, NO_TENSOR if col < 0 else taps, max(col, 0))
+    """(x + r, its norm with weight w). With col >= 0, x + r is also written to taps[..., col : col + H]."""
     x = x + r
     if col >= 0:
         if taps is None:
