@@ -62,16 +62,22 @@ class LlamaCppArm:
 
         path = gguf_file(target)
         self.format = _gguf_type(path)
-        kw = dict(
-            model_path=str(path),
-            n_ctx=n_ctx,
-            n_batch=min(512, n_ctx),
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
-        self.plain = Llama(**kw, logits_all=False)
-        self.verify = Llama(**kw, logits_all=True)
+
+        def context(logits_all: bool) -> Llama:
+            # keywords spelt out, not **dict: a dict of mixed values is dict[str, object] to mypy,
+            # which no parameter of llama_cpp's typed Llama.__init__ accepts
+            return Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=min(512, n_ctx),
+                n_threads=threads,
+                n_threads_batch=threads,
+                logits_all=logits_all,
+                verbose=False,
+            )
+
+        self.plain = context(logits_all=False)
+        self.verify = context(logits_all=True)
 
     def decode(self, ids: list[int], n: int) -> tuple[float, None]:
         """Greedy (temperature 0: llama.cpp's greedy sampler), n tokens, end-of-text ignored."""
