@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,7 +42,7 @@ def saved(tmp_path_factory):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,  # long enough that a request can be caught mid-decoding
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=tok.eos_token_id,
@@ -204,3 +206,61 @@ def test_sigterm_past_the_drain_timeout_ends_what_is_in_flight_with_a_503_and_ex
 def test_serve_refuses_bad_flags_before_loading(flag, value, capsys):
     assert main(["serve", "--target", "/nonexistent", "--no-spec", flag, value]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_busy_port_fails_at_once_naming_the_address(capsys):
+    """The port is taken before the model loads: the error comes in seconds, naming host:port
+    (the target here does not even exist, so a load would fail differently)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["serve", "--target", "/nonexistent", "--no-spec", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+    assert time.monotonic() - t0 < 5
+
+
+def _running(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("dspark_running_requests ")))
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_second_signal_ends_what_is_in_flight_cleanly_and_exits_non_zero(saved, sig, code):
+    """Ctrl-C twice (0.3 s apart, the drain's 30 s not spent): each request in flight gets an error,
+    a stream as its last event before [DONE] and a non-streamed request a 503, never a cut
+    connection; no traceback; the exit code says the stop was forced."""
+    target, _ = saved
+    port = _free_port()
+    proc = _start(port, "--target", str(target), "--no-spec", "--max-batch", "2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # the Host allowlist is on by default on 127.0.0.1 (tests/test_serve_start.py has the rest)
+        refused = httpx.get(url + "/health", headers={"Host": "evil.example"}, timeout=5)
+        assert refused.status_code == 403 and "--allowed-hosts" in refused.json()["error"]["message"]
+        body = {"model": "tiny-target", "prompt": "Once", "max_tokens": 2000, "temperature": 0}
+        with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(http.post, "/v1/completions", json=body)
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: {")
+                deadline = time.monotonic() + 20
+                while _running(port) < 2:
+                    assert time.monotonic() < deadline, "the non-streamed request did not start"
+                proc.send_signal(sig)
+                time.sleep(0.3)
+                proc.send_signal(sig)
+                events = [line for line in lines if line]  # a cut connection raises here
+            answer = plain.result(30)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert "stopped by a second signal" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+        assert answer.status_code == 503 and "stopped by a second signal" in answer.json()["error"]["message"]
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            _stop(proc, signal.SIGKILL)
+    out = proc.stdout.read()
+    assert proc.returncode == code, out
+    assert "Traceback" not in out and "CancelledError" not in out, out

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from dspark.errors import DSparkError
 from dspark.serve import page, protocol
+from dspark.serve.hosts import HostGuard
 from dspark.serve.prometheus import ServerMetrics
 from dspark.serve.prompts import PromptEncoder
 from dspark.serve.protocol import EXTENSION, APIError, quote
@@ -121,15 +122,17 @@ def create_app(
     api_key: str | None = None,
     max_queue: int = 64,
     max_body_bytes: int | None = None,
+    allowed_hosts: tuple[str, ...] | None = None,
 ) -> FastAPI:
-    """max_body_bytes: the largest request body accepted (413 beyond); None: default_max_body_bytes."""
+    """max_body_bytes: the largest request body accepted (413 beyond); None: default_max_body_bytes.
+    allowed_hosts: the Host names answered (hosts.HostGuard; dspark serve's --allowed-hosts); None: any."""
     if engine.tokenizer is None:
         raise DSparkError("dspark serve needs an engine with a tokenizer (this target has none)")
     max_context = engine.target.max_length
     max_body = default_max_body_bytes(max_context) if max_body_bytes is None else max_body_bytes
     if max_body < 1:
         raise DSparkError(f"max_body_bytes must be >= 1, got {max_body}")
-    metrics = ServerMetrics(engine.gamma)
+    metrics = ServerMetrics(engine.gamma, engine.lookup.limit if engine.lookup is not None else 0)
     worker = EngineWorker(engine, metrics, max_queue)
     encoder = PromptEncoder(engine)
     created = int(time.time())
@@ -156,6 +159,7 @@ def create_app(
     keyed = [Depends(check_key)] if api_key else []
     app = FastAPI(title="dspark", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_InternalErrors, metrics=metrics)
+    app.add_middleware(HostGuard, allowed=allowed_hosts)  # added last: the outermost, before the key
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
     app.state.max_body_bytes, app.state.encoder = max_body, encoder
 

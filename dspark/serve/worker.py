@@ -106,6 +106,7 @@ class Job:
 
 
 _STOP = ("stop", None)
+DRAIN_TIMEOUT_PASSED = "the server is shutting down (its drain timeout passed)"
 RATE_WINDOW_S = 10.0  # tokens/s in the stats: over the steps of the last this many seconds
 STATS_EVERY_S = 0.25  # the stats snapshot is refreshed at most this often (the policy line costs a little)
 
@@ -121,6 +122,7 @@ class EngineWorker:
         self._in_flight = 0
         self._running = 0
         self.draining = False  # set on SIGTERM: new requests are refused, those in flight go on
+        self._cut: str | None = None  # worker thread: why every request was ended (cut), if it was
         self.submitted = 0  # jobs ever handed to this thread (tests: what was refused before reaching it)
         self._jobs: dict[str, Job] = {}  # worker thread only
         self._thread: threading.Thread | None = None
@@ -149,9 +151,10 @@ class EngineWorker:
         """Stop admitting (a shutdown began): new requests get a 503, those in flight go on."""
         self.draining = True
 
-    def cut(self) -> None:
-        """The drain timeout passed: every request still in flight ends with a clean 503."""
-        self._cmds.put(("cut", None))
+    def cut(self, why: str = DRAIN_TIMEOUT_PASSED) -> None:
+        """The drain timeout passed, or a second signal forced the stop: every request still in
+        flight ends with a clean 503 saying `why` (a stream: an error event, then [DONE])."""
+        self._cmds.put(("cut", why))
 
     def submit(self, job: Job) -> None:
         """Queue a job for admission, or raise 429 when max_batch + max_queue are in flight."""
@@ -203,7 +206,8 @@ class EngineWorker:
                 self._shutdown()
                 return False
             if kind == "cut":
-                self._fail_all("the server is shutting down (its drain timeout passed)", 503)
+                self._cut = job  # the reason: a request admitted after the cut ends with it too
+                self._fail_all(job, 503)
                 continue
             try:
                 self._add(job) if kind == "add" else self._abort(job)
@@ -215,6 +219,8 @@ class EngineWorker:
         return True
 
     def _add(self, job: Job) -> None:
+        if self._cut is not None:  # submitted just before the drain began, queued behind the cut
+            return self._fail([job], self._cut, 503)
         req, ids = job.req, job.prompt_ids
         try:
             params = SamplingParams(
@@ -336,6 +342,8 @@ class EngineWorker:
             "mean_accept_length": round(m.mean_accept_length, 4),
             "conditional_accept_rates": [round(x, 4) for x in m.conditional],
             "marginal_accept_rates": [round(x, 4) for x in m.marginal],
+            # the lookup proposer's own verifications (None: lookup off): steps, tokens, per position
+            "lookup": m.to_dict()["lookup"] if m.lookup is not None else None,
             "generated_tokens": self._generated,
             "tokens_per_s": round(rate, 2),
             "rate_at": self._rate[-1][0] if self._rate else None,
