@@ -17,7 +17,8 @@ Switches for comparisons and tests (the defaults are what decoding runs):
 - DSPARK_PACK_BF16=0: bf16 linears stay plain F.linear instead of oneDNN's packed weights.
 - DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages).
 
-Set by launchers (torchrun), read by training: WORLD_SIZE, LOCAL_RANK.
+Set by launchers (torchrun), read by training: WORLD_SIZE, LOCAL_RANK, RANK (the process that
+holds a run's output lock).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def world_size() -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:

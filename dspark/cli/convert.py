@@ -6,6 +6,7 @@ import argparse
 
 from dspark.formats.convert import convert
 from dspark.formats.load import LAYOUTS
+from dspark.outlock import output_lock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = convert(args.src, args.dst, args.to, layout=args.layout, verifier=args.verifier)
+    with output_lock(args.dst, "dspark convert"):  # two converts into one directory would mix their files
+        out = convert(args.src, args.dst, args.to, layout=args.layout, verifier=args.verifier)
     print(
         f"wrote {out.format} draft to {args.dst}: {out.layout} (gamma {out.gamma}, "
         f"block_size {out.block_size}, hidden_state_indices {list(out.hidden_state_indices)})"

@@ -23,6 +23,7 @@ from dspark.api import EngineConfig, build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
 from dspark.formats.load import LAYOUTS
 from dspark.model.factory import default_taps
+from dspark.outlock import output_lock
 from dspark.target.load import RUNTIMES, load_target, resolve_target_file
 from dspark.train.config import FEATURE_RUNTIMES, INIT_LAYERS, DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, eos_ids, generate_shard
@@ -38,6 +39,7 @@ from dspark.train.trainer import eval_line, train
 
 DATA_HELP = "a shard (.jsonl) or packed data set; several, comma-separated, train as one"
 STAGES = ("prompts", "data", "pack", "features", "fit", "export", "eval", "all")
+LOCKED_STAGES = ("prompts", "data", "pack", "features", "fit", "export", "all")  # those whose --out they write
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -334,6 +336,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if envs.world_size() > 1 and args.stage != "fit":
         raise TrainError(f"`dspark train {args.stage}` runs in one process; only `fit` is data-parallel under torchrun")
+    # one writer per output (dspark/outlock.py); under torchrun the ranks of one fit share it: rank 0 holds it
+    if args.stage not in LOCKED_STAGES or envs.rank() != 0:
+        return _stage(args)
+    with output_lock(args.out, f"dspark train {args.stage}"):
+        return _stage(args)
+
+
+def _stage(args) -> int:
     return {
         "prompts": _prompts_stage,
         "pack": _pack,

@@ -1,0 +1,58 @@
+"""One writer per output: the commands that write a data set, a cache, a run or a draft
+(`dspark train data|fit|features|pack|...`, `dspark convert`) lock it first.
+
+Two runs on the same output interleave appended records, overwrite each other's checkpoints or
+mix two caches, and nothing says so until training reads garbage. The lock is the OS's advisory
+`flock` on a file beside the output (never inside it: `convert` wants an empty directory). The
+kernel drops it when the process ends, however it ends, so a lock file left by a killed run
+never blocks the next one; the file itself is left in place, since removing it would let two
+processes lock two different files of the same name.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+
+def lock_path(out) -> Path:
+    """`.NAME.lock` in the output's own directory: runs that name it differently ("runs/x",
+    "./runs/x/", an absolute path) meet on the same file."""
+    out = Path(os.path.abspath(out))
+    return out.with_name(f".{out.name or 'root'}.lock")
+
+
+@contextmanager
+def output_lock(out, command: str) -> Iterator[Path]:
+    """Hold the lock of `out` for the block; a second holder is refused at once, naming the pid of
+    the first (a DSparkError: the command exits 2)."""
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DSparkError(
+                f"{out} is being written by another process ({_holder(fd)}; lock file {path}): two writers "
+                "would corrupt it. Wait for that run to end or stop it, or choose another output"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {command}\n".encode())  # who holds it, for the refusal above
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _holder(fd: int) -> str:
+    """'pid N (command)' from the lock file (written just after the holder took it)."""
+    text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    pid, _, command = text.partition(" ")
+    if not pid.isdigit():
+        return "its pid is not written yet"
+    return f"pid {pid}, {command}" if command else f"pid {pid}"
