@@ -32,5 +32,6 @@ are measured again.
 The modules, one job each: `report` (settings, texts, readings, the report), `texts` (what the
 target writes), `readings` (the alternatives and one reading's scores), `statistic` (paired
 comparisons, the diagnosis), `static` (checks from the files alone), `check` (the sequential
-check, `diagnose`), `quick` (the load-time check).
+check, `diagnose`), `quick` (the load-time check), `cache` (the load-time check's result, kept
+per target, draft, runtime and machine).
 """
