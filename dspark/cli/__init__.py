@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from dspark.errors import DSparkError
@@ -49,8 +50,28 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.Handler):
+    """The `dspark` logger's INFO lines (start-up steps and their times, what the load-time check
+    found) as plain lines on this moment's stderr (a test's capture, a redirected stream). Silent
+    where the root logger has handlers: a command that configures logging (serve) prints them its way."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            print(self.format(record), file=sys.stderr)
+
+
+def show_library_log() -> None:
+    """Once a process: the library's INFO lines on stderr (Python prints only warnings by default)."""
+    log = logging.getLogger("dspark")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
+        if log.level == logging.NOTSET or log.level > logging.INFO:
+            log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    show_library_log()
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
     try:

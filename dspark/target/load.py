@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import cast
 
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark import envs
 from dspark.errors import DSparkError
+from dspark.progress import step
 from dspark.target.base import Target
 from dspark.target.hf import HFTarget
 from dspark.target.native import NativeTarget, supports
@@ -126,17 +128,18 @@ def smollm2_dir() -> Path:
         if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
             return out
         gguf = smollm2_gguf()
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
-        # torch's stub of Module.__setattr__ takes modules and tensors only
-        model.hf_quantizer = None  # type: ignore[assignment]
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if out.exists():  # a half-written copy from an interrupted run
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with step(f"converting {gguf.name} to a transformers copy (once per cache folder)", f"converted it to {out}"):
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
+            # torch's stub of Module.__setattr__ takes modules and tensors only
+            model.hf_quantizer = None  # type: ignore[assignment]
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            if out.exists():  # a half-written copy from an interrupted run
+                shutil.rmtree(out)
+            os.replace(tmp, out)
     return out
 
 
@@ -228,16 +231,34 @@ def open_target(
         raise DSparkError(f"unknown runtime {runtime!r} (choose {', '.join(RUNTIMES)})")
     if weights not in WEIGHTS:
         raise DSparkError(f"unknown weights {weights!r} (choose {', '.join(WEIGHTS)})")
+    resolve_target(name_or_path)  # smollm2: its transformers copy made first (once), a step of its own
     if runtime == "hf":
         if weights != "auto":
             raise DSparkError(f"--weights {weights} needs the native runtime (hf runs the model as loaded)")
-        model, tokenizer = load_target(name_or_path, dtype, device)
+        with step(f"loading target {name_or_path} (transformers runtime)", f"loaded target {name_or_path}"):
+            model, tokenizer = load_target(name_or_path, dtype, device)
         return HFTarget(model), tokenizer, []
     act = parse_dtype(dtype, device)
+    with step(
+        f"loading target {name_or_path} (reading its weights, then packing them for the native runtime)",
+        f"loaded target {name_or_path}",
+    ) as done:
+        target, tokenizer, notes = _open_native(name_or_path, act, device, runtime, weights, dtype_given, done)
+    return target, tokenizer, notes
+
+
+def _open_native(
+    name_or_path: str, act: torch.dtype, device: str, runtime: str, weights: str, dtype_given: bool, done: dict
+):
+    """open_target's native runtime (or its fallback to hf where runtime "auto" meets a model the
+    native runtime does not implement); `done["detail"]` gets what reading and packing took."""
+    t0 = time.perf_counter()
     # the native runtime copies the weights into its own format: load them exactly once, in fp32
     model, tokenizer = load_target(name_or_path, "fp32", device)
+    read = time.perf_counter() - t0
     ok, why = supports(model)
     if not ok and runtime == "auto":
+        done["detail"] = "transformers runtime"
         return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
     notes = []
     if weights == "auto":
@@ -251,6 +272,7 @@ def open_target(
             weights = FLOAT_NAMES[act]
     # refuses an unsupported model by name; the native runtime makes a NativeTarget
     target = cast(NativeTarget, make_target(model, "native", weights, act_dtype=act))
+    done["detail"] = f"read {read:.1f} s, packed {time.perf_counter() - t0 - read:.1f} s: {target.weights} weights"
     if runtime == "auto":
         notes.append(f"runtime auto -> {target.describe()}")
     return target, tokenizer, notes

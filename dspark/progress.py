@@ -1,0 +1,25 @@
+"""Start-up steps that say what they do: one line on the `dspark` logger (INFO) when a step that
+can take more than a couple of seconds starts, one when it ends, with its time. The command layer
+prints them (dspark.cli.main); a library caller sees them through logging as usual."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger("dspark")
+
+
+@contextmanager
+def step(start: str, end: str) -> Iterator[dict]:
+    """Log `start` ("... ...") now and `end` ("<end> in 2.3 s") when the block ends; a block that
+    raises logs no end (its error says what happened). The block may add words to the end line:
+    `with step(...) as done: done["detail"] = "..."` -> "<end> in 2.3 s (...)"."""
+    log.info("%s ...", start)
+    t0 = time.perf_counter()
+    said: dict = {}
+    yield said
+    detail = f" ({said['detail']})" if said.get("detail") else ""
+    log.info("%s in %.1f s%s", end, time.perf_counter() - t0, detail)
