@@ -330,5 +330,61 @@ def test_health_answers_without_the_key_and_nothing_else_does():
             assert err["code"] == "invalid_api_key"
         # the key comes first: an unauthenticated client learns nothing about its body
         assert s.http.post("/v1/completions", content=b"x", headers={"content-type": "text/plain"}).status_code == 401
+        # ... nor which routes and methods exist (docs/SERVER.md: checked before anything else)
+        for method, path in [
+            ("GET", "/v1/nothing"),
+            ("POST", "/admin"),
+            ("GET", "/v1/completions"),
+            ("PUT", "/metrics"),
+        ]:
+            assert error_of(s.http.request(method, path), 401)["code"] == "invalid_api_key", (method, path)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert s.http.get("/v1/nothing", headers=auth).status_code == 404
+        assert s.http.get("/v1/completions", headers=auth).status_code == 405
+        assert s.http.post("/health").status_code == 405  # the open routes stay open
     finally:
         s.close()
+
+
+# ---- fields a request must not leave to chance ------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}])
+def test_response_format_on_completions_is_refused_as_on_chat(srv, fmt):
+    n0 = submitted(srv)
+    err = error_of(srv.http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "response_format": fmt}), 400)
+    assert err["param"] == "response_format" and "response_format is not supported" in err["message"]
+    assert submitted(srv) == n0
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}}
+    assert srv.http.post("/v1/completions", json=body).status_code == 200  # the default stays accepted
+
+
+@pytest.mark.parametrize(
+    "path,raw,key",
+    [
+        ("completions", b'{"model":"smollm2","prompt":"hi","max_tokens":2,"max_tokens":4000}', "max_tokens"),
+        ("completions", b'{"model":"smollm2","prompt":"hi","prompt":"other"}', "prompt"),
+        (
+            "chat/completions",
+            b'{"model":"smollm2","messages":[{"role":"user","content":"a","role":"system"}]}',
+            "role",
+        ),
+        (
+            "completions",
+            b'{"model":"smollm2","prompt":"hi","stream_options":{"include_usage":true,"include_usage":false}}',
+            "include_usage",
+        ),
+    ],
+    ids=["top-level", "prompt", "nested", "stream_options"],
+)
+def test_a_key_given_twice_is_a_400_naming_it(srv, path, raw, key):
+    """Parsers disagree on which of two values counts: a proxy that checked one must not see the other pass."""
+    n0 = submitted(srv)
+    err = error_of(srv.http.post(f"/v1/{path}", content=raw, headers=JSON), 400)
+    assert err["param"] == key and f'key "{key}" twice' in err["message"]
+    assert submitted(srv) == n0
+
+
+def test_a_duplicate_key_that_is_not_text_is_named_without_breaking_the_answer(srv):
+    raw = rb'{"model":"smollm2","prompt":"hi","\ud800":1,"\ud800":2}'
+    err = error_of(srv.http.post("/v1/completions", content=raw, headers=JSON), 400)
+    assert err["param"] is None and "twice" in err["message"]
+    still_serving(srv)

@@ -7,6 +7,8 @@ every tensor byte for byte; what changes is how the layout and the tap layers ar
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -235,7 +237,9 @@ def _dtype_name(tensors: dict) -> str:
 def _write(dst, config: dict, tensors: dict) -> None:
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"}
-    )
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weights, config_file = dst / "model.safetensors", dst / "config.json"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # safetensors writes through a private temporary file (mode 0600): give the weights the mode the
+    # config got (0644 less the umask), or another user who can read the config cannot load the draft
+    os.chmod(weights, stat.S_IMODE(config_file.stat().st_mode))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeGuard
@@ -88,7 +90,23 @@ def locate(path) -> tuple[Path, Path]:
         return p, config
     if p.is_file():
         return p.parent, p
-    raise FormatError(f"{p} does not exist")
+    raise FormatError(_missing(p))
+
+
+def _missing(p: Path) -> str:
+    """Why `p` is neither a directory nor a file, in words a user can act on: a symlink loop and a
+    dangling link are not "does not exist" (the name is right there in `ls`)."""
+    try:
+        p.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{p} is a symbolic link loop (it, or a link on its path, leads back to itself): fix the link"
+        if p.is_symlink():
+            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+        if exc.errno == errno.ENOENT:
+            return f"{p} does not exist"
+        return f"cannot read {p}: {exc.strerror}"
+    return f"{p} is neither a directory nor a file"
 
 
 def read_config(path: Path) -> dict:

@@ -88,8 +88,15 @@ def _add(infos: dict[str, TensorInfo], raw: str, info: TensorInfo, where: str) -
     if name in IGNORED:
         return
     if name in infos:
-        raise FormatError(f"tensor {name} is stored twice ({infos[name].raw_name!r} and {raw!r} in {where})")
+        first = infos[name]
+        raise FormatError(
+            f"tensor {name} is stored twice: as {first.raw_name!r} in {_where(first)} and as {raw!r} in {where}"
+        )
     infos[name] = info
+
+
+def _where(info: TensorInfo) -> str:
+    return info.file.name if info.file is not None else "tensors"
 
 
 def _weight_files(directory: Path) -> list[Path]:

@@ -78,6 +78,11 @@ class _InternalErrors:
             await JSONResponse(body, status_code=500, headers={"X-Request-Id": rid})(scope, receive, send)
 
 
+def _open_path(path: str) -> bool:
+    """The routes that answer without the key: liveness and the page (its API calls carry the key)."""
+    return path in ("/health", "/") or path.startswith("/static/")
+
+
 def _require_json(request: Request) -> None:
     """POST bodies must be declared JSON. Without this, a web page could make a browser send a
     cross-origin "simple" request (text/plain, no preflight) to a server on localhost."""
@@ -174,7 +179,14 @@ def create_app(
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request, exc: StarletteHTTPException):
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # an unknown route or method needs the key like any other: the key comes first, and a
+        # client without it learns nothing, not even which routes exist
+        if api_key and exc.status_code in (404, 405) and not _open_path(request.url.path):
+            try:
+                await check_key(request)
+            except APIError as err:
+                return await on_api_error(request, err)
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
     # ---- routes ----------------------------------------------------------------------------

@@ -31,7 +31,13 @@ _UNSUPPORTED_COMMON = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
 }
-_UNSUPPORTED_COMPLETION = {"logprobs": (None, False), "echo": (None, False), "suffix": (None, "")}
+_UNSUPPORTED_COMPLETION = {
+    "logprobs": (None, False),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    # not part of OpenAI's completions API, but a client asking for JSON output must learn it gets none
+    "response_format": (None, {"type": "text"}),
+}
 _UNSUPPORTED_CHAT = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
@@ -114,7 +120,7 @@ def parse_json(raw: bytes) -> dict:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        body = json.loads(raw, parse_constant=no_constants)
+        body = json.loads(raw, parse_constant=no_constants, object_pairs_hook=_no_duplicate_keys)
     except ValueError as exc:  # includes UnicodeDecodeError
         raise bad(None, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -122,6 +128,26 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refused when a key repeats: parsers disagree on which value counts (Python's
+    the last, others the first), so a proxy that checked one value may pass the other here."""
+    obj: dict = {}
+    for key, value in pairs:
+        if key in obj:
+            param = key if len(key) <= QUOTE_CHARS and key.isprintable() and _encodable(key) else None
+            raise bad(param, f"the request body has the key {quote(key)} twice in one object: send it once")
+        obj[key] = value
+    return obj
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: an error body could not carry it
+        return False
+    return True
 
 
 def _is_int(v) -> bool:
