@@ -14,15 +14,16 @@ arms of a benchmark are `engine.derive(...)` of the one engine built, so nothing
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from dspark import kernels
-from dspark.doctor.quick import quick_check
+from dspark.doctor.cache import load_time_check
+from dspark.engine.costs import cost_curve_for
 from dspark.engine.engine import Engine
+from dspark.engine.lookup import LookupProposer
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
 from dspark.engine.step import draft_phase_seconds, target_step
 from dspark.errors import DSparkError
@@ -65,6 +66,9 @@ class EngineConfig:
     cost_curve: str | None = None  # adaptive: cost-curve JSON (None: profile the target at start-up, cached)
     always_draft: bool = False  # adaptive: draft every step, even when earlier steps say it does not pay
     max_batch: int = 16  # requests decoded together
+    # proposals from the request's own text (prompt and output) beside the draft's, chosen per
+    # request and step by expected tokens per second (engine/lookup.py); False: the draft alone
+    lookup: bool = True
     check: bool = True  # the doctor's cheap check of the draft at load time
 
 
@@ -150,17 +154,25 @@ def build_engine(config: EngineConfig) -> Engine:
         max_batch=config.max_batch,
         skip=not config.always_draft,
     )
-    engine = Engine(target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch)
+    lookup = None
+    if config.lookup and draft is not None:
+        lookup = LookupProposer()
+        if policy.curve is None:  # full / threshold: the lookup proposer still prices its proposals
+            policy.curve = cost_curve_for(target, config.max_batch * (lookup.limit + 1))
+        notes.append(lookup.describe())
+    engine = Engine(
+        target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch, lookup=lookup
+    )
     engine.config, engine.notes = config, notes
     if config.check and draft is not None:
         # the doctor's statistic on a short sample (dspark.doctor.quick.QUICK_BUDGET): about as much as
-        # decoding 256 tokens, more only while another reading of the file could still be better
-        t0 = time.perf_counter()
-        check = quick_check(engine)
-        cost = f"load-time draft check: {time.perf_counter() - t0:.1f} s (disable: --no-check, check=False)"
+        # decoding 256 tokens, more only while another reading of the file could still be better;
+        # measured once per target, draft, runtime and machine, then read back (dspark.doctor.cache)
+        loaded = load_time_check(engine)
+        check = loaded.check
         for warning in check.warnings:
             log.warning("WARNING: draft check: %s", warning)
-        (log.warning if check.warnings else log.info)(cost)
+        (log.warning if check.warnings else log.info)(loaded.describe())
         if check.accepted is not None:
             # what the check measured, plus the drafting phase's cost: an adaptive policy then knows
             # from the first step whether drafting pays, instead of drafting to find out. Timed after a

@@ -98,7 +98,12 @@ def test_build_engine_assembles_everything_from_the_config(saved):
         )
     )
     assert eng.config.draft == draft and eng.config.device == "cpu"
-    assert eng.notes == [f"runtime auto -> {eng.target.describe()}", fast_draft.describe(eng.draft)]
+    assert eng.notes == [
+        f"runtime auto -> {eng.target.describe()}",
+        fast_draft.describe(eng.draft),
+        eng.lookup.describe(),  # on by default: the start-up says so
+    ]
+    assert eng.policy.curve is not None  # threshold: the lookup prices its proposals on the target's curve
     assert eng.notes[1].startswith(
         "draft decodes through its modules (a matrix of (75, 64) shape"
     )  # a vocabulary of 75

@@ -63,7 +63,8 @@ def _hello(saved) -> list[str]:  # noqa: F811
     """`generate` of six tokens of "Hello" on the tiny target and draft, compared, fully verified."""
     target, draft = saved
     return ["generate", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full"]  # fmt: skip
+            "--prompt", "Hello", "--max-new-tokens", "6", "--compare", "--no-check", "--verify", "full",
+            "--no-lookup"]  # fmt: skip
 
 
 def test_generate_streams_text_and_prints_the_summary(saved, capsys):  # noqa: F811

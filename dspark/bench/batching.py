@@ -93,7 +93,8 @@ def bench_batching(
             skip=skip,
             prior=engine.prior,
         )
-        return engine.derive(policy=policy, max_batch=c)
+        # `full`: the draft alone, every block verified; the others propose as the engine does (lookup too)
+        return engine.derive(policy=policy, max_batch=c, lookup=False if arm == "full" else None)
 
     def params(i: int, n: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed + i, ignore_eos=True)

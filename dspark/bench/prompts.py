@@ -4,6 +4,9 @@
   `{"turns": ["first user message", ...]}` a line; the first turn is the prompt.
 - The project's own held-out chat prompts (`dspark/assets/prompts/heldout.jsonl`, never trained
   on), named `chat`.
+- The project's own copy-heavy tasks (`dspark/assets/prompts/copy.jsonl`: editing, code changes,
+  format conversion, quoting, continuing a list; written for measuring the lookup proposer,
+  never trained on), named `copy`.
 - Any user file (`--prompts FILE`): JSONL with `turns` or `prompt`, or plain text one prompt a line;
   the set is named after the file.
 """
@@ -19,6 +22,7 @@ from dspark.prompts import read_prompt_file
 
 PAPER_SETS = ("gsm8k", "math500", "aime25", "humaneval", "mbpp")
 CHAT = "chat"
+COPY = "copy"
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,10 @@ def heldout_path() -> Path:
     return Path(str(resources.files("dspark") / "assets" / "prompts" / "heldout.jsonl"))
 
 
+def copy_path() -> Path:
+    return Path(str(resources.files("dspark") / "assets" / "prompts" / "copy.jsonl"))
+
+
 def load_sets(
     dataset_dir: str | None,
     sets: list[str] | None,
@@ -40,7 +48,8 @@ def load_sets(
 ) -> list[PromptSet]:
     """The prompt sets a bench run measures, in a stable order.
 
-    sets None: every paper set present in dataset_dir, then `chat`, then the --prompts files.
+    sets None: every paper set present in dataset_dir, then `chat`, then the --prompts files (`copy`
+    only when named).
     A set named explicitly but missing is an error (a silently smaller benchmark misleads).
     """
     wanted = list(sets) if sets else None
@@ -55,6 +64,7 @@ def load_sets(
         for extra in sorted(d.glob("*.jsonl")):
             available.setdefault(extra.stem, extra)
     available[CHAT] = heldout_path()
+    available[COPY] = copy_path()
     for f in prompt_files:
         p = Path(f)
         if p.stem in available and p != available[p.stem]:

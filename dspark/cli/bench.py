@@ -193,7 +193,10 @@ def build_runners(arms, engine, args) -> dict:
                 skip=not args.always_draft,
                 prior=engine.prior,
             )
-            runners[arm.name] = EngineRunner(engine.derive(policy=policy, max_batch=arm.concurrency))
+            # a `full` arm verifies the draft's every block, the draft alone: the reference for the
+            # draft's acceptance (and the speculation profile); the others propose as the engine does
+            lookup = False if arm.kind == "full" else None
+            runners[arm.name] = EngineRunner(engine.derive(policy=policy, max_batch=arm.concurrency, lookup=lookup))
     return runners
 
 

@@ -91,6 +91,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-batch", type=int, default=d.max_batch, help=f"requests decoded together (default {d.max_batch})"
     )
+    g.add_argument(
+        "--no-lookup",
+        action="store_true",
+        help="propose with the draft alone (default: also from the request's own text, the prompt and the output "
+        "so far, chosen per request and step by expected tokens per second)",
+    )
     g.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
 
 
@@ -114,6 +120,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         cost_curve=args.cost_curve,
         always_draft=args.always_draft,
         max_batch=args.max_batch,
+        lookup=not args.no_lookup,
         check=not args.no_check,
     )
     return replace(config, **overrides)

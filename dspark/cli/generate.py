@@ -28,9 +28,16 @@ from dspark.errors import DSparkError
 
 # the page's colours (dspark/serve/static/page.css) in the 8 standard terminal colours, which every
 # colour terminal shows (rich would fold the page's pale shades into one on such a terminal)
-MARK_STYLE = {"accepted": "black on green", "corrected": "white on red", "bonus": "black on cyan", "plain": ""}
+MARK_STYLE = {
+    "accepted": "black on green",
+    "lookup": "black on yellow",
+    "corrected": "white on red",
+    "bonus": "black on cyan",
+    "plain": "",
+}
 MARK_LEGEND = {
     "accepted": "drafted, accepted",
+    "lookup": "copied from the text (lookup), accepted",
     "corrected": "corrected by the target",
     "bonus": "the target's bonus",
     "plain": "plain step",
@@ -50,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--show-drafts",
         action="store_true",
-        help="mark each token by origin: drafted and accepted, corrected by the target, the target's bonus "
-        "token, or a plain step (colours in a terminal; --json: a `tokens` list)",
+        help="mark each token by origin: drafted and accepted, copied from the prompt or output (lookup) and "
+        "accepted, corrected by the target, the target's bonus token, or a plain step (colours in a terminal; "
+        "--json: a `tokens` list)",
     )
     p.add_argument("--compare", action="store_true", help="also decode without speculation and print the speedup")
     p.add_argument(
@@ -155,8 +163,9 @@ def run(args) -> int:
         for r in range(args.compare_rounds):
             (s_req, p_req), (s_secs, p_secs), _ = side_by_side([engine, plain], ids, params, first=r)
             m = s_req.metrics.to_dict()
-            drafted += m["verify_steps"]
-            steps += m["verify_steps"] + m["plain_steps"]
+            looked = m["lookup"]["verify_steps"] if "lookup" in m else 0
+            drafted += m["verify_steps"] + looked  # steps that verified proposals, the draft's or the lookup's
+            steps += m["verify_steps"] + m["plain_steps"] + looked
             spec_tok, spec_s = spec_tok + len(s_req.output_ids), spec_s + s_secs
             plain_tok, base_s = plain_tok + len(p_req.output_ids), base_s + p_secs
             base = p_req if base is None else base  # the plain output compared with the streamed one
@@ -215,6 +224,16 @@ def _print_summary(out: dict) -> None:
             t.add_row("draft acceptance rate", f"{m['draft_acceptance_rate']:.3f}  (accepted / verified drafts)")
             t.add_row("conditional acceptance", " ".join(f"{x:.2f}" for x in m["conditional_accept_rates"]))
             t.add_row("marginal acceptance", " ".join(f"{x:.2f}" for x in m["marginal_accept_rates"]))
+        look = m.get("lookup")
+        if look is not None:
+            t.add_row("lookup verify steps", f"{look['verify_steps']}  (proposals copied from the prompt or output)")
+            if look["verify_steps"]:
+                t.add_row(
+                    "lookup acceptance length",
+                    f"{look['mean_accept_length']:.2f}  ({look['accepted_tokens']} of {look['verified_tokens']} "
+                    "verified lookup tokens accepted)",
+                )
+                t.add_row("lookup conditional", " ".join(f"{x:.2f}" for x in look["conditional_accept_rates"]))
         ts = m["time_s"]
         tot = ts["total"] or 1.0
         t.add_row(
@@ -225,7 +244,9 @@ def _print_summary(out: dict) -> None:
         t.add_row("plain decoding tokens/s", f"{out['plain']['tokens_per_second']:.1f}")
         spread = out.get("speedup_rounds") or []
         rounds = f"  (rounds {min(spread):.2f}-{max(spread):.2f}x)" if len(spread) > 1 else ""
-        timed = f"{out['drafted_steps']} of {out['timed_steps']} steps drafted ({out['compare_rounds']} rounds)"
+        timed = (
+            f"{out['drafted_steps']} of {out['timed_steps']} steps verified proposals ({out['compare_rounds']} rounds)"
+        )
         if out["speedup"] is None:
             t.add_row("speedup over plain decoding", f"none: the timed rounds drafted no step ({timed})")
             t.add_row("the two arms", "both decoded plainly in the timed rounds, the same steps")

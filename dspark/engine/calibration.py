@@ -232,6 +232,6 @@ def record_generations(engine, prompts: list[list[int]], params: list) -> tuple[
     if engine.draft.confidence_head is None:
         raise DSparkError("the draft has no confidence head: there is nothing to calibrate")
     rec = StepRecorder()
-    recording = engine.derive()  # full verification
+    recording = engine.derive(lookup=False)  # full verification of the draft's blocks alone
     recording.observers.append(rec)
     return rec, recording.generate_many(prompts, params)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from dspark.engine.detok import Detokenizer
+from dspark.engine.lookup import LOOKUP_MAX, LookupIndex, LookupProposer
 from dspark.engine.marks import TokenMark, step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams, probs, sample
@@ -99,15 +100,18 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         policy: VerifyPolicy | None = None,
         max_batch: int = 16,
+        lookup: LookupProposer | None = None,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        # proposals from the request's own text beside the draft's (engine/lookup.py); None: off
+        self.lookup = lookup
         self.eos_token_ids = tuple(eos_token_ids)
         self.policy = policy if policy is not None else FullScheduler()
         self.max_batch = max_batch
         self.gamma = draft.spec.gamma if draft is not None else 0
         if draft is not None:
             target.set_taps(draft.spec.hidden_state_indices)
-        self.metrics = SpecMetrics(self.gamma)
+        self.metrics = self.new_metrics()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.batch: Batch | None = None
@@ -121,18 +125,42 @@ class Engine:
         self.notes: list[str] = []
         self.prior: DraftPrior | None = None
 
+    def new_metrics(self) -> SpecMetrics:
+        """Counters for this engine's proposers: the draft's, and the lookup's when it proposes."""
+        return SpecMetrics(self.gamma, lookup=SpecMetrics(self.lookup.limit) if self.lookup is not None else None)
+
     def derive(
-        self, *, speculative: bool = True, policy: VerifyPolicy | None = None, max_batch: int | None = None
+        self,
+        *,
+        speculative: bool = True,
+        policy: VerifyPolicy | None = None,
+        max_batch: int | None = None,
+        lookup: bool | None = None,
     ) -> "Engine":
         """Another engine over the same loaded target and draft: nothing is loaded twice, the new
         engine has its own requests and metrics. speculative=False: the plain-decoding twin (a
-        target view without taps, so it pays for nothing a draft would read). policy: the new
-        engine's verification policy, default full (policies keep running state: never shared)."""
+        target view without taps, so it pays for nothing a draft would read; no lookup either).
+        policy: the new engine's verification policy, default full (policies keep running state:
+        never shared). lookup: whether it proposes from the text too (None: as this engine does,
+        when speculative); its statistics start afresh."""
         draft = self.draft if speculative else None
         target = self.target if draft is not None else self.target.view()
+        use_lookup = speculative and (self.lookup is not None if lookup is None else lookup)
+        proposer = LookupProposer(self.lookup.limit if self.lookup is not None else LOOKUP_MAX) if use_lookup else None
         other = Engine(
-            target, draft, self.tokenizer, self.eos_token_ids, policy=policy, max_batch=max_batch or self.max_batch
+            target,
+            draft,
+            self.tokenizer,
+            self.eos_token_ids,
+            policy=policy,
+            max_batch=max_batch or self.max_batch,
+            lookup=proposer,
         )
+        if proposer is not None and other.policy.curve is None:
+            # the lookup prices its proposals with the target's cost curve: the one this engine has
+            if self.policy.curve is None:
+                raise DSparkError("the lookup proposer needs the target's cost curve, and this engine has none")
+            other.policy.curve = self.policy.curve
         other.prior = self.prior if draft is not None else None
         return other
 
@@ -169,7 +197,7 @@ class Engine:
         req = Request(list(prompt_ids), params, on_tokens)
         if request_id is not None:
             req.id = request_id
-        req.metrics = SpecMetrics(self.gamma)
+        req.metrics = self.new_metrics()
         if marks:
             req.marks = []
         if self.tokenizer is not None:
@@ -203,6 +231,8 @@ class Engine:
         last = logits[0, -1]
         first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
         batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen], pending)
+        if self.lookup is not None:
+            batch.lookup = [LookupIndex(req.prompt_ids + [first])]
         req.t_first_token = time.perf_counter()
         self._emit(req, [first], [TokenMark(first, "plain", 0, 0)] if req.marks is not None else None)
         return batch
@@ -242,6 +272,7 @@ class Engine:
             [req.params],
             [gen],
             [draft_taps(taps)] if self.draft is not None else [],
+            lookup=[LookupIndex(req.prompt_ids + req.output_ids)] if self.lookup is not None else None,
         )
 
     def _fail(self, req: Request, err: BaseException, where: str) -> None:
@@ -281,7 +312,7 @@ class Engine:
                 if b in named:
                     raise err
                 one = self._resume(req, gen)
-                res = decode_step(self.target, self.draft, one, self.policy)
+                res = decode_step(self.target, self.draft, one, self.policy, self.lookup)
                 done = self._record(res, [req])
             except Exception as alone:
                 self._fail(req, alone, "decode step")
@@ -304,6 +335,7 @@ class Engine:
             torch.cat([a.anchors, b.anchors]),
             a.params + b.params,
             a.generators + b.generators,
+            lookup=a.lookup + b.lookup if a.lookup is not None and b.lookup is not None else None,
         )
 
     def _drop_finished(self) -> None:
@@ -325,6 +357,8 @@ class Engine:
             [b.generators[i] for i in keep],
             [p[rows] for p in b.pending],
             None if b.unposted is None else (b.unposted[0][rows], b.unposted[1][rows]),
+            None if b.lookup is None else [b.lookup[i] for i in keep],
+            b.joined,
         )
 
     # ---- output --------------------------------------------------------------------------
@@ -383,7 +417,7 @@ class Engine:
         # the generators as they were: a failed step is replayed with the same randomness
         states = [g.get_state() if g is not None else None for g in self.batch.generators]
         try:
-            res = decode_step(self.target, self.draft, self.batch, self.policy)
+            res = decode_step(self.target, self.draft, self.batch, self.policy, self.lookup)
         except Exception as err:
             return failed + self._recover(err, states)
         finished = failed + self._record(res, self.running)
@@ -396,6 +430,8 @@ class Engine:
         ends with "error" alone."""
         for observer in (self.policy, *self.observers):
             observer.observe(res, running)
+        if self.lookup is not None:
+            self.lookup.observe(res)
         finished = []
         conf = None
         if res.conf_logits is not None and any(r.marks is not None for r in running):
@@ -405,6 +441,7 @@ class Engine:
             committed = res.committed[b]
             marks = None
             if req.marks is not None:
+                source = res.source(b)
                 marks = step_marks(
                     req.steps,
                     committed,
@@ -412,21 +449,23 @@ class Engine:
                     res.verified[b],
                     res.accepted[b],
                     res.proposed[b] if res.proposed is not None else None,
-                    conf[b] if conf is not None else None,
+                    conf[b] if conf is not None and source == "draft" else None,
+                    source,
                 )
             try:
                 kept = self._emit(req, committed, marks)
             except Exception as err:
                 self._fail(req, err, "output")
                 kept = 0
-            if self.draft is not None:
+            if self.draft is not None or self.lookup is not None:
                 # the engine's counters: what it drafted, verified and accepted (the policy's view);
                 # the request's: what it received, so a stop (or max_new_tokens) among the accepted
                 # drafts leaves the drafts past it out, and its statistics agree with its tokens
                 acc = min(res.accepted[b], kept)
                 ver = res.verified[b] if kept == len(committed) else min(res.verified[b], kept)
-                _metrics(req).record(res.drafted[b], ver, acc)
-                self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b])
+                source = res.source(b)
+                _metrics(req).record(res.drafted[b], ver, acc, source)
+                self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b], source)
             if req.finished:
                 finished.append(req)
         share = 1.0 / len(running)

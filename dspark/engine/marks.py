@@ -3,7 +3,9 @@
 A drafting step commits the drafts the target accepted, then one token of the target's own: the
 correction of the first rejected draft, or, when every verified draft was accepted, the bonus
 token after them. A step that did not draft commits one plain target token (so does the prefill,
-step 0). Recording is opt-in per request (Engine.add_request(marks=True)): the server's stream
+step 0). A token the lookup proposer proposed (copied from the prompt or the output so far,
+engine/lookup.py) and the target accepted is marked "lookup"; its corrected or bonus token names
+the source too. Recording is opt-in per request (Engine.add_request(marks=True)): the server's stream
 extension, `dspark generate --show-drafts` and the page read it.
 
 Texts: a mark's `text` is what its token added to the streamed text, so the texts of a request's
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 
 from dspark.engine.detok import Detokenizer
 
-KINDS = ("accepted", "corrected", "bonus", "plain")
+KINDS = ("accepted", "lookup", "corrected", "bonus", "plain")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class TokenMark:
     confidence: float | None = None  # the draft's confidence for that slot (accepted / corrected)
     draft: int | None = None  # corrected: the draft's rejected token
     text: str = ""  # filled in by TextPieces
+    source: str | None = None  # what proposed the step's tokens when it was not the draft: "lookup"
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -43,19 +46,22 @@ def step_marks(
     accepted: int,
     drafts: list[int] | None,
     confidences: list[float] | None,
+    source: str = "draft",
 ) -> list[TokenMark]:
-    """The marks of one request's tokens committed by one decode step (StepResult's row)."""
-    if drafted == 0:
+    """The marks of one request's tokens committed by one decode step (StepResult's row); source:
+    what proposed them ("draft", "lookup", "plain")."""
+    if drafted == 0 or source == "plain":
         return [TokenMark(committed[0], "plain", step, 0)]
     conf = lambda k: round(confidences[k], 4) if confidences is not None and k < len(confidences) else None
-    out = [TokenMark(t, "accepted", step, k + 1, conf(k)) for k, t in enumerate(committed[:accepted])]
+    kind, src = ("lookup", "lookup") if source == "lookup" else ("accepted", None)
+    out = [TokenMark(t, kind, step, k + 1, conf(k), source=src) for k, t in enumerate(committed[:accepted])]
     last = committed[accepted]
     if verified > accepted:  # the target rejected the draft at slot accepted+1 and wrote its own token
         if drafts is None:
             raise ValueError("step_marks: a step that drafted and rejected a draft names its drafts")
-        out.append(TokenMark(last, "corrected", step, accepted + 1, conf(accepted), drafts[accepted]))
+        out.append(TokenMark(last, "corrected", step, accepted + 1, conf(accepted), drafts[accepted], source=src))
     else:
-        out.append(TokenMark(last, "bonus", step, accepted + 1))
+        out.append(TokenMark(last, "bonus", step, accepted + 1, source=src))
     return out
 
 

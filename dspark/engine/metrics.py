@@ -6,7 +6,9 @@ Drafted, verified and accepted tokens are kept apart so that verifying fewer dra
 - marginal[i]    = P(slots 0..i all accepted), per verify step
 - mean acceptance length = tokens committed per verify step, bonus included = 1 + sum(marginal)
 Steps where the adaptive policy skipped drafting are counted apart (plain_steps): they verify
-nothing, so they neither raise nor lower acceptance.
+nothing, so they neither raise nor lower acceptance. Rows whose tokens the lookup proposer
+proposed (engine/lookup.py) are counted in `lookup`, the same counters over its proposals, so
+the draft's acceptance stays the draft's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class SpecMetrics:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_other: float = 0.0
+    lookup: "SpecMetrics | None" = None  # the lookup proposer's verifications (None: lookup off)
 
     def __post_init__(self):
         g = self.gamma + 1
@@ -35,8 +38,15 @@ class SpecMetrics:
         self.reached = self.reached or [0] * self.gamma
         self.accepted_at = self.accepted_at or [0] * self.gamma
 
-    def record(self, drafted: int, verified: int, accepted: int) -> None:
-        if drafted == 0 and self.gamma > 0:  # a skipped draft: one token from the target alone
+    def record(self, drafted: int, verified: int, accepted: int, source: str = "draft") -> None:
+        """One request's step: `source` proposed its `drafted` tokens ("draft", "lookup", or "plain":
+        none, one token from the target alone)."""
+        if source == "lookup":
+            if self.lookup is None:
+                raise ValueError("a lookup step recorded by metrics made without lookup")
+            self.lookup.record(drafted, verified, accepted)
+            return
+        if source == "plain" or (drafted == 0 and self.gamma > 0):  # a skipped draft
             self.plain_steps += 1
             return
         self.steps += 1
@@ -56,6 +66,10 @@ class SpecMetrics:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("histogram", "reached", "accepted_at"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        if other.lookup is not None:
+            if self.lookup is None:
+                self.lookup = SpecMetrics(other.lookup.gamma)
+            self.lookup.merge(other.lookup)
 
     @property
     def mean_accept_length(self) -> float:
@@ -75,6 +89,22 @@ class SpecMetrics:
 
     def to_dict(self) -> dict:
         total = self.t_draft + self.t_verify + self.t_other
+        out = self._counts()
+        if self.lookup is not None:
+            # its own verify steps, proposed/verified/accepted tokens and per-position acceptance
+            look = self.lookup._counts()
+            del look["plain_steps"], look["gamma"]
+            look["max_proposed"] = self.lookup.gamma
+            out["lookup"] = look
+        out["time_s"] = {
+            "draft": round(self.t_draft, 4),
+            "verify": round(self.t_verify, 4),
+            "other": round(self.t_other, 4),
+            "total": round(total, 4),
+        }
+        return out
+
+    def _counts(self) -> dict:
         return {
             "verify_steps": self.steps,
             "plain_steps": self.plain_steps,
@@ -88,10 +118,4 @@ class SpecMetrics:
             "conditional_accept_rates": [round(x, 4) for x in self.conditional],
             "marginal_accept_rates": [round(x, 4) for x in self.marginal],
             "acceptance_length_histogram": list(self.histogram),  # [a] = steps committing a+1 tokens
-            "time_s": {
-                "draft": round(self.t_draft, 4),
-                "verify": round(self.t_verify, 4),
-                "other": round(self.t_other, 4),
-                "total": round(total, 4),
-            },
         }

@@ -147,8 +147,22 @@ class VerifyPolicy:
 
     name = "?"
 
-    def __init__(self, calibration: Calibration | None = None):
+    def __init__(self, calibration: Calibration | None = None, curve: CostCurve | None = None):
         self.calibration = calibration
+        # the target's measured step time by verified tokens: an adaptive policy's own, or given to
+        # another policy for the lookup proposer, which prices its proposals with it
+        self.curve = curve
+
+    def plain_seconds(self, tokens: int) -> float:
+        """Expected seconds of a step that verifies `tokens` target tokens without drafting."""
+        if self.curve is None:
+            raise DSparkError(f"verification policy '{self.name}' has no cost curve (the lookup proposer needs one)")
+        return self.curve.step_time(tokens)
+
+    def draft_expectation(self, R: int) -> tuple[float, float] | None:
+        """(committed tokens/s drafting, the draft's expected accepted tokens per request) at R
+        requests, when the policy prices drafting; None when it drafts whatever the cost."""
+        return None
 
     def should_draft(self, batch) -> bool:
         """Before any draft exists: whether this step drafts at all (False: a plain target step)."""
@@ -252,8 +266,9 @@ class AdaptiveScheduler(VerifyPolicy):
         prior: DraftPrior | None = None,
         probe_share: float = PROBE_SHARE,
     ):
-        super().__init__(calibration)
-        self.curve, self.learn, self.skip, self.probe_share = curve, learn, skip, probe_share
+        super().__init__(calibration, curve)
+        self.curve: CostCurve = curve  # always set: the policy prices every step with it
+        self.learn, self.skip, self.probe_share = learn, skip, probe_share
         # overhead: a drafting step's fixed time at depth 1; each slot past the first adds slot_cost
         self.overhead, self.slot_cost = 0.0, 0.0
         # measured forward time / the curve's, for drafting steps and for skipped ones; each kind
@@ -347,6 +362,17 @@ class AdaptiveScheduler(VerifyPolicy):
             if rate > best:
                 best, self._best_depth = rate, j + 1
         return best, plain
+
+    def plain_seconds(self, tokens: int) -> float:
+        """A step without drafting at `tokens` verified tokens, as measured (plain overhead and scale)."""
+        return (self.plain_overhead or 0.0) + self.plain_scale * self._step_time(tokens)
+
+    def draft_expectation(self, R: int) -> tuple[float, float] | None:
+        if self.survival is None or self.plain_overhead is None:
+            return None
+        spec, _ = self.expected_rates(R)
+        gain = float(sum(self.expected_survival()[: self._best_depth or 1]))
+        return (spec if self.skip and self.learn else math.inf), gain
 
     def break_even(self, R: int = 1) -> float:
         """The first-slot acceptance at which drafting and verifying one slot would commit tokens as
@@ -451,8 +477,9 @@ class AdaptiveScheduler(VerifyPolicy):
             return
         fixed = res.t_draft + res.t_other
         verified = res.verified
-        drafted = bool(res.drafted[0] > 0)  # every row of a step drafts, or none does
-        tokens = len(verified) * (1 + max(verified)) if drafted else len(verified)  # batch_tokens
+        rows = draft_rows(res)
+        drafted = bool(rows)  # the draft ran: its phase is in t_draft (a lookup step's proposals cost ~0)
+        tokens = len(verified) * (1 + max(verified))  # batch_tokens (a plain step verifies no drafts)
         predicted = self._step_time(tokens)
         # clamp: one descheduled step must not make verification look 100x dearer
         ratio = min(4.0, max(0.25, res.t_verify / predicted))
@@ -468,12 +495,24 @@ class AdaptiveScheduler(VerifyPolicy):
             return
         if not res.caught_up:  # a catch-up of the prompt or of skipped steps is paid once, not a step
             w = 1.0 if self._drafted_seen == 0 else EMA
-            fixed -= self.slot_cost * (res.drafted[0] - 1)  # as if it had drafted one slot
+            fixed -= self.slot_cost * (res.drafted[rows[0]] - 1)  # as if it had drafted one slot
             self.overhead = (1 - w) * self.overhead + w * fixed
             self._drafted_seen += 1
-        self._observe_acceptance(int(max(res.drafted)), [int(v) for v in res.verified], [int(a) for a in res.accepted])
+        self._observe_acceptance(
+            max(int(res.drafted[b]) for b in rows),
+            [int(res.verified[b]) for b in rows],
+            [int(res.accepted[b]) for b in rows],
+        )
         if self.plain_overhead is None:  # before any plain step: the part that is not drafting
             self.plain_overhead = res.t_other
+
+
+def draft_rows(res) -> list[int]:
+    """The rows of a step result whose tokens the draft proposed (the others: lookup or none)."""
+    sources = getattr(res, "sources", None)
+    if sources is not None:
+        return [b for b, s in enumerate(sources) if s == "draft"]
+    return [b for b, d in enumerate(res.drafted) if d > 0]
 
 
 # ---- factory -----------------------------------------------------------------------------

@@ -15,11 +15,13 @@ skips drafting (`should_draft`); its taps reach the draft context at the next dr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
+from dspark.engine.lookup import LookupIndex, LookupProposer, Plan
 from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.engine.timing import now
@@ -46,6 +48,11 @@ class Batch:
     # next drafting step's call posts them with its block (one call, not two, a step); a plain
     # step posts them first. Never set while `pending` holds taps.
     unposted: tuple[torch.Tensor, torch.Tensor] | None = None
+    # per row, the index the lookup proposer reads (None: no lookup)
+    lookup: list[LookupIndex] | None = None
+    # positions in `unposted` that steps without drafting left there (lookup steps, and the plain
+    # steps after them): a catch-up for the next drafting call, like `pending`
+    joined: int = 0
 
 
 @dataclass
@@ -75,6 +82,21 @@ class StepResult:
     # context (0 when the step before drafted too): a one-off catch-up inside t_draft, not what
     # drafting costs a step, so the adaptive policy does not learn its overhead from such a step
     caught_up: int = 0
+    # per row, what proposed its tokens: "draft", "lookup" or "plain" (nothing); None: every row
+    # "draft" when the step drafted, else "plain"
+    sources: list[str] | None = None
+    # per row, the lookup proposal's match length (0: not a lookup row)
+    match: list[int] | None = None
+
+    def source(self, b: int) -> str:
+        if self.sources is not None:
+            return self.sources[b]
+        return "draft" if self.drafted[b] else "plain"
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the draft ran this step (its phase is in t_draft)."""
+        return "draft" in self.sources if self.sources is not None else bool(self.drafted and self.drafted[0])
 
 
 @dataclass
@@ -285,7 +307,7 @@ def take_pending(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None
     or (None, None). What is returned is no longer waiting."""
     if batch.unposted is not None:
         taps, counts = batch.unposted
-        batch.unposted = None
+        batch.unposted, batch.joined = None, 0
         return taps, counts
     if not batch.pending:
         return None, None
@@ -306,11 +328,81 @@ def flush_context(draft: DSparkDraft | None, batch: Batch) -> None:
         draft.extend_context(batch.ctx, taps, counts)
 
 
+def join_taps(
+    a: torch.Tensor, ca: torch.Tensor, b: torch.Tensor, cb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two waits of taps, each [B, k, F] with counts [B] of each row's leading positions to commit,
+    as one: row r holds a's first ca[r] positions, then b's."""
+    counts = ca.tolist()
+    if all(c == counts[0] for c in counts):  # every row the same (one request, plain steps): a slice
+        return torch.cat([a[:, : counts[0]], b], dim=1), ca + cb
+    out = a.new_zeros(a.shape[0], max(counts) + b.shape[1], a.shape[2])
+    for r, c in enumerate(counts):
+        out[r, :c] = a[r, :c]
+        out[r, c : c + b.shape[1]] = b[r]
+    return out, ca + cb
+
+
+def wait_taps(batch: Batch, taps: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    """A step that did not draft committed counts[b] positions of each row (None: all of taps'):
+    their taps wait for the next drafting call. Plain steps' taps queue in batch.pending while
+    nothing ragged waits; otherwise everything waiting is joined into batch.unposted (no call of
+    the draft's network: a lookup step or a plain step after one costs what a plain step does)."""
+    if counts is None and batch.unposted is None:
+        batch.pending.append(taps)
+        return
+    if counts is None:
+        counts = torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long, device=taps.device)
+    joined = batch.joined
+    w_taps, w_counts = take_pending(batch)
+    if w_taps is None or w_counts is None:
+        batch.unposted = (taps, counts)
+    else:
+        batch.unposted = join_taps(w_taps, w_counts, taps, counts)
+    batch.joined = joined + taps.shape[1]
+
+
 def draft_taps(taps: torch.Tensor | None) -> torch.Tensor:
     """The taps a target forward returned for the draft context (a target with a draft taps)."""
     if taps is None:
         raise RuntimeError("the target returned no taps for the draft context (it taps none of the draft's layers)")
     return taps
+
+
+def lookup_plan(policy: VerifyPolicy, lookup: LookupProposer, batch: Batch, drafting: bool) -> Plan | None:
+    """The lookup proposer's choice for this step (None: the batch has no lookup index)."""
+    if batch.lookup is None:
+        return None
+    draft_rate = None
+    if drafting:  # a policy that drafts whatever the cost is compared per row only
+        draft_rate = policy.draft_expectation(len(batch.lookup)) or (math.inf, lookup.draft_gain)
+    return lookup.plan(batch.lookup, policy.plain_seconds, draft_rate)
+
+
+def merge_lookup(
+    prop: Proposal | None, n: torch.Tensor | None, plan: Plan, batch: Batch, vocab: int
+) -> tuple[Proposal, torch.Tensor, list[str]]:
+    """The step's proposal with each lookup row's tokens in place of the draft's (or of nothing):
+    tokens [B, G], q (a point mass for a sampled lookup row), verify lengths n [B], each row's source."""
+    B, dev = batch.anchors.shape[0], batch.anchors.device
+    g = prop.tokens.shape[1] if prop is not None else 0
+    G = max(g, max(len(t) for t in plan.tokens))
+    tokens = batch.anchors.new_zeros(B, G)
+    if prop is not None:
+        tokens[:, :g] = prop.tokens
+    lengths = n.tolist() if n is not None else [0] * B
+    q: list[torch.Tensor | None] = list(prop.q) if prop is not None else [None] * B
+    sources = ["draft" if prop is not None else "plain"] * B
+    for b, t in enumerate(plan.tokens):
+        if not t:
+            continue
+        tokens[b, : len(t)] = torch.tensor(t, device=dev)
+        tokens[b, len(t) :] = 0
+        lengths[b], sources[b] = len(t), "lookup"
+        if not batch.params[b].greedy:  # what the token was drawn from: a point mass
+            q[b] = torch.zeros(len(t), vocab, device=dev).scatter_(1, tokens[b, : len(t), None], 1.0)
+    conf = prop.conf_logits if prop is not None else None
+    return Proposal(tokens, q, conf), torch.tensor(lengths, dtype=torch.long, device=dev), sources
 
 
 @torch.inference_mode()
@@ -319,24 +411,33 @@ def decode_step(
     draft: DSparkDraft | None,
     batch: Batch,
     policy: VerifyPolicy,
+    lookup: LookupProposer | None = None,
 ) -> StepResult:
     dev = batch.anchors.device
     B = batch.anchors.shape[0]
     t0 = now(dev)
     # A policy may decide from earlier steps alone that drafting will not pay this step (its
     # cost exceeds the expected gain): then this is a plain target step, and the committed
-    # position's taps wait in batch.pending until the draft next runs.
+    # position's taps wait in batch.pending until the draft next runs. A lookup proposal that
+    # expects more committed tokens a second than drafting takes the step instead (lookup.py).
     drafting = draft is not None and policy.should_draft(batch)
+    plan = lookup_plan(policy, lookup, batch, drafting) if lookup is not None else None
+    if plan is not None:
+        drafting = drafting and plan.draft
     prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
-    caught_up = sum(t.shape[1] for t in batch.pending) if drafting else 0
+    caught_up = sum(t.shape[1] for t in batch.pending) + batch.joined if drafting else 0
     if drafting and draft is not None:
         prop = propose(draft, batch, policy.draft_depth(batch))
-    g = prop.tokens.shape[1] if prop is not None else 0
     t1 = now(dev)
+    n = policy.verify_lengths(prop, batch) if prop is not None else None
+    g_draft = prop.tokens.shape[1] if prop is not None else 0
+    sources = None
+    if plan is not None and plan.any:
+        prop, n, sources = merge_lookup(prop, n, plan, batch, target.vocab_size)
+    g = prop.tokens.shape[1] if prop is not None else 0
     plain_greedy = not g and all(p.greedy for p in batch.params)
     if g:
-        assert prop is not None  # g > 0: the drafts of a proposal
-        n = policy.verify_lengths(prop, batch)
+        assert prop is not None and n is not None  # g > 0: the proposal and its verify lengths
         m = int(n.max()) if B else 0
         tokens = torch.cat([batch.anchors[:, None], prop.tokens[:, :m]], dim=1)  # [B, 1+m]
     else:
@@ -356,14 +457,14 @@ def decode_step(
         # greedy verification reads the target's argmax alone, as a plain greedy step does: no fp32
         # logits [B, 1+m, V] to make and scan (docs/history/benchmarks.md, "... greedy verification
         # without fp32 logits"); the padding positions' tokens are never read
+        assert prop is not None and n is not None  # g > 0
         best, taps = target.forward(batch.target, tokens, 1 + n, logits="argmax")
         t3 = now(dev)
-        assert prop is not None  # g > 0
         accepted, nxt = greedy_accept_ids(best, prop.tokens[:, : tokens.shape[1] - 1], n)
     else:
+        assert prop is not None and n is not None  # drafts, or the empty proposal of sampled rows
         logits, taps = target.forward(batch.target, tokens, 1 + n if g else None)
         t3 = now(dev)
-        assert prop is not None  # drafts, or the empty proposal of sampled rows
         accepted, nxt = accept(logits, prop.tokens, n, batch, prop.q)
     if not plain_greedy:
         keep = 1 + accepted  # anchor + accepted drafts now sit in the target cache
@@ -371,10 +472,8 @@ def decode_step(
     t4 = now(dev)
     if drafting:  # the committed positions' taps reach the draft context with the next block's call
         batch.unposted = (draft_taps(taps), keep)
-    elif draft is not None:  # a plain step committed one token per row (taps: [B, 1, D], a new tensor)
-        if batch.unposted is not None:  # the last drafting step's taps go in first, where they belong
-            flush_context(draft, batch)
-        batch.pending.append(draft_taps(taps))
+    elif draft is not None:  # taps of a plain or lookup step wait for the next drafting call
+        wait_taps(batch, draft_taps(taps), keep if g else None)
     t5 = now(dev)
     batch.anchors = nxt
     nxt_ids = nxt.tolist()
@@ -382,11 +481,20 @@ def decode_step(
     if plain_greedy:
         acc, verified, committed = [0] * B, [0] * B, [[i] for i in nxt_ids]
     else:
-        assert prop is not None  # not plain greedy: a proposal, if an empty one
+        assert prop is not None and n is not None  # not plain greedy: a proposal, if an empty one
         acc, drafts, verified = accepted.tolist(), prop.tokens.tolist(), n.tolist()
         committed = [drafts[b][: acc[b]] + [nxt_ids[b]] for b in range(B)]
+    if batch.lookup is not None:
+        for ix, toks in zip(batch.lookup, committed):
+            ix.extend(toks)
+    drafted = [g] * B
+    if sources is not None:  # a row's proposal: the draft's block, its lookup tokens, or nothing
+        assert plan is not None
+        drafted = [
+            len(plan.tokens[b]) if s == "lookup" else (g_draft if s == "draft" else 0) for b, s in enumerate(sources)
+        ]
     return StepResult(
-        drafted=[g] * B,
+        drafted=drafted,
         verified=verified,
         accepted=acc,
         committed=committed,
@@ -396,4 +504,6 @@ def decode_step(
         conf_logits=prop.conf_logits if prop is not None else None,
         proposed=drafts if g else None,
         caught_up=caught_up,
+        sources=sources,
+        match=plan.match if plan is not None and sources is not None else None,
     )

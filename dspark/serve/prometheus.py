@@ -7,6 +7,9 @@ engine's own accounting can never drift apart; all writes happen in the worker t
 event loop, and prometheus_client's metric objects are thread-safe.
 
 Position labels are 0-based: position 0 is the first drafted token of a block.
+The `dspark_spec_*` series count the draft's proposals; `dspark_proposer_*` count every proposer
+apart, labelled `proposer="draft"` or `proposer="lookup"` (proposals copied from the request's
+own text, engine/lookup.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, gamma: int):
+    def __init__(self, gamma: int, lookup: int = 0):
+        """gamma: the draft's block size (0: no draft); lookup: the most tokens a lookup proposal
+        holds (0: lookup off)."""
         self.registry = r = CollectorRegistry()
         self.gamma = gamma
         self.requests = Counter(
@@ -92,7 +97,39 @@ class ServerMetrics:
         )
         self.queue_depth = Gauge("dspark_queue_depth", "Requests accepted but not yet decoding", registry=r)
         self.running = Gauge("dspark_running_requests", "Requests in the decode batch", registry=r)
-        self._seen = SpecMetrics(gamma)  # engine totals already exported
+        self._seen = SpecMetrics(gamma, lookup=SpecMetrics(lookup) if lookup else None)  # totals already exported
+        self.proposer_steps = Counter(
+            "dspark_proposer_verify_steps",
+            "Verify steps by what proposed the tokens, counted once per request per step",
+            ["proposer"],
+            registry=r,
+        )
+        self.proposer_tokens = Counter(
+            "dspark_proposer_tokens",
+            "Proposed tokens by proposer and stage: proposed, verified (sent to the target), accepted",
+            ["proposer", "stage"],
+            registry=r,
+        )
+        self.proposer_accepted_pos = Counter(
+            "dspark_proposer_accepted_per_position",
+            "Verify steps whose proposal at this 0-based position was accepted, by proposer",
+            ["proposer", "position"],
+            registry=r,
+        )
+        self.proposer_reached_pos = Counter(
+            "dspark_proposer_reached_per_position",
+            "Verify steps where this position was verified with all earlier proposed tokens accepted, by proposer",
+            ["proposer", "position"],
+            registry=r,
+        )
+        self._proposers = [("draft", gamma)] * (gamma > 0) + [("lookup", lookup)] * (lookup > 0)
+        for name, width in self._proposers:
+            self.proposer_steps.labels(proposer=name)
+            for stage in ("proposed", "verified", "accepted"):
+                self.proposer_tokens.labels(proposer=name, stage=stage)
+            for i in range(width):
+                self.proposer_accepted_pos.labels(proposer=name, position=str(i))
+                self.proposer_reached_pos.labels(proposer=name, position=str(i))
 
     def count(self, status: str) -> None:
         self.requests.labels(status=status).inc()
@@ -103,6 +140,10 @@ class ServerMetrics:
         if batch:
             self.batch_size.observe(batch)
         s = self._seen
+        for name, _ in self._proposers:  # before the draft's own series below update _seen
+            self._proposer_step(name, m if name == "draft" else m.lookup, s if name == "draft" else s.lookup)
+        if s.lookup is not None and m.lookup is not None:
+            self._advance(s.lookup, m.lookup)
         self.verify_steps.inc(m.steps - s.steps)
         self.plain_steps.inc(m.plain_steps - s.plain_steps)
         self.drafted.inc(m.drafted - s.drafted)
@@ -112,8 +153,26 @@ class ServerMetrics:
             self.accepted_pos.labels(position=str(i)).inc(m.accepted_at[i] - s.accepted_at[i])
             self.reached_pos.labels(position=str(i)).inc(m.reached[i] - s.reached[i])
         self.mean_accept_length.set(m.mean_accept_length)
-        s.steps, s.drafted, s.verified, s.accepted = m.steps, m.drafted, m.verified, m.accepted
+        self._advance(s, m)
         s.plain_steps = m.plain_steps
+
+    def _proposer_step(self, name: str, m: SpecMetrics | None, s: SpecMetrics | None) -> None:
+        if m is None or s is None:
+            return
+        self.proposer_steps.labels(proposer=name).inc(m.steps - s.steps)
+        for stage, now, was in (
+            ("proposed", m.drafted, s.drafted),
+            ("verified", m.verified, s.verified),
+            ("accepted", m.accepted, s.accepted),
+        ):
+            self.proposer_tokens.labels(proposer=name, stage=stage).inc(now - was)
+        for i in range(m.gamma):
+            self.proposer_accepted_pos.labels(proposer=name, position=str(i)).inc(m.accepted_at[i] - s.accepted_at[i])
+            self.proposer_reached_pos.labels(proposer=name, position=str(i)).inc(m.reached[i] - s.reached[i])
+
+    @staticmethod
+    def _advance(s: SpecMetrics, m: SpecMetrics) -> None:
+        s.steps, s.drafted, s.verified, s.accepted = m.steps, m.drafted, m.verified, m.accepted
         s.accepted_at, s.reached = list(m.accepted_at), list(m.reached)
 
     def render(self) -> bytes:

@@ -5,6 +5,7 @@
 
 const KIND_LABEL = {
   accepted: "drafted, accepted by the target",
+  lookup: "copied from the prompt or the answer so far (lookup), accepted by the target",
   corrected: "the target's token where the draft's was rejected",
   bonus: "the target's bonus token after every verified draft was accepted",
   plain: "a plain target step (no draft)",
@@ -51,7 +52,8 @@ function tokenTitle(m) {
   let t = KIND_LABEL[m.kind] + " · step " + m.step;
   if (m.slot) t += " · slot " + m.slot;
   if (m.confidence !== undefined) t += " · draft confidence " + m.confidence.toFixed(2);
-  if (m.kind === "corrected" && m.draft_text !== undefined) t += " · the draft wrote " + JSON.stringify(m.draft_text);
+  const by = m.source === "lookup" ? "the lookup" : "the draft";
+  if (m.kind === "corrected" && m.draft_text !== undefined) t += " · " + by + " wrote " + JSON.stringify(m.draft_text);
   return t;
 }
 
@@ -74,7 +76,7 @@ function summarize(box, counts, spec) {
   const line = document.createElement("div");
   line.className = "summary";
   const n = Object.values(counts).reduce((a, b) => a + b, 0);
-  const parts = ["accepted", "corrected", "bonus", "plain"].map((k) => (counts[k] || 0) + " " + k);
+  const parts = ["accepted", "lookup", "corrected", "bonus", "plain"].map((k) => (counts[k] || 0) + " " + k);
   let text = n + " tokens: " + parts.join(", ");
   if (spec) {
     text += " · " + spec.verify_steps + " drafting steps, " + spec.plain_steps + " plain";
@@ -170,6 +172,9 @@ function showStats(s) {
   $("s_mal").textContent = s.speculative && s.verify_steps ? fmt(s.mean_accept_length, 2) : "-";
   $("s_share").textContent = s.drafted_share === null ? "-" : Math.round(100 * s.drafted_share) + " %";
   $("s_tokens").textContent = s.generated_tokens;
+  const look = s.lookup;
+  $("s_lookup").textContent = !look ? "off" : look.verify_steps + " steps, " + look.accepted_tokens + " of "
+    + look.verified_tokens + " tokens accepted";
   $("s_running").textContent = s.running;
   const box = $("s_positions");
   box.replaceChildren();

@@ -1,0 +1,175 @@
+"""Proposals from the text itself: the continuation that followed the current suffix the last
+time it occurred in the request's prompt or output (prompt lookup / n-gram speculation).
+
+A lookup proposal costs no network pass, only a target verify, so it pays from a low acceptance
+where the answer repeats its context (editing, code changes, format conversion, quoting, lists).
+It is a point mass (the proposed token is a function of the context), so greedy verification
+and rejection sampling with q = that point mass stay exact (engine/step.py).
+
+- `LookupIndex`, one per request: every n-gram of 1..MATCH_MAX tokens -> the position after its
+  latest occurrence, updated as tokens commit (no rescan of the context per step).
+- `LookupStats`, one per engine: the acceptance of each proposed position by match length,
+  learned online from verification (decayed counts; a cell with few verifications leans on the
+  pooled rate of first or of later positions, itself starting from an even prior, so a new kind
+  of text is tried before it is judged).
+- `LookupProposer`: the step's choice per request between the lookup continuation, the draft's
+  block and nothing, by expected committed tokens per second from the verification policy's
+  measured costs (docs/SCHEDULING.md, "Two proposers").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MATCH_MAX = 4  # the longest suffix matched (n-gram keys of 1..MATCH_MAX tokens)
+LOOKUP_MAX = 8  # tokens proposed at most
+# the prior of an unseen (match length, position): PRIOR_MEAN with the weight of PRIOR_WEIGHT
+# verified proposals; optimistic so that a proposal is tried before its acceptance is known
+PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0
+DRAFT_EMA = 0.05  # weight of the newest verified draft block in the draft's running gain
+DECAY = 0.98  # weight of the older verifications at each new one: the text's kind changes
+
+
+class LookupIndex:
+    """The tokens of one request (prompt, then output) and where each n-gram last occurred."""
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens: list[int] = []
+        # n-gram ending just before position p -> p, the latest such p. The n-grams ending at the
+        # last token are registered only when the next token arrives, so a lookup of the current
+        # suffix finds an earlier occurrence, never itself.
+        self.after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens or [])
+
+    def extend(self, new: list[int]) -> None:
+        toks, after = self.tokens, self.after
+        for t in new:
+            i = len(toks)
+            for n in range(1, min(MATCH_MAX, i) + 1):
+                after[tuple(toks[i - n : i])] = i
+            toks.append(t)
+
+    def propose(self, limit: int = LOOKUP_MAX) -> tuple[list[int], int]:
+        """(the continuation after the latest earlier occurrence of the longest matching suffix, at
+        most `limit` tokens; the match length), or ([], 0) when no suffix occurred before."""
+        toks = self.tokens
+        for n in range(min(MATCH_MAX, len(toks)), 0, -1):
+            p = self.after.get(tuple(toks[-n:]))
+            if p is not None:
+                return toks[p : p + limit], n
+        return [], 0
+
+
+@dataclass
+class LookupStats:
+    """Per match length m (1..MATCH_MAX) and proposed position j: decayed counts of verifications
+    that reached j with every earlier position accepted, and of those that accepted j."""
+
+    seen: list[list[float]] = field(default_factory=lambda: [[0.0] * LOOKUP_MAX for _ in range(MATCH_MAX)])
+    hits: list[list[float]] = field(default_factory=lambda: [[0.0] * LOOKUP_MAX for _ in range(MATCH_MAX)])
+
+    def pooled(self, first: bool) -> float:
+        """The acceptance of first positions (first=True) or of later ones given the earlier were
+        accepted, over every match length and position: the prior of a cell with few verifications.
+        A copy, once it holds, tends to go on, so later positions learn from each other."""
+        cols = range(1) if first else range(1, LOOKUP_MAX)
+        s = sum(row[j] for row in self.seen for j in cols)
+        h = sum(row[j] for row in self.hits for j in cols)
+        return (h + PRIOR_MEAN * PRIOR_WEIGHT) / (s + PRIOR_WEIGHT)
+
+    def conditional(self, m: int) -> list[float]:
+        """P(position j accepted | positions < j accepted) for a match of m tokens: this cell's
+        verifications, with the pooled rate of its kind of position weighing PRIOR_WEIGHT of them."""
+        s, h = self.seen[m - 1], self.hits[m - 1]
+        first, later = self.pooled(True), self.pooled(False)
+        return [(h[j] + (first if j == 0 else later) * PRIOR_WEIGHT) / (s[j] + PRIOR_WEIGHT) for j in range(LOOKUP_MAX)]
+
+    def survival(self, m: int, k: int) -> list[float]:
+        """[k] P(the first j+1 proposed tokens all accepted), for a match of m tokens."""
+        out, acc = [], 1.0
+        for c in self.conditional(m)[:k]:
+            acc *= c
+            out.append(acc)
+        return out
+
+    def record(self, m: int, verified: int, accepted: int) -> None:
+        s, h = self.seen[m - 1], self.hits[m - 1]
+        for j in range(min(verified, accepted + 1)):
+            s[j] = s[j] * DECAY + 1.0
+            h[j] = h[j] * DECAY + (1.0 if j < accepted else 0.0)
+
+
+@dataclass
+class Plan:
+    """One step's proposals: per row the lookup tokens it verifies (empty: none) and their match
+    length, and whether the draft runs for the rows without a lookup proposal."""
+
+    tokens: list[list[int]]
+    match: list[int]
+    draft: bool
+
+    @property
+    def any(self) -> bool:
+        return any(self.tokens)
+
+
+class LookupProposer:
+    """The lookup side of a step: proposals per row, the choice against the draft and plain
+    decoding, and learning from what verification accepted."""
+
+    def __init__(self, limit: int = LOOKUP_MAX):
+        if not 1 <= limit <= LOOKUP_MAX:
+            raise ValueError(f"lookup proposals are 1..{LOOKUP_MAX} tokens, got {limit}")
+        self.limit = limit
+        self.stats = LookupStats()
+        # the draft's accepted tokens per verified block (running mean): what a lookup proposal is
+        # compared with, per row, when a policy drafts whatever the cost (full, threshold)
+        self.draft_gain = 0.0
+        self._draft_seen = 0
+
+    def describe(self) -> str:
+        return (
+            f"lookup: proposals from the prompt and the output (suffix of up to {MATCH_MAX} tokens matched, "
+            f"up to {self.limit} proposed), chosen per request against the draft by expected tokens per second"
+        )
+
+    def plan(self, indices: list[LookupIndex], step_seconds, draft_rate) -> Plan:
+        """indices: the batch's rows. step_seconds(tokens) -> seconds of a step that verifies that
+        many tokens without drafting. draft_rate: None when the draft does not run this step,
+        else (committed tokens/s drafting every row, the draft's expected gain per row).
+
+        The lookup option verifies each row's proposal to a common depth d (the target runs a padded
+        [B, 1 + d] block) and is valued at (B + its expected accepted tokens) / step_seconds(B(1+d)).
+        It wins the step when that beats plain decoding and, when the policy drafts, drafting; otherwise the rows
+        whose lookup proposal expects more accepted tokens than the draft's block take it in the
+        same verify. Every choice reads the context and earlier steps only: exact."""
+        B = len(indices)
+        props = [ix.propose(self.limit) for ix in indices]
+        survs = [self.stats.survival(m, len(t)) if m else [] for t, m in props]
+        plain = B / step_seconds(B)
+        best_rate, best_d = plain, 0
+        for d in range(1, max((len(s) for s in survs), default=0) + 1):
+            gain = sum(sum(s[:d]) for s in survs)
+            rate = (B + gain) / step_seconds(B * (1 + d))
+            if rate > best_rate:
+                best_rate, best_d = rate, d
+        if draft_rate is not None:
+            rate, per_row = draft_rate
+            # the policy chose to draft (a probe among them): only a lookup that beats it takes the step
+            if best_d == 0 or rate > best_rate:  # the draft's step, the rows whose lookup expects more taking it
+                cut = [t[:best_d] if sum(s[:best_d]) > per_row else [] for (t, _), s in zip(props, survs)]
+                return Plan(cut, [m if c else 0 for c, (_, m) in zip(cut, props)], draft=True)
+        cut = [t[:best_d] for t, _ in props]
+        return Plan(cut, [m if c else 0 for c, (_, m) in zip(cut, props)], draft=False)
+
+    def observe(self, res) -> None:
+        """A step's result (engine/step.py StepResult): the lookup rows' verifications teach the
+        acceptance by match length, the draft rows' the draft's gain."""
+        match = res.match or [0] * len(res.verified)
+        for b, (m, v, a) in enumerate(zip(match, res.verified, res.accepted)):
+            if m and v:
+                self.stats.record(m, v, a)
+            elif v and res.source(b) == "draft":
+                self._draft_seen += 1
+                w = max(DRAFT_EMA, 1.0 / self._draft_seen)
+                self.draft_gain = (1 - w) * self.draft_gain + w * a

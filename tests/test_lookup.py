@@ -1,0 +1,269 @@
+"""Proposals from the text itself (engine/lookup.py): the index, the learned acceptance, the choice
+against the draft, and losslessness of a step where requests take different proposers."""
+
+import pytest
+import torch
+
+from dspark.engine.costs import CostCurve
+from dspark.engine.engine import Engine
+from dspark.engine.lookup import LOOKUP_MAX, MATCH_MAX, LookupIndex, LookupProposer, LookupStats
+from dspark.engine.marks import step_marks
+from dspark.engine.metrics import SpecMetrics
+from dspark.engine.sampling import SamplingParams
+from dspark.engine.scheduler import FullScheduler
+from dspark.engine.step import flush_context, join_taps
+from dspark.target.load import make_target
+from tests.test_engine import _exact_joint, _flat_target
+from tests.tiny import hf_greedy, tiny_draft, tiny_target
+
+# a verify that costs about what a step does: a lookup proposal pays from a low acceptance
+FLAT = CostCurve.from_points([1, 2, 4, 8, 16, 32, 64, 160], [1.0, 1.01, 1.02, 1.04, 1.1, 1.2, 1.5, 2.5])
+# verifying a second token costs a whole step: no proposal can pay
+STEEP = CostCurve.from_points([1, 2, 4, 8], [1.0, 2.0, 4.0, 8.0])
+COPY = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+
+
+def _engine(model, draft=None, runtime="hf", curve=FLAT, **kw):
+    policy = FullScheduler()
+    policy.curve = curve
+    return Engine(make_target(model, runtime), draft, policy=policy, lookup=LookupProposer(), **kw)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+# ---- the index ---------------------------------------------------------------------------------
+
+
+def test_the_index_proposes_what_followed_the_longest_suffix_last_time():
+    ix = LookupIndex([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
+    # "1 2 3" occurred at 0..2, followed by 4 9 2 3 ...; the shorter "2 3" last occurred before 5
+    assert ix.propose(4) == ([4, 9, 2, 3], 3)
+    ix.extend([8])  # "3 8" never occurred, "8" never did: no proposal
+    assert ix.propose() == ([], 0)
+    ix.extend([1, 2])  # "8 1 2" no, "1 2" last at 9..10, followed by 3 8 1 2
+    assert ix.propose(8) == ([3, 8, 1, 2], 2)
+
+
+def test_the_index_never_matches_the_suffix_itself_and_grows_incrementally():
+    assert LookupIndex([4, 5, 6]).propose() == ([], 0)
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, 5, (200,), generator=gen).tolist()
+    step = LookupIndex(toks[:10])
+    for i in range(10, len(toks)):
+        whole = LookupIndex(toks[: i + 1])
+        step.extend([toks[i]])
+        assert step.propose() == whole.propose()
+        prop, m = whole.propose()
+        if m:  # the match is real and its continuation is what followed it
+            suffix = toks[i + 1 - m : i + 1]
+            starts = [p for p in range(i + 1 - m) if toks[p : p + m] == suffix]
+            assert starts and prop == toks[: i + 1][starts[-1] + m : starts[-1] + m + LOOKUP_MAX]
+            assert m == MATCH_MAX or not any(toks[p : p + m + 1] == toks[i - m : i + 1] for p in range(i - m))
+
+
+def test_the_acceptance_by_match_length_is_learned_from_verification():
+    stats = LookupStats()
+    prior = stats.conditional(1)[0]
+    for _ in range(40):
+        stats.record(1, verified=4, accepted=0)  # the first position always rejected
+        stats.record(3, verified=4, accepted=4)  # whole proposals accepted
+    assert stats.conditional(1)[0] < 0.1 < prior
+    # never reached at match length 1: later positions lean on the other lengths' later positions
+    assert stats.conditional(1)[1] == stats.pooled(first=False) > 0.9
+    assert min(stats.survival(3, 4)) > 0.85
+    assert stats.conditional(2)[0] == stats.pooled(first=True) == pytest.approx(0.5, abs=0.05)  # half of firsts held
+
+
+def test_the_choice_prices_proposals_against_plain_decoding_and_the_draft():
+    ix = [LookupIndex(COPY), LookupIndex([1, 2, 3])]  # the second has nothing to copy
+    flat, steep = LookupProposer(), LookupProposer()
+    plan = flat.plan(ix, FLAT.step_time, None)
+    assert plan.tokens[0] == [7, 8, 9, 5, 6, 7, 8, 9][: len(plan.tokens[0])] and plan.tokens[0]
+    assert plan.tokens[1] == [] and not plan.draft and plan.match == [4, 0]  # "8 9 5 6" occurred before
+    assert not steep.plan(ix, STEEP.step_time, None).any  # a second verified token costs a step
+    # drafting expected far faster: the draft runs, and a row takes its lookup only where it expects more
+    plan = flat.plan(ix, FLAT.step_time, (1e9, 0.1))
+    assert plan.draft and plan.tokens[0] and not plan.tokens[1]
+    plan = flat.plan(ix, FLAT.step_time, (1e9, 50.0))
+    assert plan.draft and not plan.any
+    # drafting slower than the lookup: the lookup takes the step and the draft does not run
+    assert not flat.plan(ix, FLAT.step_time, (0.5, 0.1)).draft
+
+
+def test_waiting_taps_join_per_row():
+    a = torch.arange(2 * 3 * 1.0).view(2, 3, 1)
+    b = 100 + torch.arange(2 * 2 * 1.0).view(2, 2, 1)
+    taps, counts = join_taps(a, torch.tensor([1, 3]), b, torch.tensor([2, 1]))
+    assert counts.tolist() == [3, 4]
+    assert taps[0, :3, 0].tolist() == [0, 100, 101] and taps[1, :4, 0].tolist() == [3, 4, 5, 102]
+    taps, counts = join_taps(a, torch.tensor([2, 2]), b, torch.tensor([1, 2]))  # uniform: a slice
+    assert counts.tolist() == [3, 4] and taps[1, :4, 0].tolist() == [3, 4, 102, 103]
+
+
+# ---- decoding ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", ["hf", "native"])
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_greedy_with_lookup_equals_the_targets_own_decoding_fp32(target, runtime, with_draft):
+    draft = tiny_draft(target) if with_draft else None
+    engine = _engine(target, draft, runtime)
+    prompts = [COPY, [5, 17, 33, 8, 9, 10], [7] * 23 + [3, 88]]
+    for prompt in prompts:
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=60)).output_ids == hf_greedy(target, prompt, 60)
+    look = engine.metrics.lookup
+    assert look is not None and look.steps > 0 and 0 < look.accepted < look.verified
+    # batched, the requests taking different proposers in one verify: each equals its solo run
+    batched = _engine(target, draft, runtime, max_batch=8).generate_many(prompts, SamplingParams(max_new_tokens=60))
+    assert [r.output_ids for r in batched] == [hf_greedy(target, p, 60) for p in prompts]
+
+
+def test_lookup_steps_leave_the_draft_context_exactly_the_committed_tokens(target):
+    draft = tiny_draft(target)
+    engine = _engine(target, draft)
+    engine.add_request(COPY, SamplingParams(max_new_tokens=80, ignore_eos=True))
+    engine.add_request([3, 9, 4], SamplingParams(max_new_tokens=80, ignore_eos=True))
+    engine._admit()
+    engine._admit()
+    for _ in range(12):
+        engine.step()
+    assert engine.metrics.lookup.steps > 0
+    flush_context(draft, engine.batch)
+    for b, req in enumerate(engine.running):
+        committed = req.prompt_ids + req.output_ids[:-1]
+        assert int(engine.batch.ctx.lengths[b]) == len(committed)
+        clean = engine.target.new_state(1)
+        _, taps = engine.target.forward(clean, torch.tensor([committed]))
+        ctx = draft.new_context_cache(1, "cpu")  # the dtype decoding keeps it in (bf16 on the kernels)
+        draft.extend_context(ctx, taps, torch.tensor([len(committed)]))
+        tol = 1e-5 if ctx.layers[0].k.dtype == torch.float32 else 2e-2
+        for mine, ref in zip(engine.batch.ctx.select(torch.tensor([b])).valid(), ctx.valid()):
+            assert torch.allclose(mine.k.float(), ref.k.float(), atol=tol)
+            assert torch.allclose(mine.v.float(), ref.v.float(), atol=tol)
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_sampling_with_lookup_proposals_is_exact_chi_square(with_draft):
+    """A lookup proposal is a point mass: rejection sampling against it reproduces the target's
+    joint law of the first 3 tokens (chi-square at 0.001 over 3000 seeded generations)."""
+    from scipy.stats import chisquare
+
+    model = _flat_target()
+    draft = tiny_draft(model, gamma=3, markov_rank=4, mask_token_id=5) if with_draft else None
+    prompt = [1, 2, 4, 1, 2, 4, 1, 2]  # "1 2" occurred before: the lookup proposes "4 1 2 ..."
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s) for s in range(3000)]
+    free = CostCurve.from_points([1, 4096], [1.0, 1.001])  # verification free at any batch: every match proposes
+    engine = _engine(model, draft, max_batch=256, curve=free)
+    reqs = engine.generate_many([prompt] * len(params), params)
+    exact = _exact_joint(model, prompt, params[0], 3)
+    look = engine.metrics.lookup
+    assert look is not None and 0 < look.accepted < look.verified  # both branches ran
+    keys = sorted(exact, key=exact.get)
+    e, o, acc_e, acc_o = [], [], 0.0, 0.0
+    counts: dict[tuple, int] = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert set(counts) <= {k for k, v in exact.items() if v > 0}
+    for k in keys:
+        acc_e += exact[k] * len(reqs)
+        acc_o += counts.get(k, 0)
+        if acc_e >= 5:
+            e.append(acc_e)
+            o.append(acc_o)
+            acc_e = acc_o = 0.0
+    e[-1] += acc_e
+    o[-1] += acc_o
+    e = [x * sum(o) / sum(e) for x in e]
+    assert chisquare(o, e).pvalue > 1e-3
+
+
+def test_lookup_tokens_are_marked_and_counted_apart_from_the_draft(target):
+    engine = _engine(target, tiny_draft(target))
+    req = engine.add_request(COPY, SamplingParams(max_new_tokens=40), marks=True)
+    engine.run_until_done()
+    kinds = {m.kind for m in req.marks}
+    assert "lookup" in kinds
+    assert all(m.source == "lookup" for m in req.marks if m.kind == "lookup")
+    d = req.metrics.to_dict()
+    assert d["lookup"]["accepted_tokens"] == sum(m.kind == "lookup" for m in req.marks)
+    assert d["lookup"]["max_proposed"] == LOOKUP_MAX and len(d["lookup"]["conditional_accept_rates"]) == LOOKUP_MAX
+    # the draft's own counters never see a lookup row
+    assert d["accepted_tokens"] == sum(m.kind == "accepted" for m in req.marks)
+    assert step_marks(3, [9, 4], 2, 2, 1, [9, 8], [0.9, 0.8], "lookup")[1].kind == "corrected"
+
+
+def test_metrics_merge_and_refuse_lookup_rows_without_a_lookup_counter():
+    a, b = SpecMetrics(2, lookup=SpecMetrics(LOOKUP_MAX)), SpecMetrics(2, lookup=SpecMetrics(LOOKUP_MAX))
+    a.record(3, 3, 2, "lookup")
+    b.record(5, 4, 4, "lookup")
+    b.record(0, 0, 0, "plain")
+    a.merge(b)
+    assert a.lookup.accepted == 6 and a.lookup.steps == 2 and a.plain_steps == 1 and a.steps == 0
+    with pytest.raises(ValueError, match="without lookup"):
+        SpecMetrics(2).record(3, 3, 1, "lookup")
+
+
+def test_a_plain_twin_has_no_lookup(target):
+    engine = _engine(target, tiny_draft(target))
+    assert engine.derive(speculative=False).lookup is None
+    assert engine.derive().lookup is not None and engine.derive(lookup=False).lookup is None
+
+
+# ---- where a user sees it ----------------------------------------------------------------------
+
+
+def test_the_server_streams_lookup_marks_and_exports_each_proposer():
+    from tests.test_serve import LiveServer, metric, tiny_engine
+
+    from dspark.serve.app import create_app
+
+    base = tiny_engine()
+    policy = FullScheduler()
+    policy.curve = FLAT
+    engine = Engine(base.target, base.draft, base.tokenizer, base.eos_token_ids, policy=policy, lookup=LookupProposer())
+    ref = tiny_engine()
+    s = LiveServer(create_app(engine, model_name="tiny"))
+    try:
+        prompt = "one two three four one two three four one two three four one two"
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "dspark": {"marks": True}}
+        out = s.http.post("/v1/completions", json=body).raise_for_status().json()
+        want = ref.generate(ref.encode(prompt), SamplingParams(max_new_tokens=40))
+        assert out["choices"][0]["text"] == want.text  # lossless through the server
+        kinds = [m["kind"] for m in out["dspark"]["tokens"]]
+        m = s.scrape()
+        looked = metric(m, "dspark_proposer_verify_steps_total", proposer="lookup")
+        assert looked > 0 and metric(m, "dspark_proposer_verify_steps_total", proposer="draft") >= 0
+        accepted = metric(m, "dspark_proposer_tokens_total", proposer="lookup", stage="accepted")
+        assert accepted == kinds.count("lookup")
+        assert metric(m, "dspark_proposer_reached_per_position_total", proposer="lookup", position="0") == looked
+        stats = s.http.get("/v1/dspark/stats").raise_for_status().json()
+        assert stats["lookup"]["verify_steps"] == looked and stats["lookup"]["accepted_tokens"] == accepted
+    finally:
+        s.close()
+
+
+def test_the_flag_and_the_config_turn_lookup_off(monkeypatch, tmp_path):
+    import argparse
+
+    from dspark.api import EngineConfig
+    from dspark.cli.engine_flags import add_engine_flags, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_config(p.parse_args([])).lookup is True and EngineConfig().lookup is True
+    assert engine_config(p.parse_args(["--no-lookup"])).lookup is False
+
+
+def test_the_copy_set_is_a_bench_set_apart_from_the_training_prompts():
+    from dspark.bench.prompts import COPY, load_sets
+    from dspark.train.prompts import load_prompts
+
+    (copy,) = load_sets(None, [COPY], [], None)
+    assert len(copy.prompts) >= 10
+    trained = {p.key for p in load_prompts("train")} | {p.key for p in load_prompts("heldout")}
+    from dspark.train.prompts import Prompt
+
+    assert not {Prompt(t).key for t in copy.prompts} & trained
