@@ -264,3 +264,29 @@ def test_a_second_signal_ends_what_is_in_flight_cleanly_and_exits_non_zero(saved
     out = proc.stdout.read()
     assert proc.returncode == code, out
     assert "Traceback" not in out and "CancelledError" not in out, out
+
+
+def test_a_stop_while_the_model_loads_ends_the_process_cleanly(saved):
+    """SIGTERM as soon as the load began: exit 0 at once, not a wait for the load and not an abort
+    (an interpreter that finalizes under the loading thread dies with "terminate called ...")."""
+    target, draft = saved
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "dspark", "serve", "--target", str(target), "--draft", str(draft), "--dtype", "fp32"]
+    cmd += ["--device", "cpu", "--port", str(_free_port()), "--log-level", "info"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "loading the model" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            _stop(proc, signal.SIGKILL)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert time.monotonic() - t0 < 10, out
+    assert "terminate called" not in out and "Traceback" not in out, out

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -241,4 +242,17 @@ def run(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     if starting.error is not None:
         raise starting.error
+    if starting.loading:
+        _exit_during_load(server.exit_code)
     return server.exit_code
+
+
+def _exit_during_load(code: int) -> None:
+    """Stopped while the model loads: the interpreter must not finalize under the loading thread
+    (torch's and the kernels' native threads abort the process then: exit 134, "terminate called
+    without an active exception"), so the process ends here, its output flushed."""
+    log.info("dspark serve: stopped before the model finished loading")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

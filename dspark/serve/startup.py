@@ -37,7 +37,13 @@ class Starting:
         self.app: FastAPI | None = None
         self.error: BaseException | None = None
         self._task: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
+
+    @property
+    def loading(self) -> bool:
+        """The load is still running (the server stopped during it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def set_phase(self, phase: str) -> None:
         """Called by the load (any thread): what /health says while it runs."""
@@ -100,7 +106,8 @@ class Starting:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped meanwhile
                 loop.call_soon_threadsafe(settle, app, error)
 
-        threading.Thread(target=work, name="dspark-load", daemon=True).start()
+        self._thread = threading.Thread(target=work, name="dspark-load", daemon=True)
+        self._thread.start()
         return await done
 
     async def _stop(self) -> None:
