@@ -6,10 +6,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 log = logging.getLogger("dspark")
+_listeners: list[Callable[[str], None]] = []  # told each step's start (dspark serve's /health reason)
+
+
+@contextmanager
+def listening(listener: Callable[[str], None]) -> Iterator[None]:
+    """Call `listener(start)` as each step starts, within the block (from the thread running the step)."""
+    _listeners.append(listener)
+    try:
+        yield
+    finally:
+        _listeners.remove(listener)
 
 
 @contextmanager
@@ -18,6 +29,8 @@ def step(start: str, end: str) -> Iterator[dict]:
     raises logs no end (its error says what happened). The block may add words to the end line:
     `with step(...) as done: done["detail"] = "..."` -> "<end> in 2.3 s (...)"."""
     log.info("%s ...", start)
+    for listener in list(_listeners):
+        listener(start)
     t0 = time.perf_counter()
     said: dict = {}
     yield said

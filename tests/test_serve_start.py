@@ -11,6 +11,9 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from dspark import progress
+from dspark.cli import build_parser
+from dspark.cli import serve as serve_cli
 from dspark.errors import DSparkError
 from dspark.serve.app import create_app
 from dspark.serve.hosts import LOOPBACK_NAMES, HostGuard, parse_allowed
@@ -85,7 +88,7 @@ class SlowLoad:
     def __init__(self, fail: Exception | None = None):
         self.release, self.fail, self.failures = threading.Event(), fail, []
 
-    def __call__(self, set_phase):
+    def __call__(self, set_phase, **_):
         set_phase("loading the model")
         assert self.release.wait(60)
         if self.fail is not None:
@@ -144,3 +147,21 @@ def test_a_load_that_fails_is_reported_and_stops_the_server():
         assert "failed to start" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+def test_the_reason_follows_the_loads_own_steps(monkeypatch):
+    """`dspark serve`'s load: the phases it reports are its own, then each slow step's (dspark.progress)."""
+
+    def build_engine(_config):
+        with progress.step("checking the draft", "checked the draft"):
+            return tiny_engine(max_batch=1)
+
+    monkeypatch.setattr(serve_cli, "build_engine", build_engine)
+    args = build_parser("serve").parse_args(["serve", "--target", "tiny", "--draft", "d", "--no-check"])
+    phases: list[str] = []
+    app = serve_cli._loader(args)(lambda phase, say=True: phases.append(phase))
+    assert phases == ["loading the model", "checking the draft", "starting the engine"]
+    assert app.state.engine is not None
+    with progress.step("after the load", "done"):  # the listener is gone with the load
+        pass
+    assert len(phases) == 3

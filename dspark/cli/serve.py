@@ -16,7 +16,7 @@ from pathlib import Path
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
-from dspark import envs
+from dspark import envs, progress
 from dspark.api import build_engine
 from dspark.cli.engine_flags import add_engine_flags, engine_config
 from dspark.errors import DSparkError
@@ -198,7 +198,9 @@ def _loader(args):
     def load(set_phase):
         checks = not args.no_spec and not args.no_check
         set_phase("loading the model" + (" and checking the draft" if checks else ""))
-        engine = build_engine(engine_config(args))
+        # its slow steps in turn ("loading target ...", "checking the draft") become the reason
+        with progress.listening(lambda start: set_phase(start, say=False)):
+            engine = build_engine(engine_config(args))
         for note in engine.notes:
             log.info("dspark serve: %s", note)
         set_phase("starting the engine")

@@ -31,7 +31,7 @@ class Starting:
     not held up by it), then the FastAPI app it returned. `on_failure(exc)` is called on the event
     loop if the load raises; the server should then exit (the error is kept in `error`)."""
 
-    def __init__(self, load: Callable[[Callable[[str], None]], FastAPI], on_failure: Callable[[BaseException], None]):
+    def __init__(self, load: Callable[[Callable[..., None]], FastAPI], on_failure: Callable[[BaseException], None]):
         self._load, self._on_failure = load, on_failure
         self.phase = "starting"
         self.app: FastAPI | None = None
@@ -45,10 +45,12 @@ class Starting:
         """The load is still running (the server stopped during it)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def set_phase(self, phase: str) -> None:
-        """Called by the load (any thread): what /health says while it runs."""
+    def set_phase(self, phase: str, say: bool = True) -> None:
+        """Called by the load (any thread): what /health says while it runs; `say`: log it too
+        (False for a phase that logged itself, as dspark.progress steps do)."""
         self.phase = phase
-        log.info("dspark serve: %s", phase)
+        if say:
+            log.info("dspark serve: %s", phase)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
