@@ -22,7 +22,7 @@ import torch
 from dspark import kernels
 from dspark.doctor.cache import load_time_check
 from dspark.engine.costs import cost_curve_for
-from dspark.engine.engine import Engine
+from dspark.engine.engine import PREFILL_CHUNK, Engine
 from dspark.engine.lookup import LookupProposer
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
 from dspark.engine.step import draft_phase_seconds, target_step
@@ -69,6 +69,9 @@ class EngineConfig:
     # proposals from the request's own text (prompt and output) beside the draft's, chosen per
     # request and step by expected tokens per second (engine/lookup.py); False: the draft alone
     lookup: bool = True
+    # prompt tokens prefilled per engine step: a longer prompt is prefilled in chunks between the
+    # decode steps of the running requests (engine.PREFILL_CHUNK)
+    prefill_chunk: int = PREFILL_CHUNK
     check: bool = True  # the doctor's cheap check of the draft at load time
 
 
@@ -104,6 +107,8 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
         )
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
+    if config.prefill_chunk < 1:
+        raise DSparkError(f"--prefill-chunk must be >= 1 prompt token a step, got {config.prefill_chunk}")
     kernels.check_activations(config.activations)
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
     verify = config.verify or ("full" if draft is None else "adaptive")
@@ -161,7 +166,14 @@ def build_engine(config: EngineConfig) -> Engine:
             policy.curve = cost_curve_for(target, config.max_batch * (lookup.limit + 1))
         notes.append(lookup.describe())
     engine = Engine(
-        target, draft, tokenizer, eos_ids(model, tokenizer), policy=policy, max_batch=config.max_batch, lookup=lookup
+        target,
+        draft,
+        tokenizer,
+        eos_ids(model, tokenizer),
+        policy=policy,
+        max_batch=config.max_batch,
+        lookup=lookup,
+        prefill_chunk=config.prefill_chunk,
     )
     engine.config, engine.notes = config, notes
     if config.check and draft is not None:

@@ -92,6 +92,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-batch", type=int, default=d.max_batch, help=f"requests decoded together (default {d.max_batch})"
     )
     g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=d.prefill_chunk,
+        help=f"prompt tokens prefilled per engine step (default {d.prefill_chunk}): a longer prompt is prefilled in "
+        "chunks between the decode steps of the running requests, which it delays by one chunk a step",
+    )
+    g.add_argument(
         "--no-lookup",
         action="store_true",
         help="propose with the draft alone (default: also from the request's own text, the prompt and the output "
@@ -121,6 +128,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         always_draft=args.always_draft,
         max_batch=args.max_batch,
         lookup=not args.no_lookup,
+        prefill_chunk=args.prefill_chunk,
         check=not args.no_check,
     )
     return replace(config, **overrides)

@@ -41,7 +41,22 @@ log = logging.getLogger("dspark")
 DEGRADED_AFTER_VERIFIED = 64
 DEGRADED_FIRST_SLOT_RATE = 0.05
 
+# Prompt tokens prefilled per engine step: a longer prompt is prefilled in chunks of this many,
+# one chunk a step between the decode steps of the running requests, so a long prompt delays
+# them by one chunk's time a step instead of its whole prefill (docs/DESIGN.md §11).
+PREFILL_CHUNK = 256
+
 _ids = itertools.count()
+
+
+@dataclass
+class _Prefilling:
+    """A request whose prompt is being prefilled chunk by chunk (Engine.prefill_chunk)."""
+
+    req: "Request"
+    state: Any  # its target state, the committed chunks
+    done: int = 0  # prompt tokens committed
+    taps: list[torch.Tensor] = field(default_factory=list)  # the chunks' taps, for the draft context
 
 
 @dataclass
@@ -101,7 +116,11 @@ class Engine:
         policy: VerifyPolicy | None = None,
         max_batch: int = 16,
         lookup: LookupProposer | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
+        if prefill_chunk < 1:
+            raise DSparkError(f"the prefill chunk must be >= 1 prompt token a step, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         # proposals from the request's own text beside the draft's (engine/lookup.py); None: off
         self.lookup = lookup
@@ -114,6 +133,7 @@ class Engine:
         self.metrics = self.new_metrics()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.prefilling: list[_Prefilling] = []  # admitted, prompt longer than a chunk, not yet decoding
         self.batch: Batch | None = None
         self._warned = False
         # Called after the policy, after every decode step (StepObserver).
@@ -155,6 +175,7 @@ class Engine:
             policy=policy,
             max_batch=max_batch or self.max_batch,
             lookup=proposer,
+            prefill_chunk=self.prefill_chunk,
         )
         if proposer is not None and other.policy.curve is None:
             # the lookup prices its proposals with the target's cost curve: the one this engine has
@@ -213,20 +234,35 @@ class Engine:
         return gen
 
     @torch.inference_mode()
-    def _prefill(self, req: Request) -> Batch:
+    def _prefill_chunk(self, job: _Prefilling) -> torch.Tensor:
+        """Run the next chunk of a request's prompt through the target and commit it; -> the logits
+        of its last position [1, 1, V] (the head on that position only)."""
         dev = self.target.device
-        state = self.target.new_state(1)
-        prompt = torch.tensor([req.prompt_ids], device=dev)
-        logits, taps = self.target.forward(
-            state, prompt, logits="last"
-        )  # [1, 1, V]: the head on the last position only
-        self.target.commit(state, torch.tensor([prompt.shape[1]], device=dev))
+        ids = job.req.prompt_ids[job.done : job.done + self.prefill_chunk]
+        logits, taps = self.target.forward(job.state, torch.tensor([ids], device=dev), logits="last")
+        self.target.commit(job.state, torch.tensor([len(ids)], device=dev))
+        job.done += len(ids)
+        if self.draft is not None:
+            job.taps.append(draft_taps(taps))
+        return logits
+
+    @torch.inference_mode()
+    def _prefill(self, req: Request) -> Batch:
+        """A prompt that fits one chunk, prefilled at once."""
+        job = _Prefilling(req, self.target.new_state(1))
+        logits = self._prefill_chunk(job)
+        return self._first_token(job, logits)
+
+    @torch.inference_mode()
+    def _first_token(self, job: _Prefilling, logits: torch.Tensor) -> Batch:
+        """After a request's whole prompt is committed: its first token and its one-row batch."""
+        req, state, dev = job.req, job.state, self.target.device
         ctx, pending = None, []
         if self.draft is not None:
             ctx = self.draft.new_context_cache(1, dev)
             # the prompt's taps wait like a skipped step's (flush_context): a request that never
             # drafts never pays the draft's context update
-            pending = [draft_taps(taps)]
+            pending = job.taps
         gen = self._generator(req.params)
         last = logits[0, -1]
         first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
@@ -238,10 +274,14 @@ class Engine:
         return batch
 
     def _admit(self) -> list[Request]:
-        """Prefill waiting requests into the batch; returns those that failed (each its own)."""
+        """Prefill waiting requests into the batch (a prompt longer than a chunk starts prefilling
+        chunk by chunk instead); returns those that failed (each its own)."""
         failed = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             req = self.waiting.pop(0)
+            if len(req.prompt_ids) > self.prefill_chunk:
+                self.prefilling.append(_Prefilling(req, self.target.new_state(1)))
+                continue
             try:
                 one = self._prefill(req)
             except Exception as err:  # its own prefill: nothing else was touched
@@ -250,9 +290,34 @@ class Engine:
                 continue
             if req.finished:
                 continue
-            self.running.append(req)
-            self.batch = one if self.batch is None else self._merge(self.batch, one)
+            self._join(req, one)
         return failed
+
+    def _join(self, req: Request, one: Batch) -> None:
+        self.running.append(req)
+        self.batch = one if self.batch is None else self._merge(self.batch, one)
+
+    def _prefill_step(self) -> list[Request]:
+        """One chunk of the oldest prompt being prefilled; a prompt whose last chunk this was joins
+        the running batch. Returns the request if it finished (failed, or stopped at its first token)."""
+        if not self.prefilling:
+            return []
+        job = self.prefilling[0]
+        try:
+            logits = self._prefill_chunk(job)
+            if job.done < len(job.req.prompt_ids):
+                return []
+            self.prefilling.pop(0)
+            one = self._first_token(job, logits)
+        except Exception as err:  # its own prefill: nothing else was touched
+            if self.prefilling and self.prefilling[0] is job:
+                self.prefilling.pop(0)
+            self._fail(job.req, err, "prefill")
+            return [job.req]
+        if job.req.finished:
+            return [job.req]
+        self._join(job.req, one)
+        return []
 
     @torch.inference_mode()
     def _resume(self, req: Request, gen: torch.Generator | None) -> Batch:
@@ -394,9 +459,10 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request and the batch state (after a failed step its caches are suspect)."""
-        for req in self.waiting + self.running:
+        for req in self.waiting + self.running + [job.req for job in self.prefilling]:
             req.finish_reason = req.finish_reason or "abort"
         self.waiting.clear()
+        self.prefilling.clear()
         self.running = []
         self.batch = None
 
@@ -404,6 +470,7 @@ class Engine:
         """Free a request's slot at once (a client went away)."""
         if req in self.waiting:
             self.waiting.remove(req)
+        self.prefilling = [job for job in self.prefilling if job.req is not req]
         req.finish_reason = req.finish_reason or "abort"
         self._drop_finished()
 
@@ -412,6 +479,7 @@ class Engine:
         """Admit waiting requests, run one decode step for the batch; return requests that finished
         (a failure ends only the requests it belongs to, with finish_reason "error")."""
         failed = self._admit()
+        failed += self._prefill_step()
         if self.batch is None:
             return failed
         # the generators as they were: a failed step is replayed with the same randomness
@@ -495,7 +563,7 @@ class Engine:
         log.warning("WARNING: %s", msg)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def run_until_done(self) -> None:
         while self.has_work():
