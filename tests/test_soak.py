@@ -17,8 +17,10 @@ from collections import Counter
 
 import pytest
 
-from dspark.bench import soak
-from dspark.bench.soak import Call, MixSettings, make_call, percentile, send
+from dspark.bench import soak_client, soak_mix, soak_report
+from dspark.bench.soak_client import send
+from dspark.bench.soak_mix import Call, MixSettings, make_call
+from dspark.bench.soak_report import percentile
 from dspark.cli import build_parser, main
 from dspark.cli.bench_serve import serve_args
 from dspark.cli.engine_flags import engine_config
@@ -56,7 +58,9 @@ def test_the_mix_has_every_kind_in_its_shares():
     malformed = sum(c.malformed for c in calls)
     leaving = [c for c in calls if c.expect is None]
     assert 60 < malformed < 140 and 60 < len(leaving) < 140  # ~10 % each
-    assert {c.label for c in calls if c.malformed} == {f"malformed:{n}" for n, *_ in soak._malformed("tiny", CONTEXT)}
+    assert {c.label for c in calls if c.malformed} == {
+        f"malformed:{n}" for n, *_ in soak_mix.malformed_cases("tiny", CONTEXT)
+    }
     # a client that leaves does so mid-stream, and is never compared (it has no whole output)
     assert all(c.stream and c.greedy_key is None for c in leaving)
     # greedy requests repeat: the solo comparison decodes each distinct one once
@@ -74,10 +78,10 @@ def test_the_mix_has_every_kind_in_its_shares():
 
 def test_long_prompts_fit_the_context():
     for context, max_tokens in ((256, 32), (CONTEXT, 16), (8192, 32)):
-        words = soak.long_words(context, max_tokens)
+        words = soak_mix.long_words(context, max_tokens)
         assert 16 <= words <= 400
-        assert len(soak.long_prompt(0, words).split()) >= words
-    assert soak.long_prompt(1, 50) == soak.long_prompt(1, 50) != soak.long_prompt(2, 50)
+        assert len(soak_mix.long_prompt(0, words).split()) >= words
+    assert soak_mix.long_prompt(1, 50) == soak_mix.long_prompt(1, 50) != soak_mix.long_prompt(2, 50)
 
 
 def test_percentile():
@@ -88,7 +92,7 @@ def test_percentile():
 
 
 # ---- the client against a server in this process -------------------------------------------------
-@pytest.mark.parametrize("case", soak._malformed(MIX.model, CONTEXT), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", soak_mix.malformed_cases(MIX.model, CONTEXT), ids=lambda c: c[0])
 def test_each_malformed_case_gets_its_own_4xx(live, case):
     name, path, body, status, extra = case
     out = send(_port(live), Call(0, path, body, status, f"malformed:{name}", **extra), timeout=30)
@@ -102,8 +106,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(live):
         out = send(port, call, timeout=30)
         assert out.status == 200 and out.problem is None and out.ttft is not None and out.text
     deadline = time.monotonic() + 10
-    while any(soak.gauges(port).values()):
-        assert time.monotonic() < deadline, soak.gauges(port)
+    while any(soak_client.gauges(port).values()):
+        assert time.monotonic() < deadline, soak_client.gauges(port)
         time.sleep(0.05)
 
 
@@ -117,15 +121,15 @@ def test_a_well_formed_request_is_served_and_a_greedy_one_compared(live):
 
 
 def test_an_unexpected_answer_is_counted_with_its_status():
-    report = soak.SoakReport({}, "m", 1, wall_s=2.0)
+    report = soak_report.SoakReport({}, "m", 1, wall_s=2.0)
     outs = [
-        soak.Outcome("a", 200, 200, tokens=5, latency=1.0),
-        soak.Outcome("b", 200, 500, problem="HTTP 500"),
-        soak.Outcome("malformed:x", 400, 400),
-        soak.Outcome("c", None, 200),
-        soak.Outcome("d", 200, None, problem="TimeoutError: timed out"),
+        soak_client.Outcome("a", 200, 200, tokens=5, latency=1.0),
+        soak_client.Outcome("b", 200, 500, problem="HTTP 500"),
+        soak_client.Outcome("malformed:x", 400, 400),
+        soak_client.Outcome("c", None, 200),
+        soak_client.Outcome("d", 200, None, problem="TimeoutError: timed out"),
     ]
-    soak.summarize(report, outs)
+    soak_report.summarize(report, outs)
     assert (report.served, report.disconnected, report.refused_as_expected) == (1, 1, {"400": 1})
     assert report.unexpected == {"HTTP 500": 1, "TimeoutError": 1} and report.tokens_per_s == 2.5
     assert not report.passed

@@ -93,3 +93,14 @@ def evaluate(
     if conf:
         result["conf_abs_error"] = float(torch.cat(conf).mean())
     return result
+
+
+def eval_line(step: int, ev: dict | None) -> str:
+    """One line for the user: an `evaluate` result at a training step."""
+    if not ev or not ev.get("blocks"):
+        return f"step {step}: held-out set has no complete block to score"
+    curve = " ".join(f"{x:.2f}" for x in ev["greedy_conditional"])
+    return (
+        f"step {step}: held-out loss {ev['loss']:.4f}  tau_greedy {ev['tau_greedy']:.3f}  "
+        f"tau_t1 {ev['tau_t1']:.3f}  per-slot greedy accept {curve}"
+    )

@@ -1,5 +1,7 @@
 """The training loop: AdamW, linear warmup + cosine decay, gradient clipping, checkpoint/resume,
 periodic held-out evaluation, a progress bar; data-parallel under torchrun (see distributed.py).
+The draft's starting weights are dspark.train.warmstart's, checkpoints and resume
+dspark.train.checkpoint's, the held-out evaluation dspark.train.evaluate's; this module runs the steps.
 
 Everything random is derived from (seed, epoch, sequence index): the batch order of an epoch
 and each sequence's anchors. So a resumed run replays exactly the steps an uninterrupted run
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +23,22 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from dspark.formats.load import load_spec, load_weights
 from dspark.model.load import build_draft
 from dspark.target.load import load_target
 from dspark.train import distributed
+from dspark.train.checkpoint import (
+    drop_replayed_records,
+    export_checkpoint,
+    keep_best,
+    pack_state,
+    restore_state,
+    write_state,
+)
 from dspark.train.config import TrainConfig, draft_spec
 from dspark.train.dataset import load_sequences, token_subset
 from dspark.train.errors import TrainError
-from dspark.train.evaluate import evaluate
-from dspark.train.export import checkpoint_tensors, default_verifier, write_draft
+from dspark.train.evaluate import eval_line, evaluate
+from dspark.train.export import default_verifier
 from dspark.train.features import (
     CachedFeatures,
     OnlineFeatures,
@@ -41,8 +49,8 @@ from dspark.train.features import (
     tap_scale,
 )
 from dspark.train.loss import LossWeights, TargetHead, draft_rows, loss_sums, make_blocks, pack_blocks, sample_anchors
-from dspark.train.rundir import BEST, CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
-from dspark.train.vocab import d2t_offsets, select_draft_vocab
+from dspark.train.rundir import CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
+from dspark.train.warmstart import init_layers_from_target, init_output_norm, init_weights, load_init, reduce_vocab
 
 Echo = Callable[[str], None]
 
@@ -74,61 +82,6 @@ def lr_factor(total: int, warmup: float):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
 
     return f
-
-
-def init_weights(draft, seed: int) -> None:
-    """Small-normal init (std 0.02; Markov W1 0.01 as in speculators) so the Markov bias starts near zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name in draft.borrowed:
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                std = 0.01 if name.startswith("markov_head.markov_w1") else 0.02
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def init_output_norm(draft, target_model) -> bool:
-    """Start the draft's final norm at the target's: the borrowed LM head was trained on states scaled
-    that way (SmolLM2's final-norm gains average 1.8, not 1). Returns whether it applied."""
-    norm = getattr(target_model.get_decoder(), "norm", None)
-    w = getattr(norm, "weight", None)
-    kind = type(norm).__name__
-    # same formula as the draft's Qwen3 RMSNorm (x_normed * w); Gemma's norms scale by (1 + w)
-    if w is None or not kind.endswith("RMSNorm") or "Gemma" in kind or tuple(w.shape) != tuple(draft.norm.weight.shape):
-        return False
-    with torch.no_grad():
-        draft.norm.weight.copy_(w.detach().float())
-    return True
-
-
-def init_layers_from_target(draft, target_model) -> list[str]:
-    """`--init-layers target`: the draft's N decoder layers start as the target's last N (attention
-    projections, MLP, the two norms). Those layers already map late hidden states to the next
-    token, which is what the draft's block must learn; the draft's own q/k norms (Qwen3-style
-    layers) have no counterpart in a Llama target and stay at 1. Returns the parameters copied."""
-    source = list(target_model.get_decoder().layers)[-len(draft.layers) :]
-    copied, skipped = [], []
-    with torch.no_grad():
-        for i, (mine, theirs) in enumerate(zip(draft.layers, source)):
-            src = theirs.state_dict()
-            for name, p in mine.named_parameters():
-                w = src.get(name)
-                if w is not None and tuple(w.shape) == tuple(p.shape):
-                    p.copy_(w.detach().to(p.dtype))
-                    copied.append(f"layers.{i}.{name}")
-                elif not name.startswith(("self_attn.q_norm", "self_attn.k_norm")):
-                    skipped.append(f"layers.{i}.{name}")
-    if skipped or not copied:
-        raise TrainError(
-            f"--init-layers target: the target's last layers do not fit the draft's ({skipped[:4]} "
-            "have no same-shaped counterpart; --intermediate-size must be the target's)"
-        )
-    return copied
 
 
 def _seed(*parts: int) -> int:
@@ -171,7 +124,7 @@ class Run:
             n = len(init_layers_from_target(self.draft, self.model))
             if ctx.main:
                 self.echo(f"draft layers start as the target's last {len(self.draft.layers)} ({n} tensors copied)")
-        warm = self._load_init() if cfg.init and not self.resumed else None
+        warm = self._load_init(cfg.init) if cfg.init and not self.resumed else None
         if self.spec.has_d2t and warm is None:
             self._reduce_vocab()
         elif self.spec.has_d2t:
@@ -224,78 +177,20 @@ class Run:
                 self.draft.fc.weight.mul_(self.tap_scale.to(self.draft.fc.weight.device)[None, :])
 
     # ---- pieces --------------------------------------------------------------------------
-    def _load_init(self) -> dict:
-        """Warm start: the weights of an existing draft of the same architecture (its d2t vocabulary too)."""
-        spec = load_spec(self.cfg.init)
-        keys = (
-            "layout",
-            "gamma",
-            "num_layers",
-            "markov_rank",
-            "markov_head_type",
-            "hidden_state_indices",
-            "draft_vocab_size",
-            "vocab_size",
-            "mask_token_id",
-            "confidence_head",
-            "confidence_head_with_markov",
-        )
-        diff = {
-            k: (getattr(spec, k, None), getattr(self.spec, k, None))
-            for k in keys
-            if getattr(spec, k, None) != getattr(self.spec, k, None)
-        }
-        adapted = {}
-        if self.cfg.init_adapt:
-            # what the weights do not fix: the block size, and which layer each of the same number of taps reads
-            adapted = {k: diff.pop(k) for k in ("gamma", "hidden_state_indices") if k in diff}
-            if "hidden_state_indices" in adapted and len(spec.hidden_state_indices) != len(
-                self.spec.hidden_state_indices
-            ):
-                diff["hidden_state_indices"] = adapted.pop("hidden_state_indices")
-        if diff:
-            raise TrainError(
-                f"--init {self.cfg.init} does not fit this run's draft {diff} (file, run): "
-                "choose matching --layers/--markov-rank/--taps/--draft-vocab/..."
-            )
-        tensors = load_weights(spec)
-        own = self.draft.own_state_dict()
-        missing = sorted(set(own) - set(tensors))
-        if missing:
-            raise TrainError(f"--init {self.cfg.init} lacks weights {missing[:4]}")
-        with torch.no_grad():
-            for k, v in own.items():
-                if tuple(tensors[k].shape) != tuple(v.shape):
-                    raise TrainError(
-                        f"--init {self.cfg.init}: {k} has shape {tuple(tensors[k].shape)}, this draft {tuple(v.shape)}"
-                    )
-                v.copy_(tensors[k].to(v.dtype))
+    def _load_init(self, path: str) -> dict:
+        """Warm start from `path` (dspark.train.warmstart.load_init); returns the file's tensors."""
+        tensors, adapted = load_init(path, self.cfg.init_adapt, self.spec, self.draft)
         if self.ctx.main:
             changed = "".join(f", {k} {a} -> {b}" for k, (a, b) in adapted.items())
-            self.echo(f"warm start from {self.cfg.init}{changed}")
+            self.echo(f"warm start from {path}{changed}")
         return tensors
 
     def _reduce_vocab(self) -> None:
-        """Draft vocabulary from the training answers; its head = the target's rows, frozen.
-
-        Frozen because the draft's states live in the target's final space (the target's head reads
-        them); the rows and d2t are saved with the draft (a reduced head cannot be borrowed).
-        """
-        V = self.spec.vocab_size
-        ids = select_draft_vocab(self.seqs, V, self.spec.draft_vocab_size)
-        head = self.model.get_output_embeddings().weight
-        d2t = self.draft.d2t
-        if d2t is None:
-            raise TrainError("a reduced draft vocabulary needs a draft with d2t (has_d2t)")
-        with torch.no_grad():
-            d2t.copy_(d2t_offsets(ids).to(d2t.device))
-            self.draft.lm_head.weight.copy_(head.detach()[ids.to(head.device)].float())
-        self.draft.lm_head.weight.requires_grad_(False)
-        answers = sum(int(s.loss_mask.sum()) for s in self.seqs)
-        covered = sum(int(torch.isin(s.ids[s.loss_mask.bool()], ids).sum()) for s in self.seqs)
+        """The draft vocabulary from the training answers (dspark.train.warmstart.reduce_vocab)."""
+        n, covered = reduce_vocab(self.draft, self.spec, self.seqs, self.model.get_output_embeddings().weight)
         if self.ctx.main:
             self.echo(
-                f"draft vocabulary: {ids.numel()} of {V} tokens, covering {covered / max(answers, 1):.2%} "
+                f"draft vocabulary: {n} of {self.spec.vocab_size} tokens, covering {covered:.2%} "
                 "of the training answer tokens"
             )
 
@@ -329,23 +224,18 @@ class Run:
             self.held_features = ScaledFeatures(self.held_features, self.tap_scale)
 
     def _restore(self, state: dict) -> None:
-        own = self.draft.own_state_dict()
-        if set(state["draft"]) != set(own):
-            raise TrainError(f"{self.out}/{STATE} does not match this draft's weights (architecture changed?)")
-        self.draft.load_state_dict(state["draft"], strict=False)
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        self.step, self.elapsed = int(state["step"]), float(state.get("elapsed", 0.0))
-        if state.get("total_steps") != self.total:
-            raise TrainError(f"checkpoint planned {state.get('total_steps')} steps, this run {self.total}")
-        if state.get("data_digest") not in (None, self.data_digest):  # None: written before digests were kept
-            raise TrainError(
-                f"{self.cfg.data} holds other sequences than the checkpoint was trained on: choose another --out"
-            )
-        log = self.out / METRICS
-        if self.ctx.main and log.exists():  # steps after the checkpoint are replayed: drop their old records
-            keep = [line for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= self.step]
-            log.write_text("".join(line + "\n" for line in keep))
+        self.step, self.elapsed = restore_state(
+            state,
+            run_dir=self.out,
+            data=self.cfg.data,
+            draft=self.draft,
+            opt=self.opt,
+            sched=self.sched,
+            total=self.total,
+            data_digest=self.data_digest,
+        )
+        if self.ctx.main:
+            drop_replayed_records(self.out, self.step)
 
     def batch(self, step: int) -> tuple[int, list[int]]:
         epoch, pos = divmod(step, self.steps_per_epoch)
@@ -449,35 +339,25 @@ class Run:
 
     def save(self) -> Path:
         """state.pt (atomic) and draft/ (bf16 export); main process only."""
-        state = {
-            "step": self.step,
-            "total_steps": self.total,
-            "elapsed": self.elapsed,
-            "data_digest": self.data_digest,
-            "draft": {k: v.detach().cpu().clone() for k, v in self.draft.own_state_dict().items()},
-            "tap_scale": self.tap_scale,
-            "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(),
-        }
-        tmp = self.out / (STATE + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.out / STATE)
-        tensors = checkpoint_tensors(self.draft.own_state_dict(), self.spec.vocab_size, self.tap_scale)
-        return write_draft(self.spec, tensors, self.out / DRAFT, self.cfg.export_format, self.verifier, replace=True)
+        state = pack_state(
+            step=self.step,
+            total=self.total,
+            elapsed=self.elapsed,
+            data_digest=self.data_digest,
+            draft=self.draft,
+            tap_scale=self.tap_scale,
+            opt=self.opt,
+            sched=self.sched,
+        )
+        write_state(self.out, state)
+        return self._export(self.out / DRAFT)
+
+    def _export(self, dst: Path) -> Path:
+        return export_checkpoint(dst, self.spec, self.draft, self.tap_scale, self.cfg.export_format, self.verifier)
 
     def save_best(self, ev: dict | None) -> dict | None:
         """Keep the checkpoint with the best held-out greedy acceptance in <out>/best (main process)."""
-        if not ev or not ev.get("blocks"):
-            return None
-        path = self.out / (BEST + ".json")
-        best = json.loads(path.read_text()) if path.exists() else None
-        if best is not None and best["tau_greedy"] >= ev["tau_greedy"]:
-            return best
-        tensors = checkpoint_tensors(self.draft.own_state_dict(), self.spec.vocab_size, self.tap_scale)
-        write_draft(self.spec, tensors, self.out / BEST, self.cfg.export_format, self.verifier, replace=True)
-        best = {"step": self.step, "tau_greedy": ev["tau_greedy"], "greedy_conditional": ev["greedy_conditional"]}
-        path.write_text(json.dumps(best) + "\n")
-        return best
+        return keep_best(self.out, ev, self.step, self._export)
 
     def evaluate_and_keep(self, result: TrainResult, echo: Echo | None) -> None:
         """Held-out evaluation at this step: logged, echoed (unless echo is None), best kept."""
@@ -559,13 +439,3 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, progress: bool, echo:
     result.step, result.seconds, result.main = run.step, run.elapsed, ctx.main
     result.draft_dir = run.out / DRAFT
     return result
-
-
-def eval_line(step: int, ev: dict | None) -> str:
-    if not ev or not ev.get("blocks"):
-        return f"step {step}: held-out set has no complete block to score"
-    curve = " ".join(f"{x:.2f}" for x in ev["greedy_conditional"])
-    return (
-        f"step {step}: held-out loss {ev['loss']:.4f}  tau_greedy {ev['tau_greedy']:.3f}  "
-        f"tau_t1 {ev['tau_t1']:.3f}  per-slot greedy accept {curve}"
-    )
