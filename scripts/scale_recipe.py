@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 import safetensors.torch as st  # noqa: E402
 import torch  # noqa: E402
 
+from dspark import envs  # noqa: E402
 from dspark.target.load import load_target  # noqa: E402
 from dspark.train.dataset import read_records  # noqa: E402
 
@@ -95,7 +96,7 @@ def sh(cmd: list[str], log: Path, share: int = 1) -> subprocess.Popen:
     f.write("$ " + " ".join(cmd) + "\n")
     f.flush()
     threads = str(max(1, (os.cpu_count() or 1) // share))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = envs.child_env(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 

@@ -157,7 +157,7 @@ def session_citations(root: Path) -> list[str]:
     return [
         f"{path.relative_to(root.parent)}:{n}"
         for path in sorted(root.rglob("*"))
-        if path.suffix in (".py", ".cpp", ".h")
+        if path.suffix in (".py", ".cpp", ".h", ".sh")
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
@@ -338,6 +338,46 @@ def test_printing_and_upward_imports_in_the_library_are_found(tmp_path):
     assert any("calls print()" in p for p in found) and any("sys.stderr" in p for p in found)
     assert any("imports rich" in p for p in found) and any("imports argparse" in p for p in found)
     assert not any(p.startswith("dspark.cli") for p in found)
+
+
+# ---- scripts/ -----------------------------------------------------------------------------------
+# The package's checks that hold for scripts/ too, and why:
+# - no comment cites a working session: a script is code, and keeps the why as the package does;
+# - no script imports dspark.reference: a script runs or measures what the package runs, and the
+#   reference is only what tests compare the compiled path against;
+# - no environment read outside dspark/envs.py: a script's child processes get their environment
+#   from envs.child_env, so every variable dspark reads or sets is listed in one place.
+# Not: printing and argparse (a script is a command-line program, as dspark.cli is), import
+# circles and the layering (nothing imports a script), the line limit (a script is one runnable
+# file, `python scripts/x.py`; split, it would need a package of its own).
+
+SCRIPTS = ROOT.parent / "scripts"
+
+
+def test_no_script_cites_a_working_session():
+    assert session_citations(SCRIPTS) == []
+
+
+def test_no_script_imports_a_reference_implementation():
+    found = reference_imports({**parse_package(), **parse_package(SCRIPTS)})
+    assert [f for f in found if f.startswith("scripts.")] == []
+
+
+def test_no_script_reads_the_environment_outside_envs():
+    assert environment_reads(parse_package(SCRIPTS)) == []
+
+
+def test_the_checks_find_a_scripts_faults(tmp_path):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "setup.sh").write_text("# as measured in Session 12\n")
+    (scripts / "run.py").write_text("import os\nfrom dspark.reference import loop\nX = os.environ['A']\n")
+    pkg = _write(tmp_path, {"__init__.py": "", "reference/__init__.py": "", "reference/loop.py": ""})
+    assert session_citations(scripts) == ["scripts/setup.sh:1"]
+    assert reference_imports({**pkg, **parse_package(scripts)}) == [
+        "scripts.run imports dspark.reference, dspark.reference.loop"
+    ]
+    assert [f.split(" ")[0] for f in environment_reads(parse_package(scripts))] == ["scripts.run:3"]
 
 
 # ---- every decoding command takes the shared engine flags ---------------------------------------
