@@ -23,14 +23,20 @@ def listening(listener: Callable[[str], None]) -> Iterator[None]:
         _listeners.remove(listener)
 
 
+def started(start: str) -> None:
+    """A step's start line ("<start> ..."), and its listeners told: `step` begins with it, and a step
+    whose end line its caller writes (the load-time check's, dspark.api) calls it alone."""
+    log.info("%s ...", start)
+    for listener in list(_listeners):
+        listener(start)
+
+
 @contextmanager
 def step(start: str, end: str) -> Iterator[dict]:
     """Log `start` ("... ...") now and `end` ("<end> in 2.3 s") when the block ends; a block that
     raises logs no end (its error says what happened). The block may add words to the end line:
     `with step(...) as done: done["detail"] = "..."` -> "<end> in 2.3 s (...)"."""
-    log.info("%s ...", start)
-    for listener in list(_listeners):
-        listener(start)
+    started(start)
     t0 = time.perf_counter()
     said: dict = {}
     yield said

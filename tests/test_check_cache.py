@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dspark.api import EngineConfig, build_engine
+from dspark import progress
 from dspark.cli import show_library_log
 from dspark.doctor import cache as check_cache
 from dspark.doctor import quick
@@ -159,10 +160,12 @@ def test_big_files_are_hashed_once_per_path_size_and_mtime(tmp_path, monkeypatch
 
 
 def test_start_up_steps_say_when_they_start_and_end(saved, counted, caplog):
-    with caplog.at_level(logging.INFO, logger="dspark"):
+    heard = []  # what dspark serve's /health reason follows while it loads
+    with caplog.at_level(logging.INFO, logger="dspark"), progress.listening(heard.append):
         _build(saved)
-    said = _messages(caplog)
-    target = str(saved / "target")
+    said, target = _messages(caplog), str(saved / "target")
+    assert [h.split(" (")[0] for h in heard] == [f"loading target {target}", "checking the draft at load time"]
+    assert [f"{h} ..." for h in heard] == [m for m in said if m.endswith(" ...")]
     starts = [m for m in said if m.startswith(f"loading target {target} (") and m.endswith(" ...")]
     ends = [m for m in said if m.startswith(f"loaded target {target} in ")]
     assert len(starts) == 1 and len(ends) == 1, said

@@ -34,7 +34,7 @@ import torch
 import transformers
 
 import dspark
-from dspark import envs, kernels
+from dspark import envs, kernels, progress
 from dspark.doctor import quick
 from dspark.doctor.quick import QuickCheck
 from dspark.errors import DSparkError
@@ -248,9 +248,10 @@ def load_time_check(engine) -> LoadTimeCheck:
             return LoadTimeCheck(check, seconds, cached=path)
         except DSparkError as exc:
             log.warning("WARNING: ignoring draft check cache %s: %s", path, exc)
-    log.info(
+    # the end line, with the time, is build_engine's ("load-time draft check: 24.1 s ...")
+    progress.started(
         "checking the draft at load time (once per target, draft and machine; about as long as decoding "
-        "a few hundred tokens) ..."
+        "a few hundred tokens)"
     )
     t0 = time.perf_counter()
     check = quick.quick_check(engine)
