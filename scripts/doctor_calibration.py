@@ -1,4 +1,4 @@
-"""Calibration of `dspark doctor` on tiny trained drafts (docs/BENCHMARKS.md, "Calibration").
+"""Calibration of `dspark doctor` on tiny trained drafts (docs/history/benchmarks.md, "Calibration").
 
 Trains the tiny pattern target of tests/trained.py and eight drafts of it with dspark.train's
 pieces (strong: 240 steps, weak: 90 steps; anchor-first and bonus-anchor; fc fitted to raw taps,

@@ -330,7 +330,7 @@ def test_likelihood_decides_where_acceptance_cannot_and_never_against_it():
 def test_weights_name_taps_that_behaviour_cannot_tell_apart(trained):
     """A barely trained draft as `dspark train` exports it (fc folded with its taps' per-dimension
     RMS; tests/trained.py scaled=True). Where behaviour cannot tell the taps readings apart (as on
-    SmolLM2's weakly trained drafts, docs/BENCHMARKS.md), fc's weights name the true taps; they
+    SmolLM2's weakly trained drafts, docs/history/benchmarks.md, "Calibration"), fc's weights name the true taps; they
     never outrank behaviour that prefers the declared taps, and a healthy file gets no finding."""
     from dspark.bench.paired import Comparison
     from dspark.doctor.check import weights_finding

@@ -1,7 +1,7 @@
 """Which target layers a draft's fc was fitted to, read from its weights (used by `dspark doctor`).
 
 Behaviour cannot name the taps of a draft that barely uses them: a weakly trained draft accepts
-the same tokens from layers 14 and 15 (docs/BENCHMARKS.md, calibration). Its weights still
+the same tokens from layers 14 and 15 (docs/history/benchmarks.md, "Calibration"). Its weights still
 can. `dspark train` feeds fc taps divided by their per-dimension RMS and folds that scale into
 fc when it exports (train/features.py, `tap_scale`), so column j of fc starts as
 c / RMS_layer(j) of its true tap layer and keeps that shape until training moves it far.

@@ -35,7 +35,7 @@ exclusion: an alternative the draft's own objective clearly ranks *below* the de
 acceptance gain is under min_gain, is not better either, once the comparison rests on
 MIN_TEXTS_TO_EXCLUDE texts. Acceptance alone could leave it open
 indefinitely: on code and math text a healthy file's taps read one layer off gave 1.4% more
-tokens per step at z 2.1 after 7 424 anchors (docs/BENCHMARKS.md, "Checking a draft"), too noisy to exclude
+tokens per step at z 2.1 after 7 424 anchors (docs/history/benchmarks.md, "Calibration"), too noisy to exclude
 a 3% margin, while the likelihood put the declared taps ahead at z 7.9. A misread's true reading is
 the one the draft was trained on, so it is the more likely one and this never excludes it.
 """
