@@ -26,10 +26,13 @@ def markdown(results: dict) -> str:
         "",
         f"Ratio = tokens/s over `{base}` on the same prompts. Overhead = wall time minus target and draft "
         "forward passes (budget: under 10% for dspark arms). Same = share of prompts whose output equals the "
-        "baseline's token for token (bf16 may flip near-ties, see docs/DESIGN.md §10).",
+        "baseline's token for token (bf16 may flip near-ties, see docs/DESIGN.md §10). Lookup = the steps "
+        "whose tokens the lookup proposer copied from the request's own text, and their acceptance length "
+        "(bonus included); the draft's columns count the draft's blocks alone.",
         "",
-        "| set | arm | tokens/s | ratio | mean acc. len | draft acc. rate | target | draft | overhead | same |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| set | arm | tokens/s | ratio | mean acc. len | draft acc. rate | lookup | target | draft | overhead "
+        "| same |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for set_name, arms in results["sets"].items():
         for arm in arms["arms"].values():
@@ -38,9 +41,11 @@ def markdown(results: dict) -> str:
             over = f"{100 * tf['overhead']:.1f}%"
             if arm["overhead_within_budget"] is False:
                 over += " (over budget)"
+            look = acc.get("lookup")
+            looked = f"{look['verify_steps']} steps, {look['mean_accept_length']:.2f}" if look else "-"
             lines.append(
                 f"| {set_name} | {arm['label']} | {arm['tokens_per_second']:.1f} | {_f(arm['ratio_to_baseline'])} | "
-                f"{_f(acc.get('mean_accept_length'))} | {_f(acc.get('draft_acceptance_rate'), '{:.3f}')} | "
+                f"{_f(acc.get('mean_accept_length'))} | {_f(acc.get('draft_acceptance_rate'), '{:.3f}')} | {looked} | "
                 f"{100 * tf['target_forward']:.0f}% | {100 * tf['draft']:.0f}% | {over} | "
                 f"{_f(arm['same_output_as_baseline'], '{:.0%}')} |"
             )

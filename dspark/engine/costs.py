@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dspark import progress
 from dspark.errors import DSparkError
 from dspark.engine.timing import now as clock
 from dspark.jsonfile import read_json, write_json
@@ -271,6 +272,9 @@ def cost_curve_for(
         except DSparkError as exc:
             log.warning("ignoring unreadable cost curve cache %s: %s", path, exc)
     if curve is None:
+        progress.started(
+            f"profiling the verify cost curve (once per target, runtime and thread count; about {budget_s:.0f} s)"
+        )
         curve = profile_cost_curve(target, grid, budget_s=budget_s, small_repeats=SMALL_REPEATS)
         curve = CostCurve(curve.tokens, curve.seconds, {**curve.meta, "identity": ident})
         if cache:

@@ -67,6 +67,9 @@ class LookupStats:
 
     seen: list[list[float]] = field(default_factory=lambda: [[0.0] * LOOKUP_MAX for _ in range(MATCH_MAX)])
     hits: list[list[float]] = field(default_factory=lambda: [[0.0] * LOOKUP_MAX for _ in range(MATCH_MAX)])
+    # survivals by match length, kept until the next verification changes the counts: every row of
+    # every step reads them, and they change only when a lookup proposal is verified
+    _survival: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
 
     def pooled(self, first: bool) -> float:
         """The acceptance of first positions (first=True) or of later ones given the earlier were
@@ -86,13 +89,17 @@ class LookupStats:
 
     def survival(self, m: int, k: int) -> list[float]:
         """[k] P(the first j+1 proposed tokens all accepted), for a match of m tokens."""
-        out, acc = [], 1.0
-        for c in self.conditional(m)[:k]:
-            acc *= c
-            out.append(acc)
-        return out
+        surv = self._survival.get(m)
+        if surv is None:
+            surv, acc = [], 1.0
+            for c in self.conditional(m):
+                acc *= c
+                surv.append(acc)
+            self._survival[m] = surv
+        return surv[:k]
 
     def record(self, m: int, verified: int, accepted: int) -> None:
+        self._survival.clear()
         s, h = self.seen[m - 1], self.hits[m - 1]
         for j in range(min(verified, accepted + 1)):
             s[j] = s[j] * DECAY + 1.0
