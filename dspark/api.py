@@ -29,7 +29,7 @@ from dspark.engine.step import draft_phase_seconds, target_step
 from dspark.errors import DSparkError
 from dspark.model import fast as fast_draft
 from dspark.model.load import load_draft
-from dspark.target.load import SMOLLM2, auto_dtype, default_device, open_target, parse_dtype
+from dspark.target.load import SMOLLM2, auto_dtype, default_device, open_target, parse_dtype, target_numerics
 from dspark.target.text import eos_ids
 
 log = logging.getLogger("dspark")
@@ -100,19 +100,42 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
     if dtype == "auto":
         dtype, why = auto_dtype(device)
         notes.append(why)
-    parse_dtype(dtype, device)  # a bad name or fp16 on CPU fails here, before anything loads
-    if config.draft_weights not in fast_draft.DRAFT_WEIGHTS:
+    # a bad name or fp16 on CPU fails here, before anything loads
+    given = None if config.dtype == "auto" else target_numerics(config.weights, parse_dtype(dtype, device))
+    kernels.check_activations(config.activations)
+    draft_weights = config.draft_weights
+    if draft_weights not in fast_draft.DRAFT_WEIGHTS:
+        raise DSparkError(f"draft weights must be one of {', '.join(fast_draft.DRAFT_WEIGHTS)}, got {draft_weights!r}")
+    if given == "fp32":
+        # an explicit fp32 is fp32 throughout (docs/DESIGN.md §10): the draft's own numbers on its
+        # modules, since dspark's drafting kernels and its int4 / Q8_0 matmuls compute in bf16
+        if draft_weights in fast_draft.KERNEL_WEIGHTS:
+            raise DSparkError(
+                f"--draft-weights {draft_weights} runs the draft on dspark's CPU kernels, which compute in bf16, "
+                f"but --dtype fp32 asks for fp32: pass --dtype auto or bf16 with --draft-weights {draft_weights}, "
+                "or --dtype fp32 with --draft-weights auto (the draft's own numbers in fp32)"
+            )
+        if config.activations != "auto":
+            raise DSparkError(
+                f"--activations {config.activations} sets what dspark's int4 / Q8_0 CPU matmuls do with their "
+                "inputs, and with --dtype fp32 none runs (fp32 matmuls, or torch's int8 / int4 kernels with fp32 "
+                f"inputs): pass --activations {config.activations} with --dtype auto or bf16, or --dtype fp32 "
+                "with --activations auto"
+            )
+        draft_weights = "fp32"
+    elif draft_weights == "fp32":
         raise DSparkError(
-            f"draft weights must be one of {', '.join(fast_draft.DRAFT_WEIGHTS)}, got {config.draft_weights!r}"
+            f"--draft-weights fp32 runs the draft's modules in fp32, which --dtype {config.dtype} does not give: "
+            "pass --dtype fp32 with --draft-weights fp32 (or auto), or another --draft-weights with "
+            f"--dtype {config.dtype}"
         )
     if config.max_batch < 1:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
     if config.prefill_chunk < 1:
         raise DSparkError(f"--prefill-chunk must be >= 1 prompt token a step, got {config.prefill_chunk}")
-    kernels.check_activations(config.activations)
     draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
     verify = config.verify or ("full" if draft is None else "adaptive")
-    return replace(config, device=device, dtype=dtype, draft=draft, verify=verify), notes
+    return replace(config, device=device, dtype=dtype, draft=draft, verify=verify, draft_weights=draft_weights), notes
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -132,12 +155,16 @@ def build_engine(config: EngineConfig) -> Engine:
     )
     actual = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype).removeprefix("torch."))
     if not given_dtype and actual != config.dtype and notes and notes[0].startswith("dtype auto"):
-        # the model's own int4 weights took bf16 activations where "auto" alone would say fp32: one
-        # line that says what runs, not two that contradict each other
+        # the model's own int4 weights took bf16 activations where "auto" alone would say fp32, or
+        # float --weights their own: one line that says what runs, not two that contradict each other
+        why = notes[0].partition("(")[2].rstrip(")")
         notes[0] = (
-            f"dtype auto -> {actual}: the model's int4 weights run with bf16 activations"
+            f"dtype auto -> {actual}: --weights {config.weights} runs with {actual} activations; "
+            f"auto alone would give {config.dtype} here ({why})"
+            if config.weights in ("fp32", "bf16")
+            else f"dtype auto -> {actual}: the model's int4 weights run with bf16 activations"
             f"{kernels.q4_note().replace(', ', ' (') + ' in their matmuls)' if kernels.q4_note() else ''}; "
-            f"other models would get {config.dtype} here ({notes[0].partition('(')[2].rstrip(')')})"
+            f"other models would get {config.dtype} here ({why})"
         )
         config = replace(config, dtype=actual)
     notes += more
@@ -146,6 +173,12 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.draft is not None:
         draft = load_draft(config.draft, model, layout=config.layout, dtype=target.dtype)
         fast_draft.set_weights(draft, config.draft_weights)
+        if config.draft_weights in fast_draft.KERNEL_WEIGHTS and fast_draft.why_not(draft) is not None:
+            raise DSparkError(
+                f"--draft-weights {config.draft_weights} sets the matrices of dspark's CPU drafting kernels, which "
+                f"do not run this draft ({fast_draft.why_not(draft)}): pass --draft-weights auto (its modules run "
+                "it in its own numbers)"
+            )
         notes.append(fast_draft.describe(draft))
         # taps on before the policy exists: an adaptive policy times verification as the engine runs it
         target.set_taps(draft.spec.hidden_state_indices)

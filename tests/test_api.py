@@ -104,9 +104,9 @@ def test_build_engine_assembles_everything_from_the_config(saved):
         eng.lookup.describe(),  # on by default: the start-up says so
     ]
     assert eng.policy.curve is not None  # threshold: the lookup prices its proposals on the target's curve
-    assert eng.notes[1].startswith(
-        "draft decodes through its modules (a matrix of (75, 64) shape"
-    )  # a vocabulary of 75
+    # --dtype fp32 given: the draft's own numbers, computed in fp32 by its modules (the kernels' are bf16)
+    assert eng.notes[1] == f"draft decodes through its modules ({fast_draft.FP32_REASON})"
+    assert eng.config.draft_weights == "fp32" and fast_draft.weights(eng.draft) == "fp32"
     assert isinstance(eng.target, NativeTarget)
     assert eng.draft.fc.weight.dtype == eng.target.dtype
     assert isinstance(eng.policy, ThresholdScheduler) and eng.policy.threshold == 0.3 and eng.max_batch == 3
@@ -183,3 +183,69 @@ def test_detokenizer_is_incremental_waits_for_whole_characters_and_finds_stops()
     plain = Detokenizer(_Bytes())
     plain.update(ids)
     assert plain.text == text and plain.streamable() == text and plain.find_stop() is None
+
+
+def test_explicit_numerics_are_honored_or_refused_naming_the_flags(tmp_path, monkeypatch):
+    """Issue 52: --dtype fp32 runs fp32 throughout (the target's exact dequantised 4-bit values, the
+    draft's own numbers on its modules), said in the start-up lines; every combination the runtime
+    cannot honor is refused before anything loads, naming the flags that can."""
+    monkeypatch.setattr(target_load, "cpu_bf16_feature", lambda: "AVX512-BF16")
+    q4_exact(tiny_target(vocab=len(char_tokenizer()))).save_pretrained(tmp_path / "q4")
+    model = tiny_target(vocab=len(char_tokenizer()))
+    draft = tiny_draft(model, gamma=3)
+    write_deepspec(draft.spec, draft.own_state_dict(), tmp_path / "draft")
+    base = dict(target=str(tmp_path / "q4"), draft=str(tmp_path / "draft"), device="cpu", check=False, lookup=False)
+    eng = build_engine(EngineConfig(**base, dtype="fp32"))
+    assert eng.target.weights == "fp32" and eng.target.dtype == torch.float32
+    assert eng.draft.fc.weight.dtype == torch.float32 and fast_draft.weights(eng.draft) == "fp32"
+    assert eng.notes[0].startswith("weights auto -> fp32 (--dtype fp32: the model's exact 4-bit values")
+    assert f"draft decodes through its modules ({fast_draft.FP32_REASON})" in eng.notes
+    # explicit int4 with fp32: torch's weight-only kernel takes fp32 activations (honored, and said)
+    eng = build_engine(EngineConfig(**base, dtype="fp32", weights="int4"))
+    assert eng.target.weights == "int4" and eng.target.dtype == torch.float32 and "activations float32" in eng.notes[0]
+    # dtype auto follows float weights asked for, in one line
+    eng = build_engine(EngineConfig(**base, weights="fp32"))
+    assert eng.target.dtype == torch.float32 and eng.config.dtype == "fp32"
+    assert eng.notes[0].startswith("dtype auto -> fp32: --weights fp32 runs with fp32 activations")
+    refusals = [
+        (
+            {"dtype": "fp32", "weights": "bf16"},
+            "--weights bf16 runs with bf16 activations, but --dtype fp32",
+            "--dtype bf16 with --weights bf16",
+        ),
+        (
+            {"dtype": "bf16", "weights": "fp32"},
+            "--weights fp32 runs with fp32 activations, but --dtype bf16",
+            "--dtype fp32 with --weights fp32",
+        ),
+        (
+            {"dtype": "fp32", "draft_weights": "q4"},
+            "--draft-weights q4 runs the draft on dspark's CPU kernels",
+            "--dtype fp32 with --draft-weights auto",
+        ),
+        (
+            {"dtype": "float32", "draft_weights": "bf16"},
+            "--draft-weights bf16",
+            "--dtype auto or bf16 with --draft-weights bf16",
+        ),
+        (
+            {"dtype": "fp32", "activations": "int8"},
+            "--activations int8 sets what dspark's int4 / Q8_0",
+            "--dtype fp32 with --activations auto",
+        ),
+        (
+            {"draft_weights": "fp32"},
+            "--draft-weights fp32 runs the draft's modules in fp32",
+            "pass --dtype fp32 with --draft-weights fp32",
+        ),
+        ({"dtype": "bf16", "draft_weights": "fp32"}, "which --dtype bf16 does not give", "--dtype fp32"),
+    ]
+    for settings, what, fix in refusals:
+        with pytest.raises(DSparkError) as refused:
+            resolve(EngineConfig(**base, **settings))
+        assert what in str(refused.value) and fix in str(refused.value), (settings, str(refused.value))
+    # the kernels' formats on a draft they cannot run (its vocabulary of 75): refused, not ignored
+    with pytest.raises(DSparkError, match=r"--draft-weights q8 sets the matrices .* pass --draft-weights auto"):
+        build_engine(EngineConfig(**base, draft_weights="q8"))
+    assert resolve(EngineConfig(**base, dtype="fp32"))[0].draft_weights == "fp32"
+    assert resolve(EngineConfig(**base))[0].draft_weights == "auto"  # auto stays the fast default

@@ -40,6 +40,7 @@ from dspark.doctor.statistic import (
 from dspark.doctor.texts import generate_texts, prompt_pool
 from dspark.engine.engine import Engine
 from dspark.formats.load import load_spec
+from dspark.model import fast
 from dspark.model.load import build_draft
 
 # ---- the sequential check ----------------------------------------------------------------------
@@ -253,9 +254,10 @@ def diagnose(
     report.checks = checks
     if tensors is None or any(c.status == "fail" for c in checks if c.name in ("vocabulary", "dtype")):
         return report  # a draft that cannot be built for this target is not measured
-    with_draft = Engine(
-        target, build_draft(spec, target.model, tensors, dtype=target.dtype), tokenizer, engine.eos_token_ids
-    )
+    draft = build_draft(spec, target.model, tensors, dtype=target.dtype)
+    if engine.config is not None:  # the numbers asked for (--draft-weights, fp32 under --dtype fp32)
+        fast.set_weights(draft, engine.config.draft_weights)
+    with_draft = Engine(target, draft, tokenizer, engine.eos_token_ids)
     report.seconds = time.perf_counter() - t0
     return check_engine(with_draft, prompts=prompts, budget=budget, extra_masks=extra_masks, report=report)
 

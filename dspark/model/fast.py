@@ -18,6 +18,8 @@ build multiplies q4 and q8 matrices with 8-bit activations, the AVX512-BF16 one 
 q4: a drafting step reads the draft's weights right after the target's step evicted them from the
 CPU's caches, so their bytes are its cost (docs/BENCHMARKS.md: the bundled draft's first slot is
 accepted as often in q8 as in bf16, and ~0.01 less often in q4, for a phase ~a quarter cheaper).
+The kernels compute in bf16 whatever the format; "fp32" (what `--dtype fp32` asks for: the draft's
+own numbers, computed in fp32) is the fourth choice, and it runs the draft's modules, not this call.
 
 A block's own keys and values are written into the context cache right after each row's committed
 entries (positions lengths[b] ..), where the next context update overwrites them: the block
@@ -31,7 +33,10 @@ import torch
 
 from dspark import kernels
 
-DRAFT_WEIGHTS = ("auto", "q4", "q8", "bf16")
+DRAFT_WEIGHTS = ("auto", "q4", "q8", "bf16", "fp32")
+# the formats of the kernels' own copy; "fp32" runs the draft's modules in fp32 (the kernels compute in bf16)
+KERNEL_WEIGHTS = ("q4", "q8", "bf16")
+FP32_REASON = "fp32 asked for: the draft's own numbers in fp32; dspark's drafting kernels compute in bf16"
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +110,8 @@ class FastDraft:
         if weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
         self.weights = fmt = "q4" if weights == "auto" else weights
+        if fmt not in KERNEL_WEIGHTS:
+            raise ValueError(f"draft weights {fmt!r} run through the draft's modules, not dspark's kernels")
         b = draft.spec.backbone
         self.Hq, self.Hkv, self.D, self.eps = b.num_attention_heads, b.num_key_value_heads, b.head_dim, b.rms_norm_eps
         none, mh, ch = kernels.NO_TENSOR, draft.markov_head, draft.confidence_head
@@ -275,6 +282,8 @@ def why_not(draft) -> str | None:
 
 def _why_not(draft) -> str | None:
     spec, b, w = draft.spec, draft.spec.backbone, draft.fc.weight
+    if weights(draft) == "fp32":
+        return FP32_REASON
     if w.device.type != "cpu":
         return f"weights on {w.device.type}"
     if w.dtype not in (torch.bfloat16, torch.float32):
@@ -315,7 +324,8 @@ def context_dtype(draft) -> torch.dtype:
 
 
 def weights(draft) -> str:
-    """The format the kernels hold this draft's matrices in ("q8" or "bf16"; `set_weights`)."""
+    """The format the kernels hold this draft's matrices in ("q4", "q8" or "bf16"; `set_weights`), or
+    "fp32": the draft's modules in fp32 instead."""
     chosen = draft._fast.get("weights", "auto")
     return "q4" if chosen == "auto" else chosen
 

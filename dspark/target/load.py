@@ -25,7 +25,7 @@ from dspark.progress import step
 from dspark.target.base import Target
 from dspark.target.hf import HFTarget
 from dspark.target.native import NativeTarget, supports
-from dspark.target.quant import FLOAT_NAMES, WEIGHTS, resolve_weights
+from dspark.target.quant import FLOAT_NAMES, FLOATS, WEIGHTS, resolve_weights
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,6 +183,23 @@ def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
     return model, tokenizer
 
 
+def float_weights_conflict(weights: str, dtype: str) -> str:
+    """The refusal of float weights asked for with activations of another dtype (both flags given)."""
+    return (
+        f"--weights {weights} runs with {weights} activations, but --dtype {dtype} asks for {dtype} ones: "
+        f"pass --dtype {weights} with --weights {weights}, or --dtype {dtype} with --weights auto, int8 or int4"
+    )
+
+
+def target_numerics(weights: str, act: torch.dtype) -> str:
+    """An explicitly given activation dtype -> its short name, or the refusal of float `weights`
+    (the native runtime's `--weights`) that run with other activations (docs/DESIGN.md §10)."""
+    dtype = FLOAT_NAMES.get(act, str(act).removeprefix("torch."))
+    if weights in FLOATS and FLOATS[weights] != act:
+        raise DSparkError(float_weights_conflict(weights, dtype))
+    return dtype
+
+
 RUNTIMES = ("auto", "native", "hf")  # auto: native where the architecture is supported, else hf (said so)
 
 
@@ -262,7 +279,8 @@ def _open_native(
         return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
     notes = []
     if weights == "auto":
-        if resolve_weights(model, "auto", device) == "int4" and (not dtype_given or act == torch.bfloat16):
+        own = resolve_weights(model, "auto", device)
+        if own == "int4" and (not dtype_given or act == torch.bfloat16):
             act = torch.bfloat16  # weights stay "auto": int4 layers, a head that is not 4-bit kept in float
             notes.append(
                 "weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
@@ -270,6 +288,15 @@ def _open_native(
             )
         else:
             weights = FLOAT_NAMES[act]
+            if own == "int4":  # --dtype fp32: the file's exact values, dequantised, in fp32 matmuls
+                notes.append(
+                    "weights auto -> fp32 (--dtype fp32: the model's exact 4-bit values dequantised to "
+                    "fp32, fp32 activations; --dtype auto runs them as int4 with bf16 activations)"
+                )
+    elif weights in FLOATS and FLOATS[weights] != act:
+        if dtype_given or weights not in ("fp32", "bf16"):
+            raise DSparkError(float_weights_conflict(weights, FLOAT_NAMES.get(act, str(act))))
+        act = FLOATS[weights]  # dtype auto follows float weights: they run with their own activations
     # refuses an unsupported model by name; the native runtime makes a NativeTarget
     target = cast(NativeTarget, make_target(model, "native", weights, act_dtype=act))
     done["detail"] = f"read {read:.1f} s, packed {time.perf_counter() - t0 - read:.1f} s: {target.weights} weights"
