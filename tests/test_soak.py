@@ -53,8 +53,9 @@ def test_the_mix_is_a_function_of_seed_and_index():
 def test_the_mix_has_every_kind_in_its_shares():
     calls = [make_call(MIX, i) for i in range(1000)]
     words = Counter(w for c in calls for w in c.label.split())
-    for w in ("chat", "completion", "stream", "greedy", "sampled", "long", "short", "disconnect"):
+    for w in ("chat", "completion", "stream", "greedy", "sampled", "long", "short", "disconnect", "huge"):
         assert words[w] > 0, w
+    assert 10 < words["huge"] < 60  # the long-prompt client: ~3 % of the well-formed requests
     malformed = sum(c.malformed for c in calls)
     leaving = [c for c in calls if c.expect is None]
     assert 60 < malformed < 140 and 60 < len(leaving) < 140  # ~10 % each
@@ -82,6 +83,27 @@ def test_long_prompts_fit_the_context():
         assert 16 <= words <= 400
         assert len(soak_mix.long_prompt(0, words).split()) >= words
     assert soak_mix.long_prompt(1, 50) == soak_mix.long_prompt(1, 50) != soak_mix.long_prompt(2, 50)
+
+
+def test_huge_prompts_fill_most_of_the_context_and_fit():
+    for context, max_tokens in ((256, 32), (CONTEXT, 16), (8192, 32)):
+        words = soak_mix.huge_words(context, max_tokens)
+        assert words >= soak_mix.long_words(context, max_tokens) or context < 512
+        assert 1.3 * words + 64 + max_tokens < context  # with a chat template's tokens, it fits
+    assert soak_mix.huge_words(8192, 32) > 3000
+
+
+def test_short_requests_beside_a_huge_prefill_are_found_by_overlap():
+    from dspark.bench.soak_client import Outcome
+    from dspark.bench.soak_report import beside_huge
+
+    huge = Outcome("completion greedy huge", 200, latency=10.0, start=100.0, ttft=None)
+    huge_stream = Outcome("chat stream greedy huge", 200, latency=10.0, start=200.0, ttft=2.0)
+    during = Outcome("chat greedy short", 200, latency=1.5, start=101.0)
+    after_first_token = Outcome("chat greedy short", 200, latency=1.0, start=203.0)  # its prefill was over
+    before = Outcome("chat greedy short", 200, latency=0.5, start=99.0)  # answered before the huge one came
+    long = Outcome("chat greedy long", 200, latency=3.0, start=101.0)  # not a short request
+    assert beside_huge([huge, huge_stream, during, after_first_token, before, long]) == [1.5]
 
 
 def test_percentile():

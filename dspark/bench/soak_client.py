@@ -25,6 +25,7 @@ class Outcome:
     finish: str | None = None
     tokens: int = 0
     latency: float = 0.0
+    start: float = 0.0  # when it was sent (time.perf_counter), to find what overlapped it
     ttft: float | None = None  # streamed requests: the first chunk carrying text
     problem: str | None = None  # why it is unexpected; None: it got what it expected
     greedy_key: str | None = None
@@ -33,7 +34,7 @@ class Outcome:
 def send(port: int, call: Call, timeout: float) -> Outcome:
     out = Outcome(call.label, call.expect, greedy_key=call.greedy_key)
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    t0 = time.perf_counter()
+    t0 = out.start = time.perf_counter()
     try:
         conn.connect()
         sock = conn.sock  # kept: http.client drops its own reference once a response is read

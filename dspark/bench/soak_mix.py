@@ -43,6 +43,9 @@ SENTENCES = (
 )
 LONG_PROMPTS = 4
 GREEDY_SHARE, STREAM_SHARE, CHAT_SHARE, LONG_SHARE = 0.5, 0.5, 0.5, 0.25
+# the long-prompt client: prompts that fill most of the context, whose prefill the short requests
+# beside them must not wait for (chunked prefill); their share of the well-formed requests
+HUGE_SHARE = 0.03
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
@@ -74,9 +77,12 @@ class MixSettings:
     malformed_share: float = 0.1
     disconnect_share: float = 0.1
     seed: int = 0
+    huge_share: float = HUGE_SHARE  # prompts that fill most of the context (`huge_words`)
 
     def __post_init__(self):
         check_mix(self.max_tokens, self.malformed_share, self.disconnect_share)
+        if not 0 <= self.huge_share <= 1:
+            raise DSparkError(f"the long-prompt share must be in [0, 1], got {self.huge_share}")
 
 
 def check_mix(max_tokens: int, malformed_share: float, disconnect_share: float) -> None:
@@ -101,6 +107,12 @@ def long_words(context: int, max_tokens: int) -> int:
     most 400 words: English runs at about 1.3 tokens a word and a chat template adds a few
     dozen, so this always fits and is long next to the short prompts."""
     return max(16, min(400, (context - max_tokens) // 4))
+
+
+def huge_words(context: int, max_tokens: int) -> int:
+    """A prompt that fills most of the context: about 60 % of what the output leaves, at 1.3 tokens a
+    word and a chat template's few dozen more (every prompt of the mix fits)."""
+    return max(16, int(0.6 * (context - max_tokens - 64) / 1.3))
 
 
 def malformed_cases(model: str, context: int) -> list[tuple[str, str, bytes, int, dict]]:
@@ -152,12 +164,15 @@ def make_call(settings: MixSettings, index: int) -> Call:
     disconnect = roll < settings.malformed_share + settings.disconnect_share
     chat = rng.random() < CHAT_SHARE
     long = rng.random() < LONG_SHARE
+    huge = not disconnect and rng.random() < settings.huge_share
     greedy = disconnect or rng.random() < GREEDY_SHARE
     stream = disconnect or rng.random() < STREAM_SHARE
     m = settings.max_tokens
     # a client that leaves mid-stream asks for the most tokens, so that it is still streaming
     max_tokens = m if disconnect else rng.choice((m // 4, m // 2, m))
-    if long:
+    if huge:
+        text = long_prompt(rng.randrange(LONG_PROMPTS), huge_words(settings.context, m))
+    elif long:
         text = long_prompt(rng.randrange(LONG_PROMPTS), long_words(settings.context, m))
     else:
         text = rng.choice(SHORT_PROMPTS)
@@ -176,7 +191,7 @@ def make_call(settings: MixSettings, index: int) -> Call:
             "chat" if chat else "completion",
             "stream" if stream else "",
             "greedy" if greedy else "sampled",
-            "long" if long else "short",
+            "huge" if huge else "long" if long else "short",
             "disconnect" if disconnect else "",
         )
         if w

@@ -28,6 +28,11 @@ class SoakReport:
     latency_p99_s: float | None = None
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
+    # short requests that overlapped a huge prompt's prefill (sent before its first token came):
+    # what chunked prefill promises them (docs/RELIABILITY.md)
+    short_beside_huge: int = 0
+    short_beside_huge_p50_s: float | None = None
+    short_beside_huge_p99_s: float | None = None
     completion_tokens: int = 0
     tokens_per_s: float = 0.0
     rss_start_bytes: int | None = None
@@ -100,6 +105,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def beside_huge(ok: list[Outcome]) -> list[float]:
+    """Latencies of the short requests that ran while a huge prompt was prefilling: sent before the
+    huge request's first token (its first streamed chunk, else its answer) and answered after it
+    was sent."""
+    spans = [(o.start, o.start + (o.ttft if o.ttft is not None else o.latency)) for o in ok if "huge" in o.label]
+    return [
+        o.latency
+        for o in ok
+        if "short" in o.label and any(o.start < end and o.start + o.latency > start for start, end in spans)
+    ]
+
+
 def summarize(report: SoakReport, outcomes: list[Outcome]) -> None:
     """Counts, latencies and tokens/s of the soak's outcomes into `report`."""
     report.sent = len(outcomes)
@@ -124,5 +141,9 @@ def summarize(report: SoakReport, outcomes: list[Outcome]) -> None:
         percentile([o.latency for o in ok], 0.99),
     )
     report.ttft_p50_s, report.ttft_p99_s = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
+    beside = beside_huge(ok)
+    report.short_beside_huge = len(beside)
+    report.short_beside_huge_p50_s = percentile(beside, 0.5)
+    report.short_beside_huge_p99_s = percentile(beside, 0.99)
     report.completion_tokens = sum(o.tokens for o in ok)
     report.tokens_per_s = report.completion_tokens / report.wall_s if report.wall_s > 0 else 0.0

@@ -99,6 +99,8 @@ def text(r: SoakReport) -> str:
         f"unexpected errors {r.unexpected_total} {json.dumps(r.unexpected) if r.unexpected else ''}",
         f"latency p50 {_s(r.latency_p50_s)}  p99 {_s(r.latency_p99_s)}   time to first token (streamed) "
         f"p50 {_s(r.ttft_p50_s)}  p99 {_s(r.ttft_p99_s)}",
+        f"short requests while a long prompt prefilled: {r.short_beside_huge}, latency p50 "
+        f"{_s(r.short_beside_huge_p50_s)}  p99 {_s(r.short_beside_huge_p99_s)}",
         f"tokens/s {r.tokens_per_s:.1f} ({r.completion_tokens} completion tokens)",
         f"resident memory of the server: start {_mib(r.rss_start_bytes)} (after warm-up), end "
         f"{_mib(r.rss_end_bytes)}, peak {_mib(r.rss_peak_bytes)}"
