@@ -197,7 +197,7 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
 # switched off and forced to one ISA through dspark/envs.py (DSPARK_Q4_KERNEL, DSPARK_KERNEL_ISA)
 # one extension of separate translation units (csrc/dspark.h declares what they share): the ISA's
-# matmul file (ISAS) and these, which compile for either ISA; bindings.cpp is the Python module
+# matmul files (ISAS) and these, which compile for either ISA; bindings.cpp is the Python module
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp", "draft.cpp", "bindings.cpp")
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
@@ -206,19 +206,22 @@ ISAS = {
     "avx512": (
         ("avx512f", "avx512bw", "avx512_bf16"),
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-        "q4_avx512.cpp",
+        ("q4_avx512.cpp", "q4_avx512_vnni.cpp"),  # the second holds code only in the int8 build
     ),
     "avx2": (
         ("avx2", "fma", "f16c"),
         ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
-        "q4_avx2.cpp",
+        ("q4_avx2.cpp",),
     ),  # 8-lane matmuls, norms, attention
 }
+# what the AVX-512 build's 8-bit activations need beyond the build (csrc/q4_avx512_vnni.cpp: vpdpbusd),
+# and the flags they add to it
+INT8_AVX512 = ("avx512_vnni",), ("-mavx512vnni", "-DDSPARK_ACT8=1")
 
 
 def sources(isa: str) -> list[Path]:
     """The files an ISA's build compiles, one translation unit each."""
-    return [CSRC / ISAS[isa][2], *(CSRC / f for f in SOURCES)]
+    return [*(CSRC / f for f in ISAS[isa][2]), *(CSRC / f for f in SOURCES)]
 
 
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
@@ -265,10 +268,14 @@ def extension():
     isa, why = _planned_build()
     _build.update(ext=None, isa=isa, why=why)
     if isa is not None:
-        # the AVX2 build's int4 and Q8_0 matmuls: 8-bit activations unless asked not to (q4_activations)
-        bf16_only = isa == "avx2" and _activations == "bf16"
-        int8 = isa == "avx2" and not bf16_only
-        cflags = ISAS[isa][1] + (("-DDSPARK_ACT8=0",) if bf16_only else ())
+        # the int4 and Q8_0 matmuls' activations (q4_activations): the AVX2 build's are 8-bit unless
+        # asked not to, the AVX-512 build's 8-bit where asked for (choose_activations checked the CPU)
+        int8 = _activations != "bf16" if isa == "avx2" else _activations == "int8"
+        cflags = ISAS[isa][1]
+        if isa == "avx2" and not int8:
+            cflags += ("-DDSPARK_ACT8=0",)
+        elif isa == "avx512" and int8:
+            cflags += INT8_AVX512[1]
         files = sources(isa)
         _build["int8"] = int8
         # every file the build reads, headers included, names it: a change to any is a new build
@@ -338,8 +345,10 @@ def q4_activations() -> str | None:
     token) at the speed the AVX2 tile had before. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
     1 row and 1.2-1.4x at 8 on Zen 4, 1.0x at 1 row, 0.9x at 2 and 1.18x at 8 on Zen 5 ("the floors,
     measured": at 1 row the stack is bound by streaming its weights), and 1 row is what plain decoding
-    runs. Either is the target model of its build: verification is lossless against it, and its
-    products are checked against the quantised model (tests/test_cpu_kernels.py). bf16 weights
+    runs. `activations="int8"` on an AVX-512 CPU with AVX512-VNNI builds the 8-bit scheme there
+    (csrc/q4_avx512_vnni.cpp: vpdpbusd, 64 multiply-adds an instruction against vdpbf16ps's 32, its
+    own cached build). Either is the target model of its build: verification is lossless against it,
+    and its products are checked against the quantised model (tests/test_cpu_kernels.py). bf16 weights
     always take bf16 activations."""
     extension()
     return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
@@ -353,7 +362,8 @@ def check_activations(mode: str) -> None:
 
 def choose_activations(mode: str) -> None:
     """The activations dspark's int4 and Q8_0 matmuls take in this process (`q4_activations`):
-    'auto' (the build's default: 8-bit on AVX2, bf16 on AVX-512), 'int8' or 'bf16'. The choice is
+    'auto' (the build's default: 8-bit on AVX2, bf16 on AVX-512), 'int8' (the AVX2 build, or the
+    AVX-512 one where the CPU has AVX512-VNNI) or 'bf16'. The choice is
     the extension's build, so it is made before the kernels first load; asking for the other one
     after that, or for one this CPU's build does not have, is an error naming both."""
     global _activations
@@ -370,14 +380,13 @@ def choose_activations(mode: str) -> None:
             )
         return
     isa, why = _planned_build()
-    if mode == "int8" and isa != "avx2":
+    if mode == "int8" and isa is None:
+        raise DSparkError(f"activations int8 name dspark's int4 / Q8_0 kernels, and none runs here ({why})")
+    lacking = [f for f in INT8_AVX512[0] if f not in _cpu_flags()]
+    if mode == "int8" and isa == "avx512" and lacking:
         raise DSparkError(
-            "activations int8: only the AVX2 build quantises activations to 8 bits; "
-            + (
-                f"this CPU runs the {isa} build, which takes bf16 ones"
-                if isa
-                else f"no dspark kernel runs here ({why})"
-            )
+            f"activations int8: the AVX-512 build's 8-bit matmuls need {', '.join(lacking)} (vpdpbusd), "
+            "which this CPU lacks; it takes bf16 ones"
         )
     if mode == "bf16" and isa is None:
         raise DSparkError(f"activations bf16 name dspark's int4 / Q8_0 kernels, and none runs here ({why})")
@@ -423,7 +432,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
     N, K = q.shape
     G = K // 32
     qi = q.to(torch.int32)
-    if extension_isa() == "avx2":
+    if _octets():
         qb = qi.reshape(N // 16, 16, G, 4, 4, 2)  # [N/16, column, G, octet, nibble j, word i]: input 8o + 2j + i
         b0 = qb[..., 0, :] | (qb[..., 1, :] << 4)
         b1 = qb[..., 2, :] | (qb[..., 3, :] << 4)  # [N/16, column, G, octet, i]: a word's two bytes
@@ -432,6 +441,12 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
         qb = qi.reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, step, column, 4]
         P = torch.stack([qb[..., 0] | (qb[..., 2] << 4), qb[..., 1] | (qb[..., 3] << 4)], -1)
     return (P.reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous(), *_group_scales(d, lo, N, G))
+
+
+def _octets() -> bool:
+    """Does this build's int4 tile read the octet layout (`pack_q4`)? The AVX2 build's, either
+    activations, and the AVX-512 build's 8-bit one (csrc/q4_avx512_vnni.cpp)."""
+    return extension_isa() == "avx2" or (extension_isa() == "avx512" and q4_activations() == "int8")
 
 
 def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
@@ -450,10 +465,19 @@ def q8_groups(w: torch.Tensor, group: int = 32):
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor):
-    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4_avx512.cpp's q8 layout
-    (D: `_group_scales`)."""
+    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4_avx512.cpp's q8 layout,
+    or on the AVX-512 build with 8-bit activations csrc/q4_avx512_vnni.cpp's (4 inputs a column's
+    dword in the rows' byte order, q + 128: vpdpbusd's unsigned operand); D: `_group_scales`."""
     N, K = q.shape
     G = K // 32
+    if extension_isa() == "avx512" and q4_activations() == "int8":
+        order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # each octet's inputs in the rows' byte order
+        qo = q.to(torch.int16).reshape(N // 16, 16, G, 4, 8)[..., order] + 128  # [N/16, column, G, octet, 8]
+        qs = qo.reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, step, column, 4]
+        return (
+            qs.to(torch.uint8).view(torch.int8).reshape(N // 16, G, 16, 32).contiguous(),
+            *_group_scales(d, None, N, G),
+        )
     qb = q.to(torch.int8).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, G, pair, column, 2]
     return (qb.reshape(N // 16, G, 16, 32).contiguous(), *_group_scales(d, None, N, G))
 

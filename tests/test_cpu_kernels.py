@@ -928,7 +928,7 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", ["native", "avx2", "avx2-bf16"])
+@pytest.mark.parametrize("build", ["native", "avx2", "avx2-bf16", "avx512-int8"])
 def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build):
     """The int4 runtime is the shipped Q4_1 model as this build computes it (bf16 activations on
     AVX-512, 8-bit ones on AVX2): teacher-forced over held-out answers, its next-token
@@ -936,7 +936,8 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     mostly agrees (measured over 12 answers: AVX-512 KL 0.0007 nats a token, 98.5 % of top tokens;
     AVX2 0.003, 97.5 %; here, 4 answers, AVX2 0.004, 95.9 %; the AVX2 kernel that gave the
     minimum's term x's own sum, not the quantised one, read KL 0.014: docs/history/benchmarks.md
-    "8-bit activations ..."). activations="bf16" gives the AVX2 build bf16 activations (its own build):
+    "8-bit activations ..."; the AVX-512 build with activations="int8" computes the AVX2 build's
+    products, on vpdpbusd). activations="bf16" gives the AVX2 build bf16 activations (its own build):
     its matmuls are then the bf16 products (checked as the AVX-512 build's), and it stays closer
     (measured: KL 0.0011, 98.7 %)."""
     from pathlib import Path
@@ -960,6 +961,13 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
                 test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
             test_rows_get_the_same_bits_in_any_batch(mod)
             test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
+    elif build == "avx512-int8":  # the AVX-512 build's 8-bit matmuls (vpdpbusd): the AVX2 build's numbers
+        if kernels._isa()[0] != "avx512" or "avx512_vnni" not in kernels._cpu_flags():
+            pytest.skip("no AVX-512 build with AVX512-VNNI here")
+        monkeypatch.setattr(kernels, "_build", {})
+        monkeypatch.setattr(kernels, "_activations", "auto")
+        kernels.choose_activations("int8")
+        assert kernels.extension() is not None and kernels.q4_activations() == "int8"
     elif kernels.tile_name() is None:
         pytest.skip(f"dspark's int4 kernel does not run here: {kernels.q4_status()}")
     model, _ = load_target("smollm2", "fp32", "cpu")
@@ -979,9 +987,117 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     assert kl / n <= bound[0] and agree / n >= bound[1], (build, kl / n, agree / n)
 
 
+_VNNI_BUILD: dict = {}  # kernels._build of the AVX-512 build with 8-bit activations, once loaded
+
+
+@pytest.fixture
+def vnni(monkeypatch):
+    """The AVX-512 build with 8-bit activations (csrc/q4_avx512_vnni.cpp, vpdpbusd) as this process's
+    kernels for one test (its own cached build: a minute or two the first time on a machine)."""
+    isa, why = kernels._isa()
+    if isa != "avx512":
+        pytest.skip(f"the AVX-512 build does not run here ({why})")
+    if "avx512_vnni" not in kernels._cpu_flags():
+        pytest.skip("this CPU lacks avx512_vnni (vpdpbusd), which the AVX-512 build's 8-bit matmuls need")
+    if not _VNNI_BUILD:
+        monkeypatch.setattr(kernels, "_build", {})
+        monkeypatch.setattr(kernels, "_activations", "auto")
+        kernels.choose_activations("int8")
+        assert kernels.extension() is not None, kernels.why_unavailable()
+        _VNNI_BUILD.update(kernels._build)
+    monkeypatch.setattr(kernels, "_build", dict(_VNNI_BUILD))
+    monkeypatch.setattr(kernels, "_activations", "int8")
+    assert kernels.extension_isa() == "avx512" and kernels.q4_activations() == "int8"
+    return kernels.extension()
+
+
+def _act8_parts(x):
+    """x [M, K] bf16 -> (xq [M, G, 32] int64, s [M, G] fp32) by the `act8` rule in fp32 (s NaN where
+    the group holds NaN or infinity, its xq then 0)."""
+    M, K = x.shape
+    xf = x.float().reshape(M, K // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    bad = ~torch.isfinite(xf).all(-1, keepdim=True)
+    inv = torch.where((amax > 0) & ~bad, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    s = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127)
+    return torch.round(xf * inv).nan_to_num(0).to(torch.int64), s[..., 0]
+
+
+def _a8_reference(x, q, d, lo=None):
+    """What the 8-bit tiles compute, in torch: each group's sum of q * xq exactly (int64), then per
+    group, in fp32, acc = fma(sum, d * s, acc) and (Q4_1) acc = fma(lo, s * sum of xq, acc), and the
+    result rounded to bf16. An fp32 FMA is taken in float64 (the product of two fp32 values is exact
+    there; the one rounding it adds matters only on an fp32 midpoint, which these seeds do not hit)."""
+    M, K = x.shape
+    N, G = q.shape[0], K // 32
+    xq, s = _act8_parts(x)
+    sums = torch.einsum("mgk,ngk->mng", xq, q.to(torch.int64).reshape(N, G, 32)).float()
+    xsum = s * xq.sum(-1).float()
+
+    def fma(a, b, c):
+        return (a.double() * b.double() + c.double()).float()
+
+    acc = torch.zeros(M, N)
+    for g in range(G):
+        acc = fma(sums[:, :, g], d[None, :, g].float() * s[:, None, g], acc)
+        if lo is not None:
+            acc = fma(lo[None, :, g].float().expand(M, N), xsum[:, None, g].expand(M, N), acc)
+    return acc.to(torch.bfloat16)
+
+
+def _same(a, b):
+    return torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (32, 1536)])
+def test_the_vnni_tile_is_the_exact_integer_sums_scaled_in_fp32(vnni, N, K):
+    """The AVX-512 build's 8-bit tile (int4 and Q8_0): every result is the group's exact integer sums
+    scaled as `_a8_reference` does, bit for bit; a row alone gets the bits it gets among 1-9 other
+    rows (batch invariance); NaN or infinity in a group makes the row NaN, zeros give zeros."""
+    g = torch.Generator().manual_seed(N + K)
+    q, d, lo, _ = _q4(N, K, seed=K)
+    q8 = torch.randint(-128, 128, (N, K), generator=g)
+    q8[0, :32], q8[1, :32] = -128, 127  # a byte's extremes against xq's (row 3's first group: +-127)
+    d8 = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-4
+    x = torch.randn(10, K, generator=g).to(torch.bfloat16)
+    x[3, :32] = x[3, :32].abs()
+    x[3, 5] = -x[3, :32].max()
+    x[4, K - 1], x[5, 0], x[6] = float("inf"), float("nan"), 0
+    for lin, packed, ref in (
+        (kernels.q4_linear, kernels.pack_q4(q, d, lo), _a8_reference(x, q, d, lo)),
+        (kernels.q8_linear, kernels.pack_q8(q8, d8), _a8_reference(x, q8, d8)),
+    ):
+        y = lin(x, packed)
+        assert y.dtype == torch.bfloat16 and _same(y, ref), (N, K, lin.__name__)
+        assert y[4:6].isnan().all() and not y[[0, 1, 2, 3, 7, 8, 9]].isnan().any() and not y[6].any()
+        for M in range(1, 11):  # each row alone and among the others, whatever the row tiles
+            assert _same(lin(x[:M], packed), y[:M]), M
+        for i in range(10):
+            assert _same(lin(x[i : i + 1], packed), y[i : i + 1]), i
+        perm = torch.randperm(10, generator=g)
+        assert _same(lin(x[perm], packed), y[perm])
+
+
+def test_the_vnni_build_passes_the_matmul_and_model_tests(vnni, monkeypatch):
+    """With 8-bit activations on AVX-512 the int4, Q8_0 and bf16 matmul tests hold (the 8-bit bounds,
+    kernels.q4_activations), the layer stack in one call is the Python kernel loop bit for bit, a
+    verify gives each position a single step's bits, and greedy speculation reproduces the same
+    engine's plain decoding (lossless against this build's model)."""
+    for N, K in ((16, 32), (96, 576)):
+        test_kernel_is_the_q4_model_up_to_bf16_rounding(vnni, N, K)
+    test_rows_get_the_same_bits_in_any_batch(vnni)
+    test_q8_kernel_is_the_q8_0_model_and_row_invariant(vnni)
+    test_fp16_group_scales_give_the_fp32_scales_bits(vnni)
+    test_an_exact_q8_0_head_runs_as_shipped(vnni)
+    test_a_verify_gives_each_position_a_single_steps_bits(vnni)
+    test_the_layer_stack_in_one_call_is_the_python_loop(vnni, "llama-int4", monkeypatch)
+    test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(vnni)
+
+
 def test_the_activation_format_is_chosen_once_a_process_and_a_contradiction_is_refused(monkeypatch):
     """EngineConfig.activations names a build of the kernels: a bad name, the other format after the
-    kernels loaded, or 8-bit activations where only the AVX-512 build runs are errors naming why."""
+    kernels loaded, or 8-bit activations where the AVX-512 build runs without AVX512-VNNI are errors
+    naming why."""
     from dspark.api import EngineConfig, resolve
     from dspark.errors import DSparkError
 
@@ -999,12 +1115,22 @@ def test_the_activation_format_is_chosen_once_a_process_and_a_contradiction_is_r
         DSparkError, match=f"activations {other} asked for, but this process's kernels already run {have}"
     ):
         kernels.choose_activations(other)
-    # before the kernels load, the choice is recorded for the build; int8 exists in the AVX2 build only
+    # before the kernels load, the choice is recorded for the build; int8 exists in the AVX2 build and
+    # in the AVX-512 one where the CPU has AVX512-VNNI
     monkeypatch.setattr(kernels, "_build", {})
     monkeypatch.setattr(kernels, "_activations", "auto")
     if kernels._isa()[0] == "avx2":
         kernels.choose_activations("bf16")
         assert kernels._activations == "bf16"
+    elif "avx512_vnni" in kernels._cpu_flags():
+        kernels.choose_activations("int8")
+        assert kernels._activations == "int8"
     else:
-        with pytest.raises(DSparkError, match="only the AVX2 build"):
+        with pytest.raises(DSparkError, match="need avx512_vnni"):
             kernels.choose_activations("int8")
+    if kernels._isa()[0] == "avx512":  # a CPU without VNNI is refused by name
+        monkeypatch.setattr(kernels, "_activations", "auto")
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+        with pytest.raises(DSparkError, match="need avx512_vnni .vpdpbusd., which this CPU lacks"):
+            kernels.choose_activations("int8")
+        assert kernels._activations == "auto"

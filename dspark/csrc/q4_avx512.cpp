@@ -4,8 +4,10 @@
 //
 // y [M, N] = x [M, K] @ W.T, W held as 4-bit groups of 32 inputs: w = q * d + lo (the GGUF Q4_1
 // rule), bf16 activations, fp32 sums, bf16 result; the AVX2 build's int4 matmul quantises the
-// activations to 8 bits per group of 32 (`act8`, "8-bit activations for the AVX2 build's ..."). Compiled on first use
-// by dspark/kernels.py.
+// activations to 8 bits per group of 32 (`act8`, "8-bit activations for the AVX2 build's ..."), as
+// this build's int4 and Q8_0 matmuls do when built with DSPARK_ACT8=1 (q4_avx512_vnni.cpp, on
+// AVX512-VNNI: the bf16 dot products below then serve bf16 weights only). Compiled on first use by
+// dspark/kernels.py.
 //
 // Why not torch's _weight_int4pack_mm_for_cpu: it vectorises along K, so every weight is
 // unpacked and scaled once per row and 8 rows cost 3.4x one row. Here a vector holds 16 output
@@ -25,7 +27,8 @@
 //      AVX2 ("octets"): octet o of 64 bytes (inputs k = 32g + 8o + 0..7); 16-bit word 2c + i
 //      holds q[c, k + 2j + i] in its nibble j (0..3): one byte mask (after a 4-bit shift for odd
 //      steps) gives a step's 4 bytes per column, with no widening (`tile_a8`, docs/history/benchmarks.md
-//      "... two kernel layouts ...")
+//      "... two kernel layouts ..."); the AVX-512 build with 8-bit activations reads the octets too
+//      (q4_avx512_vnni.cpp)
 //   D, L [N/16, K/32, 16] fp32 or fp16 (`Scales`): d and lo of each column of the block
 #include "q4.h"
 
@@ -131,6 +134,7 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
 
 using namespace q4;  // the exported functions below use the tiles above
 
+#if !DSPARK_ACT8  // else q4_avx512_vnni.cpp's int4 and Q8_0 matmuls, on 8-bit activations
 // Q8_0 (int8 q, one scale per column and 32 inputs, w = q * d): the same scheme, bytes instead
 // of nibbles. P8 [N/16, K/32, 16, 32] int8: column block, group, input pair p (k = 32g + 2p + 0..1);
 // byte 2c = q[c, k0], byte 2c+1 = q[c, k1]. D [N/16, K/32, 16] (Scales).
@@ -150,6 +154,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   };
   return matmul(x.contiguous(), M, K, N, unpack, Scales(D), Scales(), nullptr);
 }
+#endif
 
 // bf16 weights: the same scheme with nothing to unpack, for the small row counts of a draft (oneDNN's
 // packed bf16 matmul spent 75-170 us at 7 rows on a 576-wide layer of SmolLM2's draft). P16
@@ -169,6 +174,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   return matmul(x.contiguous(), M, K, N, unpack, Scales(D), Scales(), nullptr);
 }
 
+#if !DSPARK_ACT8
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   const int64_t M = shape[0], K = shape[1], N = shape[2];
@@ -187,3 +193,4 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Te
   };
   return matmul(xc, M, K, N, unpack, Scales(D), Scales(L), xsum.data());
 }
+#endif
