@@ -20,12 +20,13 @@ from dspark.api import EngineConfig, build_engine
 from dspark.cli import main
 from dspark.doctor.check import diagnose
 from dspark.doctor.quick import quick_check
-from dspark.doctor.readings import context_for, layout_readings, score_anchors
+from dspark.doctor.readings import context_for, engines_walk, layout_readings, score_anchors
 from dspark.doctor.report import EXIT_UNDECIDED, EXIT_UNHEALTHY, Budget
 from dspark.doctor.texts import generate_texts
 from dspark.engine.sampling import SamplingParams
 from dspark.formats.convert import write_deepspec, write_speculators
 from dspark.formats.load import force_layout
+from dspark.model import fast
 from dspark.model.load import build_draft, load_draft
 from tests.tiny import engine_for
 from tests.trained import MASK, TAPS
@@ -248,6 +249,9 @@ def test_measured_acceptance_is_the_engines(trained):
     text = generate_texts(engine.target, None, (), [prompt], 48, TAPS)[0]
     assert text.ids[len(prompt) :].tolist() == req.output_ids  # the engine's plain decoding, same text
     L, _ = score_anchors(draft, draft.spec, text, draft.spec.gamma, context_for(draft, draft.spec, text))
+    if fast.why_not(draft) is None:  # the engine drafts on the kernels: the doctor read their very walk
+        anchors = torch.arange(len(prompt), text.ids.numel() - draft.spec.gamma + 1)
+        assert torch.equal(engines_walk(draft, draft.spec, text, anchors, text.argmax), L)
     pos, measured = 0, []  # anchor index of each engine step: the first generated token, then after each commit
     for a in steps:
         if pos >= L.numel():

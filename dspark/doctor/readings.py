@@ -14,10 +14,13 @@ from dspark.doctor.report import (
     Reading,
     Text,
 )
-from dspark.engine.step import teacher_forced
+from dspark.engine.step import draft_block, teacher_forced
 from dspark.formats.load import force_layout
 from dspark.formats.spec import DraftSpec, Layout, query_slots_for
-from dspark.model.draft import ContextCache
+from dspark.model import fast
+from dspark.model.draft import ContextCache, LayerKV
+
+WALK_BYTES = 1 << 26  # context copies one walked chunk of anchors may hold (bounds its anchors)
 
 # ---- one reading -------------------------------------------------------------------------------
 
@@ -43,13 +46,51 @@ def score_anchors(draft, spec, text: Text, g_max: int, ctx=None) -> tuple[torch.
     if ctx is None:
         ctx = context_for(draft, spec, text)
     acc, lls = [], []
+    walked = engines_walk(view, spec, text, anchors, argmax)  # None: the engine drafts on the modules here
     for chunk in anchors.split(ANCHOR_CHUNK):
         pos = chunk[:, None] + torch.arange(g, device=dev)[None, :]  # [n, g], inside the text (see above)
         want = argmax[pos]  # the target's token at each slot
         tokens, ll = teacher_forced(view, ids[chunk], ContextCache(ctx, chunk.clone(), shared=True), want)
-        acc.append((tokens == want).long().cumprod(1).sum(1).cpu())
+        if walked is None:
+            acc.append((tokens == want).long().cumprod(1).sum(1).cpu())
         lls.append(ll.float().cpu())
-    return torch.cat(acc), torch.cat(lls)
+    return (torch.cat(acc) if walked is None else walked), torch.cat(lls)
+
+
+@torch.inference_mode()
+def engines_walk(view, spec, text: Text, anchors: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor | None:
+    """What the engine's greedy steps accept at each anchor where its drafting phase runs on dspark's
+    kernels (None elsewhere): the very computation of `engine.step.propose`, not a re-derivation.
+    The context is built by the kernels' own context update (every op computes a position on its
+    own, so committing the whole text at once gives the bits of committing it step by step), each
+    anchor reads a copy of it cut at its position, and the block is `draft_block` on those rows:
+    the compiled walk for a vanilla Markov head, the Python walk of `teacher_forced` (`propose`'s,
+    while every earlier slot matched) over the kernels' states and base logits for the others."""
+    if fast.why_not(view) is not None:
+        return None
+    dev, g, mh = view.fc.weight.device, spec.gamma, view.markov_head
+    walks = mh is None or mh.head_type == "vanilla"  # fast.FastDraft.walks: the call walks them
+    ids = text.ids.to(dev)
+    feats = torch.cat([text.taps[i] for i in spec.hidden_state_indices], dim=-1)[None].to(dev)
+    one = view.new_context_cache(1, dev)
+    view.extend_context(one, feats, torch.tensor([feats.shape[1]], device=dev))
+    per_row = sum(kv.k.numel() * kv.k.element_size() * 2 for kv in one.layers)
+    rows = max(1, min(ANCHOR_CHUNK, WALK_BYTES // max(per_row, 1)))
+    out = []
+    for chunk in anchors.split(rows):
+        n = chunk.numel()
+        ctx = ContextCache(
+            [LayerKV(kv.k.expand(n, -1, -1, -1).clone(), kv.v.expand(n, -1, -1, -1).clone()) for kv in one.layers],
+            chunk.clone(),
+        )
+        want = argmax[chunk[:, None] + torch.arange(g, device=dev)[None, :]]
+        if walks:
+            tokens = draft_block(view, ids[chunk], ctx, walk=True).tokens
+            assert tokens is not None  # a vanilla (or no) Markov head walks in the call
+        else:
+            tokens = teacher_forced(view, ids[chunk], ctx, want)[0]
+        out.append((tokens == want).long().cumprod(1).sum(1).cpu())
+    return torch.cat(out)
 
 
 @torch.inference_mode()
