@@ -30,6 +30,7 @@ from dspark.errors import DSparkError
 from dspark.model import fast as fast_draft
 from dspark.model.load import load_draft
 from dspark.target.load import SMOLLM2, auto_dtype, default_device, open_target, parse_dtype, target_numerics
+from dspark.target.packcache import PackStore
 from dspark.target.text import eos_ids
 
 log = logging.getLogger("dspark")
@@ -150,8 +151,12 @@ def build_engine(config: EngineConfig) -> Engine:
         torch.set_num_threads(config.threads)
     if device.startswith("cpu"):
         kernels.choose_activations(config.activations)
+    # the native runtime's packed weights (and the screens choosing their format), read back from
+    # the dspark cache where an earlier start packed them for the same files, request and code
+    request = {"weights": config.weights, "dtype": config.dtype, "dtype_given": given_dtype}
+    packs = PackStore(config.target, device, request) if device.startswith("cpu") else None
     target, tokenizer, more = open_target(
-        config.target, config.dtype, device, config.runtime, config.weights, dtype_given=given_dtype
+        config.target, config.dtype, device, config.runtime, config.weights, dtype_given=given_dtype, packs=packs
     )
     actual = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype).removeprefix("torch."))
     if not given_dtype and actual != config.dtype and notes and notes[0].startswith("dtype auto"):

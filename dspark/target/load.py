@@ -209,12 +209,14 @@ def make_target(
     weights: str = "auto",
     tap_indices: tuple[int, ...] = (),
     act_dtype: torch.dtype | None = None,
+    packs=None,
 ) -> Target:
     """The engine's view of a loaded HF model: 'native' (dspark.target.native) or 'hf' (HFTarget).
 
     'native' refuses an architecture it does not implement with an error naming it; a caller
     that wants the fallback checks `dspark.target.native.supports(model)` first and says so.
     `weights` applies to the native runtime only ('auto' | 'fp32' | 'bf16' | 'int8' | 'int4').
+    packs: the native runtime's pack store (dspark.target.packcache.PackStore), or None.
     """
     if runtime == "hf":
         if weights not in ("auto", None):
@@ -224,7 +226,7 @@ def make_target(
         ok, why = supports(model)
         if not ok:
             raise DSparkError(f"--runtime native: {why}; use --runtime hf for this model")
-        return NativeTarget(model, tap_indices, weights=weights, act_dtype=act_dtype)
+        return NativeTarget(model, tap_indices, weights=weights, act_dtype=act_dtype, packs=packs)
     raise DSparkError(f"unknown runtime {runtime!r} (choose native or hf)")
 
 
@@ -236,6 +238,7 @@ def open_target(
     weights: str = "auto",
     *,
     dtype_given: bool = True,
+    packs=None,
 ):
     """Load a target and wrap it in its runtime -> (target, tokenizer, notes for the user).
 
@@ -243,7 +246,9 @@ def open_target(
     user named it. runtime "auto": native where the architecture is supported, else hf (said so).
     weights "auto" (native): the model's own numbers, repacked as int4 only where that is exact, as
     for the shipped Q4_1 SmolLM2 (int4 kernels want bf16 activations: with dtype "auto" they get
-    them; an explicitly given fp32 keeps fp32 weights, the reference for exactness)."""
+    them; an explicitly given fp32 keeps fp32 weights, the reference for exactness).
+    packs: a dspark.target.packcache.PackStore for this target and request: the native runtime's
+    screens and packed matrices read from the cache where it holds them (and saved where not)."""
     if runtime not in RUNTIMES:
         raise DSparkError(f"unknown runtime {runtime!r} (choose {', '.join(RUNTIMES)})")
     if weights not in WEIGHTS:
@@ -260,12 +265,19 @@ def open_target(
         f"loading target {name_or_path} (reading its weights, then packing them for the native runtime)",
         f"loaded target {name_or_path}",
     ) as done:
-        target, tokenizer, notes = _open_native(name_or_path, act, device, runtime, weights, dtype_given, done)
+        target, tokenizer, notes = _open_native(name_or_path, act, device, runtime, weights, dtype_given, done, packs)
     return target, tokenizer, notes
 
 
 def _open_native(
-    name_or_path: str, act: torch.dtype, device: str, runtime: str, weights: str, dtype_given: bool, done: dict
+    name_or_path: str,
+    act: torch.dtype,
+    device: str,
+    runtime: str,
+    weights: str,
+    dtype_given: bool,
+    done: dict,
+    packs=None,
 ):
     """open_target's native runtime (or its fallback to hf where runtime "auto" meets a model the
     native runtime does not implement); `done["detail"]` gets what reading and packing took."""
@@ -279,7 +291,11 @@ def _open_native(
         return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
     notes = []
     if weights == "auto":
-        own = resolve_weights(model, "auto", device)
+        own = (
+            resolve_weights(model, "auto", device)
+            if packs is None
+            else packs.fact("weights auto", lambda: resolve_weights(model, "auto", device))
+        )
         if own == "int4" and (not dtype_given or act == torch.bfloat16):
             act = torch.bfloat16  # weights stay "auto": int4 layers, a head that is not 4-bit kept in float
             notes.append(
@@ -298,8 +314,12 @@ def _open_native(
             raise DSparkError(float_weights_conflict(weights, FLOAT_NAMES.get(act, str(act))))
         act = FLOATS[weights]  # dtype auto follows float weights: they run with their own activations
     # refuses an unsupported model by name; the native runtime makes a NativeTarget
-    target = cast(NativeTarget, make_target(model, "native", weights, act_dtype=act))
-    done["detail"] = f"read {read:.1f} s, packed {time.perf_counter() - t0 - read:.1f} s: {target.weights} weights"
+    target = cast(NativeTarget, make_target(model, "native", weights, act_dtype=act, packs=packs))
+    how = ""
+    if packs is not None:
+        packs.save()
+        how = f" ({packs.describe()})" if packs.describe() else ""
+    done["detail"] = f"read {read:.1f} s, packed {time.perf_counter() - t0 - read:.1f} s{how}: {target.weights} weights"
     if runtime == "auto":
         notes.append(f"runtime auto -> {target.describe()}")
     return target, tokenizer, notes

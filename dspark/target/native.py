@@ -159,7 +159,10 @@ class NativeTarget:
         head: str | None = None,
         act_dtype: torch.dtype | None = None,
         ops: str = "auto",
+        packs=None,
     ):
+        """packs: a dspark.target.packcache.PackStore (open_target's), which answers the screens and
+        the packed matrices from the cache where it holds them; None: everything computed here."""
         if ops not in ("auto", "torch"):
             raise DSparkError(f"unknown ops {ops!r} (choose auto or torch)")
         self.ops = ops
@@ -170,7 +173,8 @@ class NativeTarget:
         self.config = cfg = model.config
         self.device = next(model.parameters()).device
         requested = weights
-        self.weights = resolve_weights(model, weights, self.device)
+        self._packs = packs
+        self.weights = self._fact(f"weights {weights}", lambda: resolve_weights(model, weights, self.device))
         self.dtype = act_dtype or FLOATS.get(self.weights, torch.bfloat16)
         if self.weights in FLOATS and self.dtype != FLOATS[self.weights]:
             raise DSparkError(f"weights {self.weights!r} run with {self.weights} activations, not {self.dtype}")
@@ -202,14 +206,14 @@ class NativeTarget:
                 kernels.extension() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             )
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
-            if auto_int4_head and not is_int4_exact(lm_head.weight, rows=64):
+            if auto_int4_head and not self._fact("head int4", lambda: is_int4_exact(lm_head.weight, rows=64)):
                 # not 4-bit: an exact Q8_0 head (the GGUF's, for SmolLM2) runs on dspark's int8
                 # kernel where it can, else the head stays in float; it is never re-quantised
                 q8 = (
                     ops == "auto"
                     and act == torch.bfloat16
                     and kernels.tile_applies(*lm_head.weight.shape)
-                    and is_q8_exact(lm_head.weight, rows=64)
+                    and self._fact("head q8_0", lambda: is_q8_exact(lm_head.weight, rows=64))
                 )
                 head = "q8_0" if q8 else "fp32" if act == torch.float32 else "bf16"
             head = head or self.weights
@@ -217,10 +221,12 @@ class NativeTarget:
                 head == "int4" and lm_head.weight.shape[0] % 16
             ):  # no int4 kernel holds it: the head stays float (describe() says so)
                 head = "fp32" if act == torch.float32 else "bf16"
-            self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS.get(head, act), ops)
+            self.head = self._linear("head", lambda: lm_head.weight, lambda: lm_head.bias, head, FLOATS.get(head, act))
             if auto_int4_head and not self.head.exact:
                 head = "fp32" if act == torch.float32 else "bf16"
-                self.head = Linear(lm_head.weight, lm_head.bias, head, FLOATS[head])
+                self.head = self._linear(
+                    "head", lambda: lm_head.weight, lambda: lm_head.bias, head, FLOATS[head], "auto"
+                )
             self.head_format = head
             self._head_act = FLOATS.get(head, act)  # a float head runs in its own dtype
             # RoPE table [P, D] from the model's own rotary module (inv_freq + attention scaling),
@@ -239,22 +245,36 @@ class NativeTarget:
             self.huge_pages = (
                 kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")]) > 0
             )
+        self._packs = None  # the store is its loader's (which saves it), not the target's
         self._stack = _LayerStack.of(self)
         self.set_taps(tap_indices)
 
+    def _fact(self, key: str, compute):
+        """A screen of the model's weights (compute()), read from the pack store where it has it."""
+        return compute() if self._packs is None else self._packs.fact(key, compute)
+
+    def _linear(self, name: str, w, b, fmt: str, act: torch.dtype, ops: str | None = None) -> Linear:
+        """Linear(w(), b(), fmt, act, ops): the matrix `name` packed, or read from the pack store."""
+        ops = self.ops if ops is None else ops
+
+        def compute() -> Linear:
+            return Linear(w(), b(), fmt, act, ops)
+
+        return compute() if self._packs is None else self._packs.linear(name, fmt, act, ops, compute)
+
     def _build(self, base, fmt: str, act: torch.dtype) -> list[Layer]:
         layers = []
-        for layer in base.layers:
+        for i, layer in enumerate(base.layers):
             a, m = layer.self_attn, layer.mlp
             layers.append(
                 Layer(
                     ln1=layer.input_layernorm.weight.detach().to(act),
-                    wqkv=Linear(
-                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                        kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
+                    wqkv=self._linear(
+                        f"layers.{i}.wqkv",
+                        lambda a=a: torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        lambda a=a: kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
                         fmt,
                         act,
-                        self.ops,
                     ),
                     qk_norm=torch.cat(
                         [
@@ -264,16 +284,18 @@ class NativeTarget:
                     ).to(act)
                     if hasattr(a, "q_norm")
                     else None,
-                    wo=Linear(a.o_proj.weight, a.o_proj.bias, fmt, act, self.ops),
+                    wo=self._linear(f"layers.{i}.wo", lambda a=a: a.o_proj.weight, lambda a=a: a.o_proj.bias, fmt, act),
                     ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                    w13=Linear(
-                        torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                        kernels.fused_bias(m.gate_proj, m.up_proj),
+                    w13=self._linear(
+                        f"layers.{i}.w13",
+                        lambda m=m: torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        lambda m=m: kernels.fused_bias(m.gate_proj, m.up_proj),
                         fmt,
                         act,
-                        self.ops,
                     ),
-                    w2=Linear(m.down_proj.weight, m.down_proj.bias, fmt, act, self.ops),
+                    w2=self._linear(
+                        f"layers.{i}.w2", lambda m=m: m.down_proj.weight, lambda m=m: m.down_proj.bias, fmt, act
+                    ),
                 )
             )
         return layers
