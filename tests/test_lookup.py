@@ -11,7 +11,8 @@ from dspark.engine.marks import step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import FullScheduler
-from dspark.engine.step import flush_context, join_taps
+from dspark.engine.batch import join_taps
+from dspark.engine.step import flush_context
 from dspark.target.load import make_target
 from tests.test_engine import _exact_joint, _flat_target
 from tests.tiny import hf_greedy, tiny_draft, tiny_target

@@ -28,7 +28,7 @@ from dspark.engine.scheduler import (
     make_scheduler,
     threshold_lengths,
 )
-from dspark.engine.step import Proposal
+from dspark.engine.batch import Proposal
 from dspark.errors import DSparkError
 
 # ---- strategies ----------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=DRAFT_WEIGHTS,
         help="the draft's matrices on dspark's CPU kernels: q4 (Q4_1, the default auto: about a quarter "
         "cheaper a drafting phase than q8 for ~0.01 less first-slot acceptance on the bundled draft), "
-        "q8 (Q8_0), bf16 (the draft's own numbers)",
+        "q8 (Q8_0), bf16 (the draft's own numbers), fp32 (the draft's own numbers in fp32 through its modules: "
+        "what auto gives with an explicit --dtype fp32)",
     )
     g.add_argument(
         "--activations",

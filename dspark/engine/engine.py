@@ -7,21 +7,22 @@ not depend on what else is in the batch.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import torch
 
+from dspark.engine.adaptive import DraftPrior
+from dspark.engine.batch import Batch, StepResult
 from dspark.engine.detok import Detokenizer
 from dspark.engine.lookup import LOOKUP_MAX, LookupIndex, LookupProposer
 from dspark.engine.marks import TokenMark, step_marks
-from dspark.engine.metrics import SpecMetrics
+from dspark.engine.metrics import SpecMetrics, degraded
+from dspark.engine.policy import FullScheduler, VerifyPolicy
+from dspark.engine.request import Prefilling, Request, StepObserver, request_metrics
 from dspark.engine.sampling import SamplingParams, probs, sample
-from dspark.engine.scheduler import DraftPrior, FullScheduler, VerifyPolicy
-from dspark.engine.step import Batch, StepResult, decode_step, draft_taps, flush_context
+from dspark.engine.step import decode_step, draft_taps, flush_context
 from dspark.errors import DSparkError, RequestError
 from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
@@ -30,80 +31,10 @@ from dspark.target.text import encode_prompt
 
 log = logging.getLogger("dspark")
 
-# A run "looks silently degraded" (docs/DESIGN.md §9) when, once the first draft slot has
-# been verified this many times, fewer than this share of those first drafts were accepted.
-# Slot 0 rather than the mean acceptance length: a verification policy that trims (threshold,
-# adaptive) lowers the length of a healthy draft, never the acceptance of what it verifies.
-# A draft that accepts next to nothing (random weights, another target's draft) sits near zero,
-# far below a healthy draft even on its worst prompts, so the warning does not fire on hard
-# text. Subtler misreads of a weak draft (taps off by one still agree on most of the first
-# slots a correct reading gets) are `dspark doctor`'s job.
-DEGRADED_AFTER_VERIFIED = 64
-DEGRADED_FIRST_SLOT_RATE = 0.05
-
 # Prompt tokens prefilled per engine step: a longer prompt is prefilled in chunks of this many,
 # one chunk a step between the decode steps of the running requests, so a long prompt delays
 # them by one chunk's time a step instead of its whole prefill (docs/DESIGN.md §11).
 PREFILL_CHUNK = 256
-
-_ids = itertools.count()
-
-
-@dataclass
-class _Prefilling:
-    """A request whose prompt is being prefilled chunk by chunk (Engine.prefill_chunk)."""
-
-    req: "Request"
-    state: Any  # its target state, the committed chunks
-    done: int = 0  # prompt tokens committed
-    taps: list[torch.Tensor] = field(default_factory=list)  # the chunks' taps, for the draft context
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_tokens: Callable[["Request", list[int]], None] | None = None
-    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None  # why a request ended with "error" (a fixed phrase; the log has the exception)
-    metrics: SpecMetrics | None = None
-    text: str | None = None
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_first_token: float | None = None
-    t_finish: float | None = None
-    detok: Detokenizer | None = None  # None: the engine has no tokenizer
-    marks: list[TokenMark] | None = None  # per output token, when asked for (engine/marks.py)
-    steps: int = 0  # decode steps run for this request (its prefill is step 0)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def stream_text(self) -> str:
-        """The text a stream may show now: once finished the final text (cut at a stop string),
-        before that the incremental decode less the characters a stop string could begin with."""
-        if self.finished and self.text is not None:
-            return self.text
-        if self.detok is None:
-            raise DSparkError("streaming text needs a tokenizer: this engine has none (stream token ids)")
-        self.detok.update(self.output_ids)
-        return self.detok.streamable()
-
-
-class StepObserver(Protocol):
-    """Called after every decode step with its result and the running requests in row order
-    (the verification policy is one; calibration records through another)."""
-
-    def observe(self, res: StepResult, requests: list[Request]) -> None: ...
-
-
-def _metrics(req: Request) -> SpecMetrics:
-    """A running request's own counters (add_request gives every request its own)."""
-    if req.metrics is None:
-        raise RuntimeError(f"request {req.id} has no metrics: requests enter the engine through add_request")
-    return req.metrics
 
 
 class Engine:
@@ -130,10 +61,10 @@ class Engine:
         self.gamma = draft.spec.gamma if draft is not None else 0
         if draft is not None:
             target.set_taps(draft.spec.hidden_state_indices)
-        self.metrics = self.new_metrics()
+        self.metrics = self.newrequest_metrics()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.prefilling: list[_Prefilling] = []  # admitted, prompt longer than a chunk, not yet decoding
+        self.prefilling: list[Prefilling] = []  # admitted, prompt longer than a chunk, not yet decoding
         self.batch: Batch | None = None
         self._warned = False
         # Called after the policy, after every decode step (StepObserver).
@@ -145,7 +76,7 @@ class Engine:
         self.notes: list[str] = []
         self.prior: DraftPrior | None = None
 
-    def new_metrics(self) -> SpecMetrics:
+    def newrequest_metrics(self) -> SpecMetrics:
         """Counters for this engine's proposers: the draft's, and the lookup's when it proposes."""
         return SpecMetrics(self.gamma, lookup=SpecMetrics(self.lookup.limit) if self.lookup is not None else None)
 
@@ -218,7 +149,7 @@ class Engine:
         req = Request(list(prompt_ids), params, on_tokens)
         if request_id is not None:
             req.id = request_id
-        req.metrics = self.new_metrics()
+        req.metrics = self.newrequest_metrics()
         if marks:
             req.marks = []
         if self.tokenizer is not None:
@@ -234,7 +165,7 @@ class Engine:
         return gen
 
     @torch.inference_mode()
-    def _prefill_chunk(self, job: _Prefilling) -> torch.Tensor:
+    def _prefill_chunk(self, job: Prefilling) -> torch.Tensor:
         """Run the next chunk of a request's prompt through the target and commit it; -> the logits
         of its last position [1, 1, V] (the head on that position only)."""
         dev = self.target.device
@@ -249,12 +180,12 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, req: Request) -> Batch:
         """A prompt that fits one chunk, prefilled at once."""
-        job = _Prefilling(req, self.target.new_state(1))
+        job = Prefilling(req, self.target.new_state(1))
         logits = self._prefill_chunk(job)
         return self._first_token(job, logits)
 
     @torch.inference_mode()
-    def _first_token(self, job: _Prefilling, logits: torch.Tensor) -> Batch:
+    def _first_token(self, job: Prefilling, logits: torch.Tensor) -> Batch:
         """After a request's whole prompt is committed: its first token and its one-row batch."""
         req, state, dev = job.req, job.state, self.target.device
         ctx, pending = None, []
@@ -280,7 +211,7 @@ class Engine:
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             req = self.waiting.pop(0)
             if len(req.prompt_ids) > self.prefill_chunk:
-                self.prefilling.append(_Prefilling(req, self.target.new_state(1)))
+                self.prefilling.append(Prefilling(req, self.target.new_state(1)))
                 continue
             try:
                 one = self._prefill(req)
@@ -411,20 +342,8 @@ class Engine:
         if not keep:
             self.batch = None
             return
-        rows = torch.tensor(keep, device=self.target.device)
-        b = self.batch
-        assert b is not None  # requests were running: they are its rows
-        self.batch = Batch(
-            self.target.select(b.target, rows),
-            b.ctx.select(rows) if b.ctx is not None else None,
-            b.anchors[rows],
-            [b.params[i] for i in keep],
-            [b.generators[i] for i in keep],
-            [p[rows] for p in b.pending],
-            None if b.unposted is None else (b.unposted[0][rows], b.unposted[1][rows]),
-            None if b.lookup is None else [b.lookup[i] for i in keep],
-            b.joined,
-        )
+        assert self.batch is not None  # requests were running: they are its rows
+        self.batch = self.batch.select(keep, self.target)
 
     # ---- output --------------------------------------------------------------------------
     def _emit(self, req: Request, tokens: list[int], marks: list[TokenMark] | None = None) -> int:
@@ -532,12 +451,12 @@ class Engine:
                 acc = min(res.accepted[b], kept)
                 ver = res.verified[b] if kept == len(committed) else min(res.verified[b], kept)
                 source = res.source(b)
-                _metrics(req).record(res.drafted[b], ver, acc, source)
+                request_metrics(req).record(res.drafted[b], ver, acc, source)
                 self.metrics.record(res.drafted[b], res.verified[b], res.accepted[b], source)
             if req.finished:
                 finished.append(req)
         share = 1.0 / len(running)
-        for m in [self.metrics] + [_metrics(r) for r in running]:
+        for m in [self.metrics] + [request_metrics(r) for r in running]:
             w = 1.0 if m is self.metrics else share
             m.t_draft += res.t_draft * w
             m.t_verify += res.t_verify * w
@@ -546,21 +465,12 @@ class Engine:
         return finished
 
     def _check_degraded(self) -> None:
-        m = self.metrics
-        if self._warned or self.draft is None or m.steps < DEGRADED_AFTER_VERIFIED:
+        if self._warned or self.draft is None:
             return
-        if m.drafted == 0:
-            msg = "the draft proposed no tokens: speculation is silently disabled"
-        elif m.reached[0] >= DEGRADED_AFTER_VERIFIED and m.conditional[0] < DEGRADED_FIRST_SLOT_RATE:
-            msg = (
-                f"only {m.conditional[0]:.0%} of the first draft tokens were accepted over {m.reached[0]} verify steps "
-                f"(mean acceptance length {m.mean_accept_length:.2f}, gamma {self.gamma}): the draft looks silently "
-                "degraded (layout, layer ids, mask token?); run `dspark doctor`"
-            )
-        else:
-            return
-        self._warned = True
-        log.warning("WARNING: %s", msg)
+        msg = degraded(self.metrics)
+        if msg is not None:
+            self._warned = True
+            log.warning("WARNING: %s", msg)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)

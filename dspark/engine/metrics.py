@@ -119,3 +119,30 @@ class SpecMetrics:
             "marginal_accept_rates": [round(x, 4) for x in self.marginal],
             "acceptance_length_histogram": list(self.histogram),  # [a] = steps committing a+1 tokens
         }
+
+
+# A run "looks silently degraded" (docs/DESIGN.md §9) when, once the first draft slot has
+# been verified this many times, fewer than this share of those first drafts were accepted.
+# Slot 0 rather than the mean acceptance length: a verification policy that trims (threshold,
+# adaptive) lowers the length of a healthy draft, never the acceptance of what it verifies.
+# A draft that accepts next to nothing (random weights, another target's draft) sits near zero,
+# far below a healthy draft even on its worst prompts, so the warning does not fire on hard
+# text. Subtler misreads of a weak draft (taps off by one still agree on most of the first
+# slots a correct reading gets) are `dspark doctor`'s job.
+DEGRADED_AFTER_VERIFIED = 64
+DEGRADED_FIRST_SLOT_RATE = 0.05
+
+
+def degraded(m: SpecMetrics) -> str | None:
+    """Why a run's draft looks silently degraded (docs/DESIGN.md §9), or None."""
+    if m.steps < DEGRADED_AFTER_VERIFIED:
+        return None
+    if m.drafted == 0:
+        return "the draft proposed no tokens: speculation is silently disabled"
+    if m.reached[0] >= DEGRADED_AFTER_VERIFIED and m.conditional[0] < DEGRADED_FIRST_SLOT_RATE:
+        return (
+            f"only {m.conditional[0]:.0%} of the first draft tokens were accepted over {m.reached[0]} verify steps "
+            f"(mean acceptance length {m.mean_accept_length:.2f}, gamma {m.gamma}): the draft looks silently "
+            "degraded (layout, layer ids, mask token?); run `dspark doctor`"
+        )
+    return None

@@ -31,7 +31,7 @@ from dspark.serve.prometheus import ServerMetrics
 from dspark.serve.protocol import APIError, GenRequest, bad, usage
 
 if TYPE_CHECKING:
-    from dspark.engine.engine import Request
+    from dspark.engine.request import Request
 
 log = logging.getLogger("dspark")
 
