@@ -342,14 +342,15 @@ def q4_activations() -> str | None:
     weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
     at 8 than on bf16 activations (FMAs, one broadcast each); `activations="bf16"` (`choose_activations`) builds it
     with bf16 ones (its own cached build), closer to the Q4_1 model (KL 0.0011 against 0.003 a
-    token) at the speed the AVX2 tile had before. AVX-512: bf16, where the same scheme on vpdpbusd was 0.9-1.0x at
-    1 row and 1.2-1.4x at 8 on Zen 4, 1.0x at 1 row, 0.9x at 2 and 1.18x at 8 on Zen 5 ("the floors,
-    measured": at 1 row the stack is bound by streaming its weights), and 1 row is what plain decoding
-    runs. `activations="int8"` on an AVX-512 CPU with AVX512-VNNI builds the 8-bit scheme there
-    (csrc/q4_avx512_vnni.cpp: vpdpbusd, 64 multiply-adds an instruction against vdpbf16ps's 32, its
-    own cached build). Either is the target model of its build: verification is lossless against it,
-    and its products are checked against the quantised model (tests/test_cpu_kernels.py). bf16 weights
-    always take bf16 activations."""
+    token) at the speed the AVX2 tile had before. AVX-512: bf16 unless asked otherwise. There
+    `activations="int8"`, on a CPU with AVX512-VNNI, builds the same 8-bit scheme on vpdpbusd
+    (csrc/q4_avx512_vnni.cpp, 64 multiply-adds an instruction against vdpbf16ps's 32; its own cached
+    build, the AVX2 build's rule and steps): it makes verifies of 4-8 tokens cheaper, where the bf16 dot
+    products bound the tile, but not a 1- or 2-token step, which streams its weights (docs/BENCHMARKS.md,
+    Zen 4; docs/history/benchmarks.md "the floors, measured"), and 1 row is what plain decoding runs;
+    so `auto` keeps bf16, the model nearer the fp32 one. Either is the target model of its build:
+    verification is lossless against it, and its products are checked against the quantised model
+    (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations."""
     extension()
     return None if _build["isa"] is None else "int8" if _build.get("int8") else "bf16"
 

@@ -936,8 +936,8 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     mostly agrees (measured over 12 answers: AVX-512 KL 0.0007 nats a token, 98.5 % of top tokens;
     AVX2 0.003, 97.5 %; here, 4 answers, AVX2 0.004, 95.9 %; the AVX2 kernel that gave the
     minimum's term x's own sum, not the quantised one, read KL 0.014: docs/history/benchmarks.md
-    "8-bit activations ..."; the AVX-512 build with activations="int8" computes the AVX2 build's
-    products, on vpdpbusd). activations="bf16" gives the AVX2 build bf16 activations (its own build):
+    "8-bit activations ..."; the AVX-512 build with activations="int8" computes by the AVX2 build's
+    rule and steps, on vpdpbusd). activations="bf16" gives the AVX2 build bf16 activations (its own build):
     its matmuls are then the bf16 products (checked as the AVX-512 build's), and it stays closer
     (measured: KL 0.0011, 98.7 %)."""
     from pathlib import Path
@@ -961,7 +961,7 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
                 test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
             test_rows_get_the_same_bits_in_any_batch(mod)
             test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
-    elif build == "avx512-int8":  # the AVX-512 build's 8-bit matmuls (vpdpbusd): the AVX2 build's numbers
+    elif build == "avx512-int8":  # the AVX-512 build's 8-bit matmuls (vpdpbusd), by the AVX2 build's rule
         if kernels._isa()[0] != "avx512" or "avx512_vnni" not in kernels._cpu_flags():
             pytest.skip("no AVX-512 build with AVX512-VNNI here")
         monkeypatch.setattr(kernels, "_build", {})
