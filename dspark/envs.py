@@ -2,8 +2,8 @@
 import: a test or a launcher may set one after dspark was imported).
 
 Settings a user may want:
-- DSPARK_CACHE: where measured cost curves, load-time draft checks and other per-machine
-  results are kept (default ~/.cache/dspark).
+- DSPARK_CACHE: where measured cost curves, load-time draft checks, the native runtime's packed
+  target weights and other per-machine results are kept (default ~/.cache/dspark).
 - DSPARK_KERNEL_CACHE: where the compiled CPU kernels are kept (default ~/.cache/dspark/kernels;
   its own variable because tests point DSPARK_CACHE at temporary folders, and a build should
   happen once per machine).

@@ -3,19 +3,18 @@
 Packing a target for dspark's kernels recomputes, on every start, what depends only on its files:
 the screens that decide its weight format (`quant.resolve_weights`: are the layers exact 4-bit
 groups? is the head Q8_0?) and each matrix's packed form (`quant.Linear`: int4 groups recovered
-from the float weights, checked exact, packed for the kernel's tile). For SmolLM2 that is 2-6 s
-of a warm start on a 2-core machine (docs/BENCHMARKS.md); reading the packed tensors back is a
-read of ~100 MB. `PackStore` answers NativeTarget's questions ("this matrix in this format",
+from the float weights, checked exact, packed for the kernel's tile). For SmolLM2 that was 17-21 s
+of a warm start on a loaded 2-core VM (docs/BENCHMARKS.md); reading the packed tensors back is one
+read of ~100 MB (0.1 s). `PackStore` answers NativeTarget's questions ("this matrix in this format",
 "this screen") from one safetensors file under `envs.cache_dir() / "packed"` and computes only what
 the file lacks, then rewrites it.
 
 One file per target directory, device and request (weights, dtype), named by their digest; inside,
 in the safetensors metadata, the full identity, compared on reading: the target's files (their
 sha256, `dspark.doctor.cache.file_digest`, remembered by path, size and mtime), dspark's version,
-the packing code's source (this file, quant.py, native.py, kernels.py), torch, transformers and
-the CPU class. A matrix packed for dspark's tile is keyed by the kernel build and its activation
-format as well (`kernels.build_tag`, `kernels.q4_activations`): a rebuilt extension repacks. A
-file of other code, kernels or files is stale (repacked, said at INFO); one that cannot be read,
+the packing code's source (`CODE`), torch, transformers and the CPU class. A matrix packed for
+dspark's tile is keyed by the kernel build and its activation format as well (`kernels.build_tag`,
+`kernels.q4_activations`): a rebuilt extension repacks. A file of other code, kernels or files is stale (repacked, said at INFO); one that cannot be read,
 or is another target's, is ignored with a warning naming it; either is rewritten (atomically).
 Float formats are not stored: they are the model's own tensors, converted.
 """
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -43,6 +43,7 @@ from dspark import envs, kernels
 from dspark.doctor.cache import cpu_class, directory_digests
 from dspark.errors import DSparkError
 from dspark.target.load import resolve_target
+from dspark.target import native, quant
 from dspark.target.quant import Linear
 
 log = logging.getLogger("dspark")
@@ -50,10 +51,24 @@ log = logging.getLogger("dspark")
 PACK_FORMAT = "dspark-packed-weights"
 PACK_VERSION = 1  # what a file holds and how it is keyed; a change makes every file stale
 STORED = ("int4", "int8", "q8_0")  # the formats whose Linear is computed; float ones are converted
-_HERE = Path(__file__).resolve()
-# the code whose output is stored: the formats and the packing (quant.py, kernels.py), the layers
-# they are fused into (native.py), and this file's layout
-SOURCES = (_HERE, _HERE.parent / "quant.py", _HERE.parent / "native.py", _HERE.parents[1] / "kernels.py")
+# the code whose output is stored: the formats (quant.py), the layers they are fused into and the
+# head's choice (NativeTarget's construction), the tile's layouts (kernels.py's packing functions,
+# not the whole file: its kernels are named by their build) and this file's layout
+CODE = (
+    Path(__file__).resolve(),
+    Path(quant.__file__).resolve(),
+    native.NativeTarget.__init__,
+    native.NativeTarget._build,
+    native.NativeTarget._linear,
+    native.NativeTarget._fact,
+    kernels.pack_bf16,
+    kernels.fused_bias,
+    kernels._group_scales,
+    kernels.pack_q4,
+    kernels._octets,
+    kernels.q8_groups,
+    kernels.pack_q8,
+)
 T = TypeVar("T")
 
 
@@ -108,9 +123,11 @@ def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
 
 
 def source_digest() -> str:
+    """sha256 over CODE: files whole, functions by their source."""
     h = hashlib.sha256()
-    for p in SOURCES:
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for c in CODE:
+        name, text = (c.name, c.read_text()) if isinstance(c, Path) else (c.__qualname__, inspect.getsource(c))
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()
 
 
