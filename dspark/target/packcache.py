@@ -14,8 +14,9 @@ in the safetensors metadata, the full identity, compared on reading: the target'
 sha256, `dspark.doctor.cache.file_digest`, remembered by path, size and mtime), dspark's version,
 the packing code's source (`CODE`), torch, transformers and the CPU class. A matrix packed for
 dspark's tile is keyed by the kernel build and its activation format as well (`kernels.build_tag`,
-`kernels.q4_activations`): a rebuilt extension repacks. A file of other code, kernels or files is stale (repacked, said at INFO); one that cannot be read,
-or is another target's, is ignored with a warning naming it; either is rewritten (atomically).
+`kernels.q4_activations`): a rebuilt extension repacks. A file of other code, kernels or files
+is stale (repacked, said at INFO); one that cannot be read, or is another target's, is ignored
+with a warning naming it; either is rewritten (atomically).
 Float formats are not stored: they are the model's own tensors, converted.
 """
 
