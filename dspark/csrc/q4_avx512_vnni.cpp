@@ -116,7 +116,9 @@ inline void tile(const Act8& a, int64_t m0, int64_t K, const uint8_t* p, const S
           prefetch_ahead(b);
           const __m512i v = _mm512_loadu_si512(b);
           w[0] = _mm512_and_si512(v, low);
-          w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          // with two sums a row the high nibbles stay in place (16 q, still a byte) and their sum is
+          // shifted back once a group and row instead of once a step: exact, a multiple of 16
+          w[1] = CH == 2 ? _mm512_andnot_si512(low, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         } else {
           const uint8_t* b = p + (block * 8 + 2 * o) * 64;
           prefetch_ahead(b);
@@ -142,7 +144,8 @@ inline void tile(const Act8& a, int64_t m0, int64_t K, const uint8_t* p, const S
       const __m512 d = D.load16(at);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        __m512i sum = CH == 2 ? _mm512_add_epi32(t[0][j][m], t[CH - 1][j][m]) : t[0][j][m];
+        __m512i sum = t[0][j][m];
+        if constexpr (CH == 2) sum = _mm512_add_epi32(sum, Q4 ? _mm512_srai_epi32(t[1][j][m], 4) : t[1][j][m]);
         if constexpr (!Q4) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(n128[m * G + g]));
         acc[j][m] =
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(sx[m * G + g])), acc[j][m]);
