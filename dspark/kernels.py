@@ -41,6 +41,7 @@ import torch
 
 from dspark import envs
 from dspark.errors import DSparkError
+from dspark.outlock import shared_build
 
 log = logging.getLogger("dspark")
 
@@ -291,14 +292,15 @@ def extension():
             from torch.utils.cpp_extension import load
 
             root.mkdir(parents=True, exist_ok=True)
-            _build["ext"] = load(
-                name,
-                sources=[str(f) for f in files],
-                extra_include_paths=[str(CSRC)],
-                build_directory=str(root),
-                extra_cflags=list(cflags),
-                extra_ldflags=["-fopenmp"],
-            )
+            with shared_build(root, "dspark's CPU kernels"):  # a build stopped midway never hangs the next
+                _build["ext"] = load(
+                    name,
+                    sources=[str(f) for f in files],
+                    extra_include_paths=[str(CSRC)],
+                    build_directory=str(root),
+                    extra_cflags=list(cflags),
+                    extra_ldflags=["-fopenmp"],
+                )
         except Exception as e:  # no compiler, no ninja, a failed build, no cache folder: torch's ops still work
             _build.update(
                 isa=None,

@@ -12,12 +12,15 @@ processes lock two different files of the same name.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from dspark.errors import DSparkError
+
+log = logging.getLogger("dspark")
 
 
 def lock_path(out) -> Path:
@@ -56,3 +59,29 @@ def _holder(fd: int) -> str:
     if not pid.isdigit():
         return "its pid is not written yet"
     return f"pid {pid}, {command}" if command else f"pid {pid}"
+
+
+@contextmanager
+def shared_build(directory: Path, what: str) -> Iterator[None]:
+    """Hold `directory`'s build lock for the block, waiting (and saying so) while another process
+    builds there. Under it, a lock file torch's cpp_extension left in the directory (`lock`,
+    taken by creating the file and dropped by deleting it) is stale: its builder was stopped before
+    it could delete it, and every later load would wait on it forever. It is removed, saying so."""
+    path = directory.with_name(f".{directory.name}.build.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process building %s (%s) ...", what, _holder(fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} build {what}\n".encode())
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s: a build of %s was stopped midway and left it behind", stale, what)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)

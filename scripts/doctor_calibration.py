@@ -32,7 +32,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
 from dspark.api import EngineConfig, build_engine
 from dspark.doctor.check import diagnose
 from dspark.doctor.quick import quick_check

@@ -40,7 +40,6 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
 import safetensors.torch as st  # noqa: E402
 import torch  # noqa: E402
-
 from dspark import envs  # noqa: E402
 from dspark.target.load import load_target  # noqa: E402
 from dspark.train.dataset import read_records  # noqa: E402

@@ -17,7 +17,6 @@ import tempfile
 import time
 
 import torch
-
 from dspark.train import distributed, trainer
 from dspark.train.config import DraftOptions, TrainConfig
 

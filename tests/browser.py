@@ -92,7 +92,7 @@ class Browser:
             raise RuntimeError(f"{method}: {answer['error']}")
         return answer["result"]
 
-    def page(self, url: str) -> "Page":
+    def page(self, url: str) -> Page:
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         page = Page(self, session)

@@ -194,7 +194,6 @@ def write_config(directory: Path, config: dict) -> Path:
 def random_tensors(spec, *, seed: int = 0, include=("embed_tokens.weight", "lm_head.weight")) -> dict:
     """Random tensors with every shape the spec requires (plus the optional names in `include`)."""
     import torch
-
     from dspark.formats.weights import expected_shapes
 
     required, optional = expected_shapes(spec)
@@ -213,9 +212,8 @@ def random_tensors(spec, *, seed: int = 0, include=("embed_tokens.weight", "lm_h
 
 def write_checkpoint(directory: Path, config: dict, tensors: dict | None = None, **tensor_kw) -> Path:
     """config.json + model.safetensors whose tensors fit `config` (read back through load_spec)."""
-    from safetensors.torch import save_file
-
     from dspark.formats.load import load_spec
+    from safetensors.torch import save_file
 
     write_config(directory, config)
     if tensors is None:

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
-from dspark.model import fast as fast_draft
 from dspark.api import EngineConfig, build_engine, load_engine, resolve
 from dspark.engine.detok import Detokenizer
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import AdaptiveScheduler, FullScheduler, ThresholdScheduler
 from dspark.errors import DSparkError
 from dspark.formats.convert import write_deepspec
+from dspark.model import fast as fast_draft
 from dspark.target import load as target_load
 from dspark.target.hf import HFTarget
 from dspark.target.load import auto_dtype, make_target, open_target, parse_dtype
 from dspark.target.native import NativeTarget
+from transformers import GPT2Config, GPT2LMHeadModel
+
 from tests.test_train_fixtures import char_tokenizer
 from tests.tiny import hf_greedy, q4_exact, tiny_draft, tiny_target
 

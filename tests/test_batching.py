@@ -9,15 +9,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dspark.engine.calibration import Calibration
 from dspark.engine.costs import CostCurve
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import AdaptiveScheduler, VerifyPolicy, make_scheduler
 from dspark.errors import DSparkError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.tiny import bigram_draft, engine_for, hf_greedy, tiny_target
 
 V = 96

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-
 from dspark.bench.prompts import load_sets
 from dspark.bench.runner import Arm, ForwardTimer, interleaved, parse_arms
 from dspark.cli import main
 from dspark.errors import DSparkError
+
 from tests.test_train_fixtures import char_tokenizer
 from tests.tiny import tiny_draft, tiny_target
 

@@ -9,10 +9,10 @@ import types
 
 import numpy as np
 import pytest
-
 from dspark.bench import llamacpp, runtime
 from dspark.cli import main
 from dspark.errors import DSparkError
+
 from tests.test_train_fixtures import char_tokenizer
 from tests.tiny import tiny_target
 

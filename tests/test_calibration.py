@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-
 from dspark.engine.calibration import (
     Calibration,
     auc,
@@ -22,6 +21,7 @@ from dspark.engine.calibration import (
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import VerifyPolicy
 from dspark.errors import DSparkError
+
 from tests.tiny import engine_for, tiny_draft, tiny_target
 
 

@@ -11,13 +11,13 @@ import sys
 
 import numpy as np
 import pytest
-
-from dspark.api import EngineConfig, build_engine
 from dspark import progress
+from dspark.api import EngineConfig, build_engine
 from dspark.cli import show_library_log
 from dspark.doctor import cache as check_cache
 from dspark.doctor import quick
 from dspark.formats.convert import write_deepspec
+
 from tests.test_train_fixtures import char_tokenizer
 from tests.tiny import tiny_draft, tiny_target
 

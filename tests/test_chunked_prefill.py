@@ -3,11 +3,11 @@ steps; what it commits is exactly what one piece commits (fp32, token for token)
 
 import pytest
 import torch
-
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.target.load import make_target
+
 from tests.tiny import hf_greedy, tiny_draft, tiny_target
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dspark import kernels
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
-from dspark.target.native import NativeTarget
 from dspark.reference import kernel_loop
 from dspark.target import torch_layers
+from dspark.target.native import NativeTarget
 from dspark.target.quant import Linear
+
 from tests.tiny import bigram_draft, q4_exact, tiny_draft, tiny_target
 
 
@@ -376,9 +376,8 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         assert torch.equal(mod.argmax_last(x.to(torch.bfloat16)), x.to(torch.bfloat16).float().argmax(-1))
     # the draft's decoding forward on this build (its matmuls on the AVX2 tile): the modules' contexts, bit
     # for bit, and their block states up to bf16 rounding
-    from dspark.model.packed import pack_linears
-
     from dspark.model import fast
+    from dspark.model.packed import pack_linears
 
     draft = tiny_draft(tiny_target(), gamma=5).to(torch.bfloat16)
     pack_linears(draft)
@@ -615,7 +614,6 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
 
     from dspark.formats.spec import LayerAttention
     from dspark.model import fast
-
     from dspark.model.packed import pack_linears
 
     model = tiny_target()

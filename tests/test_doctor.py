@@ -15,7 +15,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from dspark.api import EngineConfig, build_engine
 from dspark.cli import main
 from dspark.doctor.check import diagnose
@@ -28,6 +27,7 @@ from dspark.formats.convert import write_deepspec, write_speculators
 from dspark.formats.load import force_layout
 from dspark.model import fast
 from dspark.model.load import build_draft, load_draft
+
 from tests.tiny import engine_for
 from tests.trained import MASK, TAPS
 
@@ -340,6 +340,7 @@ def test_weights_name_taps_that_behaviour_cannot_tell_apart(trained):
     from dspark.doctor.check import weights_finding
     from dspark.doctor.readings import readings_for
     from dspark.doctor.report import Report
+
     from tests.trained import _train_draft
 
     draft = _train_draft(trained["model"], steps=15, scaled=True)

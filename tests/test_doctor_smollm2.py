@@ -7,7 +7,6 @@ import json
 import logging
 
 import pytest
-
 from dspark.api import BUNDLED_DRAFT, load_engine
 from dspark.cli import main
 from dspark.doctor.report import EXIT_UNHEALTHY

@@ -8,13 +8,13 @@ import copy
 
 import pytest
 import torch
-
 from dspark import kernels
 from dspark.engine import step as S
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.model import fast
 from dspark.target.native import NativeTarget
+
 from tests.tiny import bigram_draft, q4_exact, tiny_draft, tiny_target
 
 FORMATS = ("bf16", "q8", "q4")

@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 import torch
-
-from dspark.engine.sampling import SamplingParams, probs
 from dspark.engine.batch import Batch
+from dspark.engine.sampling import SamplingParams, probs
 from dspark.engine.step import propose
+
 from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
 
 PROMPTS = [[5, 17, 33, 8, 9, 10], [40, 41], [7] * 23 + [3, 88]]

@@ -4,10 +4,10 @@ output, and the misreads of docs/DESIGN.md §9 visibly lower acceptance in the e
 from dataclasses import replace
 
 import pytest
-
 from dspark.engine.sampling import SamplingParams
 from dspark.formats.load import force_layout
 from dspark.model.load import build_draft
+
 from tests.tiny import engine_for, hf_greedy
 from tests.trained import TAPS
 

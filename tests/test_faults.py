@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError, NonFiniteError
+
 from tests.tiny import engine_for, tiny_draft, tiny_target
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
@@ -175,9 +175,10 @@ def test_through_the_server_a_failing_request_gets_its_error_and_the_others_thei
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
-
     from dspark.serve.app import create_app
-    from tests.test_serve import MODEL, PROMPTS as TEXTS, LiveServer, expect, tiny_engine
+
+    from tests.test_serve import MODEL, LiveServer, expect, tiny_engine
+    from tests.test_serve import PROMPTS as TEXTS
 
     engine = tiny_engine(max_batch=4)
     srv = LiveServer(create_app(engine, model_name=MODEL))

@@ -4,7 +4,6 @@ nothing about an fc fitted to raw taps."""
 from __future__ import annotations
 
 import torch
-
 from dspark.bench.fingerprint import FIT_RATIO, MIN_EXPLAINED, layer_rms, points_to, tap_fit
 from dspark.train.features import fold_tap_scale
 

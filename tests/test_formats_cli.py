@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from dspark.cli import main
 from dspark.formats.load import load_spec
+from safetensors.torch import save_file
+
 from tests.formats_fixtures import (
     random_tensors,
     tiny_deepspec,

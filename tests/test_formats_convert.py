@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from dspark.errors import FormatError
 from dspark.formats.convert import convert, write_deepspec, write_speculators
 from dspark.formats.load import load_spec, load_weights
+from safetensors.torch import save_file
+
 from tests.formats_fixtures import (
     random_tensors,
     tiny_deepspec,

@@ -4,6 +4,10 @@ import copy
 import json
 
 import pytest
+from dspark.cli import main
+from dspark.errors import FormatError
+from dspark.formats.load import load_spec
+
 from tests.formats_fixtures import (
     FLAGGED_ANCHOR_FIRST,
     GLM52_SPECULATORS,
@@ -14,10 +18,6 @@ from tests.formats_fixtures import (
     write_checkpoint,
     write_config,
 )
-
-from dspark.cli import main
-from dspark.errors import FormatError
-from dspark.formats.load import load_spec
 
 JSON_KEYS = {
     "format",

@@ -10,12 +10,12 @@ import stat
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
-
 from dspark.cli import main
 from dspark.errors import FormatError
 from dspark.formats.convert import write_speculators
 from dspark.formats.load import load_spec
+from safetensors.torch import load_file, save_file
+
 from tests.tiny import tiny_draft, tiny_target
 
 

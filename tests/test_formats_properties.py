@@ -3,13 +3,13 @@ FormatError naming a key; it never falls back to a default without saying so."""
 
 import copy
 
-from tests.formats_fixtures import tiny_deepspec, tiny_speculators
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from dspark.errors import FormatError
 from dspark.formats import deepspec, speculators
 from dspark.formats.load import pick_reader
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.formats_fixtures import tiny_deepspec, tiny_speculators
 
 ABSENT = object()
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

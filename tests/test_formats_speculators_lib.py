@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from tests.formats_fixtures import random_tensors, tiny_deepspec, write_checkpoint
-
 from dspark.formats.convert import convert
 from dspark.formats.load import load_spec, load_weights
+
+from tests.formats_fixtures import random_tensors, tiny_deepspec, write_checkpoint
 
 speculators_dspark = pytest.importorskip("speculators.models.dspark")
 

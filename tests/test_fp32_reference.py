@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dspark.api import EngineConfig, build_engine
 from dspark.engine.sampling import SamplingParams
 from dspark.formats.convert import write_speculators
 from dspark.model import fast
+
 from tests.trained import TAPS
 
 PROMPTS = [

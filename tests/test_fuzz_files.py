@@ -24,16 +24,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
-from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.formats import common
 from dspark.formats.load import load_spec
 from dspark.model.load import load_draft
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from tests.formats_fixtures import tiny_deepspec, tiny_specforge, tiny_speculators, write_checkpoint
 from tests.fuzzing import budgets, holds
 from tests.tiny import engine_for

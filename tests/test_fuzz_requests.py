@@ -19,10 +19,6 @@ import logging
 import httpx
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.serve import protocol
@@ -31,6 +27,10 @@ from dspark.serve.protocol import APIError
 from dspark.target.hf import HFTarget
 from dspark.target.load import smollm2_dir
 from dspark.target.text import eos_ids
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from tests.fuzzing import budgets, holds
 from tests.test_serve import LiveServer
 from tests.test_serve_limits import Records

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import torch
-
 from dspark.api import EngineConfig, build_engine
-from dspark.cli import main
 from dspark.bench.runner import side_by_side
+from dspark.cli import main
 from dspark.engine.compare import first_difference
 from dspark.engine.sampling import SamplingParams
+
 from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target with SmolLM2's tokenizer + a draft)
 from tests.tiny import tiny_target
 

@@ -3,7 +3,7 @@ against the draft, and losslessness of a step where requests take different prop
 
 import pytest
 import torch
-
+from dspark.engine.batch import join_taps
 from dspark.engine.costs import CostCurve
 from dspark.engine.engine import Engine
 from dspark.engine.lookup import LOOKUP_MAX, MATCH_MAX, LookupIndex, LookupProposer, LookupStats
@@ -11,9 +11,9 @@ from dspark.engine.marks import step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import FullScheduler
-from dspark.engine.batch import join_taps
 from dspark.engine.step import flush_context
 from dspark.target.load import make_target
+
 from tests.test_engine import _exact_joint, _flat_target
 from tests.tiny import hf_greedy, tiny_draft, tiny_target
 
@@ -217,9 +217,9 @@ def test_a_plain_twin_has_no_lookup(target):
 
 
 def test_the_server_streams_lookup_marks_and_exports_each_proposer():
-    from tests.test_serve import LiveServer, metric, tiny_engine
-
     from dspark.serve.app import create_app
+
+    from tests.test_serve import LiveServer, metric, tiny_engine
 
     base = tiny_engine()
     policy = FullScheduler()

@@ -8,12 +8,12 @@ import re
 
 import openai
 import pytest
-
 from dspark.cli import main
 from dspark.engine.marks import KINDS, TextPieces, counts
 from dspark.engine.sampling import SamplingParams
 from dspark.model.load import build_draft
 from dspark.serve.app import create_app
+
 from tests.test_serve import LiveServer, tiny_engine
 from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target with SmolLM2's tokenizer + a draft)
 from tests.tiny import engine_for, hf_greedy
@@ -34,7 +34,7 @@ def check_marks(req, model=None, prompt=None):
     by_step: dict[int, list] = {}
     for k in marks:
         by_step.setdefault(k.step, []).append(k)
-    for step, ks in by_step.items():
+    for _step, ks in by_step.items():
         if ks[0].kind == "plain":
             assert len(ks) == 1 and ks[0].slot == 0 and ks[0].confidence is None
             continue

@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dspark import kernels
+from dspark.engine.sampling import SamplingParams
+from dspark.errors import DSparkError
+from dspark.target.hf import HFTarget
+from dspark.target.load import make_target
+from dspark.target.native import NativeTarget, supports
+from dspark.target.quant import is_int4_exact
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -19,13 +26,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dspark import kernels
-from dspark.engine.sampling import SamplingParams
-from dspark.errors import DSparkError
-from dspark.target.hf import HFTarget
-from dspark.target.load import make_target
-from dspark.target.native import NativeTarget, supports
-from dspark.target.quant import is_int4_exact
 from tests.tiny import bigram_draft, engine_for, hf_greedy, q4_exact, tiny_target
 
 COMMON = dict(
@@ -381,9 +381,8 @@ def test_greedy_argmax_widens_half_precision_with_the_same_choice():
 def test_draft_linears_decode_packed_and_train_plain():
     """A bf16 draft on a CPU decodes through packed linears (same outputs as nn.Linear); with
     gradients on it runs the plain forward, and a weight changed in place is repacked."""
-    from torch import nn
-
     from dspark.model.packed import PackedLinear, pack_linears
+    from torch import nn
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")

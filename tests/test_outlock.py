@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dspark.cli import main
 from dspark.errors import DSparkError
 from dspark.formats.convert import write_speculators
 from dspark.outlock import lock_path, output_lock
+
 from tests.tiny import tiny_draft, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,4 +106,29 @@ def test_one_process_may_not_hold_an_output_twice_and_spellings_of_a_path_meet(t
                 pass
         assert lock_path("./runs/x/") == lock_path(tmp_path / "runs" / "x") == tmp_path / "runs" / ".x.lock"
     with output_lock("runs/x", "again"):  # released with the block
+        pass
+
+
+def test_a_build_stopped_midway_leaves_no_lock_that_hangs_the_next(tmp_path, caplog):
+    """torch's cpp_extension takes its build lock by creating `lock` in the build folder and drops it
+    by deleting it; a build killed in between left it there and every later start waited forever.
+    Under dspark's own build lock (an flock, gone with its holder) such a file is stale: removed."""
+    import fcntl
+    import logging
+
+    from dspark.outlock import shared_build
+
+    build = tmp_path / "dspark_avx512_0123"
+    build.mkdir()
+    (build / "lock").touch()
+    with caplog.at_level(logging.WARNING, logger="dspark"), shared_build(build, "the kernels"):
+        assert not (build / "lock").exists()
+        other = os.open(tmp_path / f".{build.name}.build.lock", os.O_RDWR)
+        try:  # while one process builds, another cannot take the lock (it waits in shared_build)
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    assert any("stopped midway" in r.getMessage() for r in caplog.records)
+    with shared_build(build, "the kernels"):  # released at the block's end: taken again at once
         pass

@@ -7,12 +7,12 @@ import logging
 
 import pytest
 import torch
-
 from dspark import kernels
 from dspark.api import EngineConfig, build_engine
 from dspark.engine.sampling import SamplingParams
 from dspark.target import packcache, quant
 from dspark.target.quant import Linear
+
 from tests.test_train_fixtures import char_tokenizer
 from tests.tiny import q4_exact, tiny_target
 

@@ -8,8 +8,8 @@ response's own speculative statistics give; model output with HTML in it must sh
 from __future__ import annotations
 
 import pytest
-
 from dspark.serve.app import create_app
+
 from tests.browser import CHROMIUM, MISSING, Browser
 from tests.test_serve import LiveServer, tiny_engine
 

@@ -6,7 +6,6 @@ import copy
 import json
 
 import pytest
-
 from dspark.bench.profile import ProfileError, build_profile, checkpoint_id, validate_profile, write_profile
 from dspark.engine.metrics import SpecMetrics
 

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import itertools
 import math
-
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scipy.stats import binomtest
-
+from dspark.engine.batch import Proposal
 from dspark.engine.calibration import Calibration
 from dspark.engine.costs import CostCurve
 from dspark.engine.sampling import rejection_accept, sample
@@ -28,8 +24,10 @@ from dspark.engine.scheduler import (
     make_scheduler,
     threshold_lengths,
 )
-from dspark.engine.batch import Proposal
 from dspark.errors import DSparkError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import binomtest
 
 # ---- strategies ----------------------------------------------------------------------------
 # Confidences are multiples of 1/8: survivals (products) and tau (sums) are then exact in

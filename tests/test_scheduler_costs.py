@@ -7,12 +7,12 @@ import logging
 
 import pytest
 import torch
-
 from dspark.engine import costs
 from dspark.engine.costs import CostCurve, cache_path, cost_curve_for, curve_identity, default_grid, profile_cost_curve
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
+
 from tests.tiny import engine_for, hf_greedy, tiny_target
 
 

@@ -20,15 +20,15 @@ import openai
 import pytest
 import torch
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.serve.app import create_app
 from dspark.target.hf import HFTarget
 from dspark.target.load import smollm2_dir
 from dspark.target.text import eos_ids
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from tests.tiny import tiny_draft
 
 MODEL = "tiny"
@@ -278,8 +278,11 @@ def test_concurrent_requests_give_their_one_at_a_time_outputs(server):
         together = list(pool.map(run, jobs))
     after = server.scrape()
     assert together == alone
+
     # and they really were decoded together: some steps ran more than one request
-    multi = lambda m: metric(m, "dspark_step_batch_size_count") - metric(m, "dspark_step_batch_size_bucket", le="1.0")
+    def multi(m):
+        return metric(m, "dspark_step_batch_size_count") - metric(m, "dspark_step_batch_size_bucket", le="1.0")
+
     assert multi(after) > multi(before)
 
 
@@ -488,7 +491,10 @@ def _wait_for(cond, what: str, timeout: float = 15.0) -> None:
 def test_client_giving_up_aborts_queued_and_non_streaming_requests(small):
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0}
-    aborted = lambda: metric(small.scrape(auth), "dspark_requests_total", status="aborted")
+
+    def aborted():
+        return metric(small.scrape(auth), "dspark_requests_total", status="aborted")
+
     before, n0 = small.scrape(auth), aborted()
     long = small.client(KEY).completions.create(stream=True, **body)
     next(iter(long))

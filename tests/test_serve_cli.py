@@ -16,13 +16,13 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 from dspark.api import load_engine
 from dspark.cli import main
 from dspark.engine.sampling import SamplingParams
 from dspark.formats.convert import write_speculators
 from dspark.target.load import smollm2_dir
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from tests.tiny import tiny_draft
 
 ROOT = Path(__file__).resolve().parents[1]

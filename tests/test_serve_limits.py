@@ -16,9 +16,9 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-
 from dspark.serve import prompts, protocol
 from dspark.serve.app import create_app, default_max_body_bytes
+
 from tests.test_serve import CONTEXT, KEY, LiveServer, metric, tiny_engine
 
 NAME = "smollm2"  # the served name, so the requests below are exactly what a user of `dspark serve` sends
@@ -304,7 +304,10 @@ def test_post_needs_a_json_content_type(srv, path, content_type):
     err = error_of(srv.http.post(f"/v1/{path}", content=json.dumps(body), headers=headers), 415)
     assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
     assert submitted(srv) == n0
-    invalid = lambda m: metric(m, "dspark_requests_total", status="invalid")
+
+    def invalid(m):
+        return metric(m, "dspark_requests_total", status="invalid")
+
     assert invalid(srv.scrape()) == invalid(before) + 1
 
 

@@ -10,7 +10,6 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-
 from dspark import progress
 from dspark.cli import build_parser
 from dspark.cli import serve as serve_cli
@@ -18,6 +17,7 @@ from dspark.errors import DSparkError
 from dspark.serve.app import create_app
 from dspark.serve.hosts import LOOPBACK_NAMES, HostGuard, parse_allowed
 from dspark.serve.startup import RETRY_AFTER_S, Starting
+
 from tests.test_serve import MODEL, LiveServer, tiny_engine
 
 

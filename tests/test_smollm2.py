@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from dspark.api import BUNDLED_DRAFT, load_engine
 from dspark.engine.sampling import SamplingParams
 

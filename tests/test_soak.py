@@ -16,7 +16,6 @@ import time
 from collections import Counter
 
 import pytest
-
 from dspark.bench import soak_client, soak_mix, soak_report
 from dspark.bench.soak_client import send
 from dspark.bench.soak_mix import Call, MixSettings, make_call
@@ -25,6 +24,7 @@ from dspark.cli import build_parser, main
 from dspark.cli.bench_serve import serve_args
 from dspark.cli.engine_flags import engine_config
 from dspark.serve.app import create_app
+
 from tests.test_serve import CONTEXT, LiveServer, tiny_engine
 from tests.test_serve_cli import saved  # noqa: F401  (fixture: a tiny target and draft on disk)
 

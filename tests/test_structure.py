@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from dspark.api import EngineConfig
 from dspark.cli import build_parser
 from dspark.cli.engine_flags import engine_config
@@ -522,9 +521,8 @@ def test_each_kernel_header_compiles_alone(header, tmp_path):
     import shutil
     import subprocess
 
-    from torch.utils.cpp_extension import include_paths
-
     from dspark import kernels
+    from torch.utils.cpp_extension import include_paths
 
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from dspark.engine.sampling import SamplingParams
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.engine.sampling import SamplingParams
 from tests.tiny import engine_for, hf_greedy, tiny_draft
 
 COMMON = dict(

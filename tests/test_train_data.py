@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dspark.train.data import GenSettings, generate_shard
 from dspark.train.dataset import load_sequences
 from dspark.train.errors import TrainError
 from dspark.train.features import CachedFeatures, OnlineFeatures, build_cache
 from dspark.train.prompts import Prompt, load_prompts
+
 from tests.test_train_fixtures import char_tokenizer, synthetic_shard
 from tests.tiny import tiny_target
 

@@ -11,8 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, generate_shard
 from dspark.train.dataset import load_sequences, read_records, token_subset
@@ -31,6 +29,8 @@ from dspark.train.magpie import (
 from dspark.train.prompts import Prompt
 from dspark.train.store import pack, unpack
 from dspark.train.trainer import train
+from safetensors.torch import load_file
+
 from tests.test_train_fixtures import char_tokenizer, save_tiny_target, synthetic_shard
 from tests.tiny import tiny_target
 

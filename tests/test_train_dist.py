@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
-
 from dspark.cli import main
 from dspark.train.trainer import load_state
+
 from tests.test_train_fixtures import save_tiny_target, synthetic_shard
 
 torch.set_num_threads(1)

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from dspark.model.load import load_draft
 from dspark.target.load import load_target
 from dspark.train.config import DraftOptions, TrainConfig
@@ -15,6 +14,7 @@ from dspark.train.export import export_run
 from dspark.train.features import OnlineFeatures
 from dspark.train.loss import draft_rows, make_blocks
 from dspark.train.trainer import train
+
 from tests.test_train_fixtures import save_tiny_target, synthetic_shard
 
 torch.set_num_threads(1)

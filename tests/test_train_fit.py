@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from dspark.cli import main
 from dspark.engine.sampling import SamplingParams
 from dspark.model.load import load_draft
@@ -15,6 +14,7 @@ from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.errors import TrainError
 from dspark.train.features import OnlineFeatures, fold_tap_scale, tap_scale
 from dspark.train.trainer import load_state, train
+
 from tests.test_train_fixtures import save_tiny_target, synthetic_shard
 from tests.tiny import engine_for, hf_greedy
 

@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from dspark.engine.sampling import SamplingParams
 from dspark.engine.batch import Batch
+from dspark.engine.sampling import SamplingParams
 from dspark.engine.step import propose, teacher_forced
 from dspark.train.errors import TrainError
 from dspark.train.loss import (
@@ -22,6 +21,7 @@ from dspark.train.loss import (
     slot_decay,
     valid_anchors,
 )
+
 from tests.tiny import tiny_draft, tiny_target
 
 MASK = 3

@@ -5,13 +5,13 @@ prompts. If they disagree, the trainer's figures (best checkpoint, scaling curve
 from __future__ import annotations
 
 import torch
-
 from dspark.engine.sampling import SamplingParams
 from dspark.model.load import load_draft
 from dspark.train.dataset import Sequence
 from dspark.train.evaluate import evaluate
 from dspark.train.features import OnlineFeatures
 from dspark.train.loss import LossWeights
+
 from tests.tiny import engine_for
 from tests.trained import VOCAB
 

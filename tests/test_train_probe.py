@@ -6,10 +6,10 @@ import json
 import random
 
 import torch
-
 from dspark.cli import main
 from dspark.train import probe as P
 from dspark.train.dataset import Sequence, load_sequences
+
 from tests.test_train_fixtures import save_tiny_target
 from tests.tiny import tiny_draft, tiny_target
 
@@ -134,8 +134,8 @@ def test_bad_probe_settings_are_one_error_naming_them(tmp_path, capsys):
 def test_a_drafts_first_slot_is_what_propose_drafts(tmp_path):
     """The draft figure counts the token `propose` (greedy decoding's drafting) names at slot 1,
     each anchor reading the committed positions before it."""
-    from dspark.engine.sampling import SamplingParams
     from dspark.engine.batch import Batch
+    from dspark.engine.sampling import SamplingParams
     from dspark.engine.step import propose
     from dspark.train.features import OnlineFeatures
 

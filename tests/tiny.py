@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from dspark.model.factory import make_spec
 from dspark.model.load import build_draft
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_target(seed: int = 0, vocab: int = 96, layers: int = 4, hidden: int = 64, dtype=torch.float32):

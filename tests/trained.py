@@ -17,9 +17,9 @@ import os
 
 import pytest
 import torch
-
 from dspark.formats.convert import write_deepspec
 from dspark.formats.load import load_spec
+
 from tests.tiny import tiny_target
 
 PERIOD, VOCAB, MASK, TAPS = 5, 64, 1, (1, 2)
@@ -46,13 +46,11 @@ def _train_draft(model, steps: int = 240, layout: str = "anchor_first", scaled: 
     answers, and the scale is folded into fc at the end (its weight fingerprint)."""
     from dspark.model.factory import make_spec
     from dspark.model.load import build_draft
+    from dspark.model.taps import per_dim_rms
     from dspark.train.dataset import Sequence
-    from dspark.train.features import TapCapture, run_target
+    from dspark.train.features import TapCapture, fold_tap_scale, run_target
     from dspark.train.loss import LossWeights, draft_rows, loss_sums, make_blocks, sample_anchors
     from dspark.train.trainer import init_weights
-
-    from dspark.model.taps import per_dim_rms
-    from dspark.train.features import fold_tap_scale
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # equal-length prompts: one batched greedy call, no padding
@@ -118,9 +116,8 @@ def trained(tmp_path_factory):
     others wait on a lock and load (the directory above a worker's basetemp is the session's)."""
     import fcntl
 
-    from transformers import AutoModelForCausalLM
-
     from dspark.formats.load import load_weights
+    from transformers import AutoModelForCausalLM
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     root = tmp_path_factory.getbasetemp().parent / "doctor-trained" if worker else tmp_path_factory.mktemp("doctor")

@@ -71,8 +71,8 @@ def long_run_se(x: torch.Tensor, segments: list[int], lag: int) -> float:
         s = d[start : start + m]
         start += m
         total += float((s * s).sum())
-        for l in range(1, min(lag, m - 1) + 1):
-            total += 2.0 * (1.0 - l / (lag + 1)) * float((s[l:] * s[:-l]).sum())
+        for k in range(1, min(lag, m - 1) + 1):
+            total += 2.0 * (1.0 - k / (lag + 1)) * float((s[k:] * s[:-k]).sum())
     return math.sqrt(max(total, 0.0)) / n
 
 

@@ -15,7 +15,6 @@ acceptance, cache commits, scheduling and bookkeeping.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 import torch
@@ -112,7 +111,8 @@ class ForwardTimer:
             finally:
                 timer._post()
 
-        setattr(NativeTarget, "forward", timed)  # patched for the timer's life (mypy refuses assigning a method)
+        # patched for the timer's life; setattr because mypy refuses assigning a method
+        setattr(NativeTarget, "forward", timed)  # noqa: B010
 
     def _pre(self, *_):
         self._t0 = now(self.device)
@@ -124,9 +124,9 @@ class ForwardTimer:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        setattr(NativeTarget, "forward", self._native_forward)
+        setattr(NativeTarget, "forward", self._native_forward)  # noqa: B010  (see above)
 
-    def __enter__(self) -> "ForwardTimer":
+    def __enter__(self) -> ForwardTimer:
         return self
 
     def __exit__(self, *_exc) -> None:
@@ -344,7 +344,7 @@ class ArmStats:
     def overhead_s(self) -> float:
         return max(0.0, self.wall_s - self.target_s - self.draft_s)
 
-    def to_dict(self, baseline: "ArmStats | None") -> dict:
+    def to_dict(self, baseline: ArmStats | None) -> dict:
         w = self.wall_s or 1.0
         d = {
             "arm": self.arm.name,

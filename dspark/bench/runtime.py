@@ -36,11 +36,11 @@ from dspark.engine.costs import forward_times
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.step import draft_phase_seconds, target_step
+from dspark.engine.timing import now
+from dspark.errors import DSparkError
 from dspark.model import fast
 from dspark.model.draft import DSparkDraft
 from dspark.model.load import load_draft
-from dspark.engine.timing import now
-from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
 from dspark.target.load import SMOLLM2, cpu_model_and_flags, load_target
 from dspark.target.native import NativeTarget

@@ -24,7 +24,6 @@ from dspark.bench.machine import load_average, machine_info
 from dspark.bench.profile import ProfileError, build_profile, checkpoint_id, write_profile
 from dspark.bench.prompts import load_sets
 from dspark.bench.report import markdown, plots
-from dspark.bench.runtime import parse_arms as parse_runtime_arms, run as runtime_arms, table as runtime_table
 from dspark.bench.runner import (
     EngineRunner,
     ForwardTimer,
@@ -35,7 +34,10 @@ from dspark.bench.runner import (
     parse_arms,
     sampling_params,
 )
-from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
+from dspark.bench.runtime import parse_arms as parse_runtime_arms
+from dspark.bench.runtime import run as runtime_arms
+from dspark.bench.runtime import table as runtime_table
+from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes, refuse_max_batch, refuse_verify
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, make_scheduler
 from dspark.errors import DSparkError
 from dspark.prompts import encode_prompts

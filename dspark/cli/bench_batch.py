@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dspark.api import build_engine
 from dspark.bench.batching import DEFAULT_PROMPTS, bench_batching
-from dspark.cli.engine_flags import refuse_verify, add_engine_flags, engine_config, print_notes, refuse_max_batch
+from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes, refuse_max_batch, refuse_verify
 from dspark.errors import DSparkError
 from dspark.prompts import encode_prompts, read_prompt_file
 

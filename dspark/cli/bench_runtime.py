@@ -6,8 +6,9 @@ import argparse
 
 import torch
 
-from dspark.bench.runtime import DEFAULT_ARMS, LLAMACPP, parse_arms, run as run_arms, table
 from dspark.api import default_draft
+from dspark.bench.runtime import DEFAULT_ARMS, LLAMACPP, parse_arms, table
+from dspark.bench.runtime import run as run_arms
 from dspark.errors import DSparkError
 from dspark.model.fast import DRAFT_WEIGHTS
 from dspark.target.load import SMOLLM2, load_target

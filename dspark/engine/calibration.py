@@ -75,7 +75,7 @@ class Calibration:
         write_json(path, self.to_json())
 
     @classmethod
-    def load(cls, path) -> "Calibration":
+    def load(cls, path) -> Calibration:
         data = read_json(path, "calibration")
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
             raise DSparkError(f'{path} is not a calibration file (expected "format": "{CALIBRATION_FORMAT}")')

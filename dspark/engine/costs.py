@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from dspark import progress
-from dspark.errors import DSparkError
 from dspark.engine.timing import now as clock
+from dspark.errors import DSparkError
 from dspark.jsonfile import read_json, write_json
 from dspark.target.load import cache_dir
 
@@ -65,7 +65,7 @@ class CostCurve:
             raise DSparkError(f"cost curve: seconds must be positive finite numbers, got {list(self.seconds)}")
 
     @classmethod
-    def from_points(cls, tokens, seconds, meta: dict | None = None) -> "CostCurve":
+    def from_points(cls, tokens, seconds, meta: dict | None = None) -> CostCurve:
         """Sort by tokens and force step time non-decreasing (running max): more tokens never
         cost less, and a noisy dip would otherwise make some batch sizes look like bargains."""
         pts = sorted(zip((int(t) for t in tokens), (float(s) for s in seconds)))
@@ -101,7 +101,7 @@ class CostCurve:
         return {"format": CURVE_FORMAT, "tokens": list(self.tokens), "seconds": list(self.seconds), "meta": self.meta}
 
     @classmethod
-    def from_json(cls, data: dict) -> "CostCurve":
+    def from_json(cls, data: dict) -> CostCurve:
         if not isinstance(data, dict) or data.get("format") != CURVE_FORMAT:
             raise DSparkError(f'not a cost curve file (expected "format": "{CURVE_FORMAT}")')
         return cls.from_points(data.get("tokens") or [], data.get("seconds") or [], data.get("meta") or {})
@@ -110,7 +110,7 @@ class CostCurve:
         write_json(path, self.to_json())
 
     @classmethod
-    def load(cls, path) -> "CostCurve":
+    def load(cls, path) -> CostCurve:
         return cls.from_json(read_json(path, "cost curve"))
 
 

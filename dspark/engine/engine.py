@@ -87,7 +87,7 @@ class Engine:
         policy: VerifyPolicy | None = None,
         max_batch: int | None = None,
         lookup: bool | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """Another engine over the same loaded target and draft: nothing is loaded twice, the new
         engine has its own requests and metrics. speculative=False: the plain-decoding twin (a
         target view without taps, so it pays for nothing a draft would read; no lookup either).

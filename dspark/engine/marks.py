@@ -52,7 +52,10 @@ def step_marks(
     what proposed them ("draft", "lookup", "plain")."""
     if drafted == 0 or source == "plain":
         return [TokenMark(committed[0], "plain", step, 0)]
-    conf = lambda k: round(confidences[k], 4) if confidences is not None and k < len(confidences) else None
+
+    def conf(k):
+        return round(confidences[k], 4) if confidences is not None and k < len(confidences) else None
+
     kind, src = ("lookup", "lookup") if source == "lookup" else ("accepted", None)
     out = [TokenMark(t, kind, step, k + 1, conf(k), source=src) for k, t in enumerate(committed[:accepted])]
     last = committed[accepted]

@@ -30,7 +30,7 @@ class SpecMetrics:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_other: float = 0.0
-    lookup: "SpecMetrics | None" = None  # the lookup proposer's verifications (None: lookup off)
+    lookup: SpecMetrics | None = None  # the lookup proposer's verifications (None: lookup off)
 
     def __post_init__(self):
         g = self.gamma + 1
@@ -59,7 +59,7 @@ class SpecMetrics:
         for i in range(accepted):
             self.accepted_at[i] += 1
 
-    def merge(self, other: "SpecMetrics") -> None:
+    def merge(self, other: SpecMetrics) -> None:
         if other.gamma != self.gamma:
             raise ValueError("cannot merge metrics of different gamma")
         for name in ("steps", "plain_steps", "drafted", "verified", "accepted", "t_draft", "t_verify", "t_other"):

@@ -15,7 +15,7 @@ verification lossless, and why `admit` stops at the first non-improvement.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +25,7 @@ _ids = itertools.count()
 class Prefilling:
     """A request whose prompt is being prefilled chunk by chunk (Engine.prefill_chunk)."""
 
-    req: "Request"
+    req: Request
     state: Any  # its target state, the committed chunks
     done: int = 0  # prompt tokens committed
     taps: list[torch.Tensor] = field(default_factory=list)  # the chunks' taps, for the draft context
@@ -34,7 +35,7 @@ class Prefilling:
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
-    on_tokens: Callable[["Request", list[int]], None] | None = None
+    on_tokens: Callable[[Request, list[int]], None] | None = None
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

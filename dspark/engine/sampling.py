@@ -14,7 +14,6 @@ import torch
 from dspark.errors import RequestError
 from dspark.kernels import argmax
 
-
 # The smallest temperature above 0 (vLLM's floor too): logits are divided by it, and below this
 # they overflow to inf, the probabilities turn NaN and sampling fails.
 MIN_TEMPERATURE = 1e-5

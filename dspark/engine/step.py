@@ -23,8 +23,8 @@ import torch
 
 from dspark.engine.batch import Batch, Proposal, StepResult, take_pending, wait_taps
 from dspark.engine.lookup import LookupProposer, Plan
-from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
 from dspark.engine.policy import VerifyPolicy
+from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
 from dspark.engine.timing import now
 from dspark.kernels import argmax
 from dspark.model import fast

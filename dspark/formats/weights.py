@@ -65,7 +65,7 @@ class WeightsMeta:
         return sorted(self.infos)
 
     @classmethod
-    def from_dir(cls, directory: Path) -> "WeightsMeta | None":
+    def from_dir(cls, directory: Path) -> WeightsMeta | None:
         files = _weight_files(directory)
         if not files:
             return None
@@ -76,7 +76,7 @@ class WeightsMeta:
         return cls(infos, str(directory))
 
     @classmethod
-    def from_tensors(cls, tensors: dict) -> "WeightsMeta":
+    def from_tensors(cls, tensors: dict) -> WeightsMeta:
         infos: dict[str, TensorInfo] = {}
         for raw, t in tensors.items():
             _add(infos, raw, TensorInfo(tuple(t.shape), str(t.dtype), None, raw), "tensors")
@@ -304,7 +304,7 @@ def _unexpected_reason(spec: DraftSpec, name: str) -> str:
 
 def _layer_shapes(spec: DraftSpec, i: int) -> dict[str, tuple[int, ...]]:
     b = backbone_of(spec)
-    H, I = b.hidden_size, b.intermediate_size
+    H, F = b.hidden_size, b.intermediate_size  # F: the MLP width
     q, kv = b.num_attention_heads * b.head_dim, b.num_key_value_heads * b.head_dim
     p = f"layers.{i}."
     if b.family == "gemma4":
@@ -317,9 +317,9 @@ def _layer_shapes(spec: DraftSpec, i: int) -> dict[str, tuple[int, ...]]:
         p + "self_attn.k_proj.weight": (kv, H),
         p + "self_attn.v_proj.weight": (kv, H),
         p + "self_attn.o_proj.weight": (H, q),
-        p + "mlp.gate_proj.weight": (I, H),
-        p + "mlp.up_proj.weight": (I, H),
-        p + "mlp.down_proj.weight": (H, I),
+        p + "mlp.gate_proj.weight": (F, H),
+        p + "mlp.up_proj.weight": (F, H),
+        p + "mlp.down_proj.weight": (H, F),
     }
     if b.qk_norm:
         out[p + "self_attn.q_norm.weight"] = (b.head_dim,)

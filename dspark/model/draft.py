@@ -87,11 +87,11 @@ class ContextCache:
         self.write(new)
         self.lengths = self.lengths + counts
 
-    def select(self, rows: torch.Tensor) -> "ContextCache":
-        return ContextCache([LayerKV(l.k[rows], l.v[rows]) for l in self.layers], self.lengths[rows])
+    def select(self, rows: torch.Tensor) -> ContextCache:
+        return ContextCache([LayerKV(kv.k[rows], kv.v[rows]) for kv in self.layers], self.lengths[rows])
 
     @staticmethod
-    def merge(caches: list["ContextCache"]) -> "ContextCache":
+    def merge(caches: list[ContextCache]) -> ContextCache:
         layers = [
             LayerKV(merge_rows([c.layers[i].k for c in caches]), merge_rows([c.layers[i].v for c in caches]))
             for i in range(len(caches[0].layers))
@@ -131,7 +131,7 @@ class DSparkDraft(nn.Module):
         self.borrowed: set[str] = set()  # weights taken from the target: never saved with the draft
         self._fast: dict = {}  # model/fast.py's packed copy, shared with the views of read_as
 
-    def read_as(self, spec: DraftSpec) -> "DSparkDraft":
+    def read_as(self, spec: DraftSpec) -> DSparkDraft:
         """The same weights (shared, not copied) read as another spec: another layout or block
         size, other taps or another mask token. `dspark doctor` runs every reading of a file
         through the one propose path this way. Only the tap count is fixed by the weights (fc)."""

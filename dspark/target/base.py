@@ -57,7 +57,7 @@ class Target(Protocol[StateT]):
         """Tap index i = input of decoder layer i (0 = the embeddings; the layer count = the last
         layer's output before the final norm)."""
 
-    def view(self, tap_indices: tuple[int, ...] = ()) -> "Target[StateT]":
+    def view(self, tap_indices: tuple[int, ...] = ()) -> Target[StateT]:
         """The same weights with taps of its own."""
 
     def new_state(self, batch: int = 1) -> StateT: ...

@@ -15,9 +15,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from dspark.errors import RequestError
-from dspark.target.base import check_finite
 from dspark.kernels import argmax
 from dspark.ragged import merge_rows, pack
+from dspark.target.base import check_finite
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -68,7 +68,7 @@ class HFTarget:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.set_taps(tap_indices)
 
-    def view(self, tap_indices: tuple[int, ...] = ()) -> "HFTarget":
+    def view(self, tap_indices: tuple[int, ...] = ()) -> HFTarget:
         """Another target over the same model with its own taps (a plain-decoding twin taps nothing)."""
         return HFTarget(self.model, tap_indices)
 

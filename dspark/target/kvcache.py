@@ -63,13 +63,13 @@ class NativeState:
         self.lengths = self.lengths + keep.to(self.lengths.device)
         self.pending = 0
 
-    def select(self, rows: torch.Tensor) -> "NativeState":
+    def select(self, rows: torch.Tensor) -> NativeState:
         """The sub-batch of `rows` (requests leaving drop out of the batch)."""
         kv = None if self.kv is None else self.kv[:, :, rows.to(self.kv.device)]
         return NativeState(kv, self.lengths[rows])
 
     @staticmethod
-    def merge(states: list["NativeState"], alloc) -> "NativeState":
+    def merge(states: list[NativeState], alloc) -> NativeState:
         """One batch from several states (a request joins after its own prefill)."""
         cap = max(s.capacity for s in states)
         kvs = [s.kv if s.kv is not None else alloc(s.batch, cap) for s in states]

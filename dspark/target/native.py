@@ -97,7 +97,7 @@ class _LayerStack:
     loop in one call, the Python loop's kernels in its order); released with the last target
     view that holds it."""
 
-    def __init__(self, ext, layers: list[Layer], head: "Linear | None" = None):
+    def __init__(self, ext, layers: list[Layer], head: Linear | None = None):
         def weight(lin):
             packed = lin.q4 or lin.q8 or lin.packed
             return [
@@ -124,7 +124,7 @@ class _LayerStack:
             pass
 
     @staticmethod
-    def of(target: "NativeTarget") -> "_LayerStack | None":
+    def of(target: NativeTarget) -> _LayerStack | None:
         """Where every piece of the forward runs on the extension's kernels (bf16 with the matmul
         tile, heads of a multiple of 16, a gate/up width of a multiple of 32), else None."""
         if target._ext is None or target.head_dim % 16:
@@ -334,7 +334,7 @@ class NativeTarget:
         )
 
     # ---- hidden-state taps -------------------------------------------------------------
-    def view(self, tap_indices: tuple[int, ...] = ()) -> "NativeTarget":
+    def view(self, tap_indices: tuple[int, ...] = ()) -> NativeTarget:
         """Another target over the same packed weights with its own taps (nothing is copied)."""
         other = copy.copy(self)
         other.set_taps(tap_indices)

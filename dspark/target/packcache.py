@@ -43,8 +43,8 @@ import dspark
 from dspark import envs, kernels
 from dspark.doctor.cache import cpu_class, directory_digests
 from dspark.errors import DSparkError
-from dspark.target.load import resolve_target
 from dspark.target import native, quant
+from dspark.target.load import resolve_target
 from dspark.target.quant import Linear
 
 log = logging.getLogger("dspark")

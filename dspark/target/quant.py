@@ -138,7 +138,7 @@ class Linear:
         return y if self.b is None else y + self.b
 
 
-def on_tile(lin: "Linear") -> bool:
+def on_tile(lin: Linear) -> bool:
     """Is this weight on dspark's matmul tile (int4, Q8_0 or packed bf16)?"""
     return lin.q4 is not None or lin.q8 is not None or isinstance(lin.packed, tuple)
 

@@ -176,7 +176,7 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "TrainConfig":
+    def from_json(cls, d: dict) -> TrainConfig:
         d = dict(d)
         draft = dict(d.pop("draft"))
         if draft.get("taps") is not None:
@@ -187,7 +187,7 @@ class TrainConfig:
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
-    def locked_differences(self, other: "TrainConfig") -> dict:
+    def locked_differences(self, other: TrainConfig) -> dict:
         """Settings that would change the run if changed at resume: {name: (saved, now)}."""
         a, b = self.to_json(), other.to_json()
         diff = {k: (a[k], b[k]) for k in a if k not in RESUMABLE_CHANGES and k != "draft" and a[k] != b.get(k)}

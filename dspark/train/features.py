@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from dspark.model.taps import SINK_OUTLIER, per_dim_rms
 from dspark.target.hf import decoder_layers
-from dspark.target.native import NativeTarget, supports as native_supports
+from dspark.target.native import NativeTarget
+from dspark.target.native import supports as native_supports
 from dspark.target.quant import FLOAT_NAMES
 from dspark.train.config import FEATURE_RUNTIMES
 from dspark.train.dataset import Sequence

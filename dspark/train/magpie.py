@@ -14,9 +14,10 @@ import json
 import re
 import zlib
 from collections import Counter
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AbstractSet, Any
+from typing import Any
 
 import numpy as np
 import torch

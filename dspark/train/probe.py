@@ -113,10 +113,10 @@ class Pairs:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def take(self, idx: torch.Tensor) -> "Pairs":
+    def take(self, idx: torch.Tensor) -> Pairs:
         return Pairs(self.states[idx], self.anchors[idx], self.labels[idx], self.where[idx])
 
-    def sample(self, n: int | None, seed: int) -> "Pairs":
+    def sample(self, n: int | None, seed: int) -> Pairs:
         """A seeded subset of n pairs (all of them when n is None or >= their count), kept in order."""
         if n is None or n >= len(self):
             return self

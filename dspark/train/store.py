@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from dspark.jsonfile import write_json
-from dspark.train.dataset import FORMAT, MANIFEST, TOKENS, read_packed, read_records, sha256_file as _sha256
+from dspark.train.dataset import FORMAT, MANIFEST, TOKENS, read_packed, read_records
+from dspark.train.dataset import sha256_file as _sha256
 from dspark.train.errors import TrainError
 
 
