@@ -4,6 +4,7 @@ cache and its key, and the loud warning on a flat curve."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -73,6 +74,7 @@ def test_the_cheap_points_get_their_repeats_when_a_pass_fills_the_budget():
 
 def test_cache_round_trip_and_key(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "STALE_CURVE", math.inf)  # the keys here; staleness has its own test
     target = HFTarget(tiny_target())
     first = cost_curve_for(target, 16)
     path = tmp_path / "cost-curves"
@@ -99,6 +101,31 @@ def test_cache_round_trip_and_key(tmp_path, monkeypatch):
     assert curve_identity(bf16, default_grid(16))["dtype"] == "bfloat16"
     other = HFTarget(tiny_target(layers=2))
     assert curve_identity(other, default_grid(16))["config_sha256"] != ident["config_sha256"]
+
+
+def test_a_cached_curve_profiled_on_a_busy_machine_is_profiled_again(tmp_path, monkeypatch, caplog):
+    """A curve cached while another job ran reads every step slow and nearly flat, and every later
+    start drafted where it does not pay: a start whose 1-token step is well under the cached one
+    profiles again and rewrites the cache; one slower than the cache (today's load) keeps it."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target = HFTarget(tiny_target())
+    grid = default_grid(16)
+    path = cache_path(curve_identity(target, grid))
+    ident = curve_identity(target, grid)
+    busy = CostCurve(tuple(grid), tuple(10.0 + 0.001 * t for t in grid), {"identity": ident})  # 10 s a step
+    busy.save(path)
+    with caplog.at_level(logging.INFO, logger="dspark"):
+        fresh = cost_curve_for(target, 16)
+    assert fresh.step_time(1) < 1.0 and CostCurve.load(path).step_time(1) == fresh.step_time(1)
+    assert any("profiled on a busier machine" in r.getMessage() for r in caplog.records)
+    quick = CostCurve(tuple(grid), tuple(1e-9 * t for t in grid), {"identity": ident})  # faster than any step now
+    quick.save(path)
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled again although the machine is only slower now")
+
+    monkeypatch.setattr(costs, "profile_cost_curve", no_profiling)
+    assert cost_curve_for(target, 16).seconds == quick.seconds
 
 
 def test_flat_curve_warns_loudly_once(caplog):

@@ -44,6 +44,13 @@ PROFILER = 4
 # they cost a few ms each, so they take more samples than the large points (docs/SCHEDULING.md).
 SMALL_TOKENS = 4
 SMALL_REPEATS = 15
+# A cached curve whose 1-token step is this many times what one costs now was profiled while the
+# machine was busy (another job, a kernel build): every later start read the load's curve, nearly
+# flat next to its slow step, and drafted where it does not pay. Each start times that step (a few
+# ms) and profiles again past this ratio; a slower step now is today's load, which the adaptive
+# policy's scales follow, and keeps the curve.
+STALE_CURVE = 1.5
+STALE_REPEATS = 7
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,16 @@ def cost_curve_for(
                 curve = None  # a digest collision or a hand-edited file: profile afresh
         except DSparkError as exc:
             log.warning("ignoring unreadable cost curve cache %s: %s", path, exc)
+        if curve is not None:
+            now_s = min(forward_times(target, [1], repeats=STALE_REPEATS)[1])
+            if curve.step_time(1) > STALE_CURVE * now_s:
+                log.info(
+                    "the cached cost curve was profiled on a busier machine (1 token %.1f ms, %.1f ms now): "
+                    "profiling it again",
+                    curve.step_time(1) * 1e3,
+                    now_s * 1e3,
+                )
+                curve = None
     if curve is None:
         progress.started(
             f"profiling the verify cost curve (once per target, runtime and thread count; about {budget_s:.0f} s)"
