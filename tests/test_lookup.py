@@ -268,3 +268,33 @@ def test_the_copy_set_is_a_bench_set_apart_from_the_training_prompts():
     from dspark.train.prompts import Prompt
 
     assert not {Prompt(t).key for t in copy.prompts} & trained
+
+
+def test_a_lookup_steps_own_overhead_is_learned_and_priced():
+    """A lookup step pays a few small ops a plain step does not: measured from the steps (their time
+    outside the forward) and added to its price, so a proposal that only just paid on the curve
+    alone is no longer made."""
+    from types import SimpleNamespace
+
+    def step(kind: str, fixed: float):
+        look = kind == "lookup"
+        return SimpleNamespace(
+            drafting=False,
+            match=[2] if look else None,
+            verified=[1 if look else 0],
+            accepted=[1 if look else 0],
+            t_draft=fixed / 2,
+            t_other=fixed / 2,
+            source=lambda b: kind,
+        )
+
+    lookup = LookupProposer()
+    ix = [LookupIndex(COPY)]
+    assert lookup.extra_seconds == 0.0 and lookup.plan(ix, FLAT.step_time, None).any
+    for _ in range(30):
+        lookup.observe(step("plain", 0.01))
+        lookup.observe(step("lookup", 9.0))  # far dearer than what the best proposal can win back
+    assert lookup.extra_seconds == pytest.approx(8.99, rel=0.05)
+    lookup.observe(step("lookup", 30.0))  # one slow step (descheduled) does not raise the price
+    assert lookup.extra_seconds == pytest.approx(8.99, rel=0.05)
+    assert not lookup.plan(ix, FLAT.step_time, None).any

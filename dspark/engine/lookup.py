@@ -19,6 +19,7 @@ and rejection sampling with q = that point mass stay exact (engine/step.py).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 MATCH_MAX = 4  # the longest suffix matched (n-gram keys of 1..MATCH_MAX tokens)
@@ -26,6 +27,7 @@ LOOKUP_MAX = 8  # tokens proposed at most
 # the prior of an unseen (match length, position): PRIOR_MEAN with the weight of PRIOR_WEIGHT
 # verified proposals; optimistic so that a proposal is tried before its acceptance is known
 PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0
+FIXED_WINDOW = 16  # recent steps of each kind whose least fixed time is that kind's
 DRAFT_EMA = 0.05  # weight of the newest verified draft block in the draft's running gain
 DECAY = 0.98  # weight of the older verifications at each new one: the text's kind changes
 
@@ -133,6 +135,23 @@ class LookupProposer:
         # compared with, per row, when a policy drafts whatever the cost (full, threshold)
         self.draft_gain = 0.0
         self._draft_seen = 0
+        # what a step that verifies lookup tokens costs outside the target's forward beyond what a
+        # plain step does (its proposal, the verify's acceptance and bookkeeping: a few small tensor
+        # ops, each dear right after a forward): the least of each kind's recent fixed times, since
+        # load only ever adds time, and one slow step (a first call, a descheduled one) must not
+        # price the lookup out for good (a lookup that is not proposed measures nothing new)
+        self._fixed: dict[str, deque[float]] = {
+            "lookup": deque(maxlen=FIXED_WINDOW),
+            "plain": deque(maxlen=FIXED_WINDOW),
+        }
+
+    @property
+    def extra_seconds(self) -> float:
+        """A lookup step's fixed time over a plain step's, as measured (0 before both are)."""
+        look, plain = self._fixed["lookup"], self._fixed["plain"]
+        if not look or not plain:
+            return 0.0
+        return max(0.0, min(look) - min(plain))
 
     def describe(self) -> str:
         return (
@@ -155,9 +174,10 @@ class LookupProposer:
         survs = [self.stats.survival(m, len(t)) if m else [] for t, m in props]
         plain = B / step_seconds(B)
         best_rate, best_d = plain, 0
+        extra = self.extra_seconds
         for d in range(1, max((len(s) for s in survs), default=0) + 1):
             gain = sum(sum(s[:d]) for s in survs)
-            rate = (B + gain) / step_seconds(B * (1 + d))
+            rate = (B + gain) / (step_seconds(B * (1 + d)) + extra)
             if rate > best_rate:
                 best_rate, best_d = rate, d
         if draft_rate is not None:
@@ -172,6 +192,9 @@ class LookupProposer:
     def observe(self, res) -> None:
         """A step's result (engine/step.py StepResult): the lookup rows' verifications teach the
         acceptance by match length, the draft rows' the draft's gain."""
+        if not res.drafting:  # the fixed time of a step without the draft's phase, by kind
+            kind = "lookup" if res.match is not None and any(res.match) else "plain"
+            self._fixed[kind].append(res.t_draft + res.t_other)
         match = res.match or [0] * len(res.verified)
         for b, (m, v, a) in enumerate(zip(match, res.verified, res.accepted)):
             if m and v:

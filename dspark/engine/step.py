@@ -271,19 +271,22 @@ def merge_lookup(
     B, dev = batch.anchors.shape[0], batch.anchors.device
     g = prop.tokens.shape[1] if prop is not None else 0
     G = max(g, max(len(t) for t in plan.tokens))
-    tokens = batch.anchors.new_zeros(B, G)
-    if prop is not None:
-        tokens[:, :g] = prop.tokens
-    lengths = n.tolist() if n is not None else [0] * B
     q: list[torch.Tensor | None] = list(prop.q) if prop is not None else [None] * B
-    sources = ["draft" if prop is not None else "plain"] * B
+    if prop is None:  # a lookup step: the tokens made at once from the lists (each small op is dear here)
+        tokens = torch.tensor([t + [0] * (G - len(t)) for t in plan.tokens], dtype=torch.long, device=dev)
+        lengths = [len(t) for t in plan.tokens]
+        sources = ["lookup" if t else "plain" for t in plan.tokens]
+    else:  # the draft's block, each lookup row's tokens in place of its row
+        tokens = batch.anchors.new_zeros(B, G)
+        tokens[:, :g] = prop.tokens
+        lengths = n.tolist() if n is not None else [0] * B
+        sources = ["draft"] * B
+        for b, t in enumerate(plan.tokens):
+            if t:
+                tokens[b] = torch.tensor(t + [0] * (G - len(t)), device=dev)
+                lengths[b], sources[b] = len(t), "lookup"
     for b, t in enumerate(plan.tokens):
-        if not t:
-            continue
-        tokens[b, : len(t)] = torch.tensor(t, device=dev)
-        tokens[b, len(t) :] = 0
-        lengths[b], sources[b] = len(t), "lookup"
-        if not batch.params[b].greedy:  # what the token was drawn from: a point mass
+        if t and not batch.params[b].greedy:  # what the token was drawn from: a point mass
             q[b] = torch.zeros(len(t), vocab, device=dev).scatter_(1, tokens[b, : len(t), None], 1.0)
     conf = prop.conf_logits if prop is not None else None
     return Proposal(tokens, q, conf), torch.tensor(lengths, dtype=torch.long, device=dev), sources
