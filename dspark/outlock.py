@@ -14,7 +14,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,19 +35,34 @@ def output_lock(out, command: str) -> Iterator[Path]:
     """Hold the lock of `out` for the block; a second holder is refused at once, naming the pid of
     the first (a DSparkError: the command exits 2)."""
     path = lock_path(out)
+
+    def refuse(fd: int) -> None:
+        raise DSparkError(
+            f"{out} is being written by another process ({_holder(fd)}; lock file {path}): two writers "
+            "would corrupt it. Wait for that run to end or stop it, or choose another output"
+        )
+
+    with _flocked(path, command, refuse):
+        yield path
+
+
+@contextmanager
+def _flocked(path: Path, who: str, busy: Callable[[int], None]) -> Iterator[None]:
+    """An exclusive flock on `path` for the block, `who` written in it for a second comer (who gets
+    busy(fd): a refusal, or a wait). The kernel drops it with the process, however it ends."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken = True
         except BlockingIOError:
-            raise DSparkError(
-                f"{out} is being written by another process ({_holder(fd)}; lock file {path}): two writers "
-                "would corrupt it. Wait for that run to end or stop it, or choose another output"
-            ) from None
+            taken = False
+        if not taken:  # outside the handler: a refusal raised here carries no BlockingIOError context
+            busy(fd)
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {command}\n".encode())  # who holds it, for the refusal above
-        yield path
+        os.write(fd, f"{os.getpid()} {who}\n".encode())  # who holds it, for the second comer
+        yield
     finally:
         os.close(fd)  # releases the lock
 
@@ -67,21 +82,14 @@ def shared_build(directory: Path, what: str) -> Iterator[None]:
     builds there. Under it, a lock file torch's cpp_extension left in the directory (`lock`,
     taken by creating the file and dropped by deleting it) is stale: its builder was stopped before
     it could delete it, and every later load would wait on it forever. It is removed, saying so."""
-    path = directory.with_name(f".{directory.name}.build.lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("waiting for another process building %s (%s) ...", what, _holder(fd))
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} build {what}\n".encode())
+
+    def wait(fd: int) -> None:
+        log.warning("waiting for another process building %s (%s) ...", what, _holder(fd))
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+    with _flocked(directory.with_name(f".{directory.name}.build.lock"), f"build {what}", wait):
         stale = directory / "lock"
         if stale.exists():
             log.warning("removing %s: a build of %s was stopped midway and left it behind", stale, what)
             stale.unlink(missing_ok=True)
         yield
-    finally:
-        os.close(fd)

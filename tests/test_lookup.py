@@ -14,7 +14,7 @@ from dspark.engine.scheduler import FullScheduler
 from dspark.engine.step import flush_context
 from dspark.target.load import make_target
 
-from tests.test_engine import _exact_joint, _flat_target
+from tests.test_engine import _exact_joint, _flat_target, chi_square_pvalue
 from tests.tiny import hf_greedy, tiny_draft, tiny_target
 
 # a verify that costs about what a step does: a lookup proposal pays from a low acceptance
@@ -150,8 +150,6 @@ def test_lookup_steps_leave_the_draft_context_exactly_the_committed_tokens(targe
 def test_sampling_with_lookup_proposals_is_exact_chi_square(with_draft):
     """A lookup proposal is a point mass: rejection sampling against it reproduces the target's
     joint law of the first 3 tokens (chi-square at 0.001 over 3000 seeded generations)."""
-    from scipy.stats import chisquare
-
     model = _flat_target()
     draft = tiny_draft(model, gamma=3, markov_rank=4, mask_token_id=5) if with_draft else None
     prompt = [1, 2, 4, 1, 2, 4, 1, 2]  # "1 2" occurred before: the lookup proposes "4 1 2 ..."
@@ -162,23 +160,7 @@ def test_sampling_with_lookup_proposals_is_exact_chi_square(with_draft):
     exact = _exact_joint(model, prompt, params[0], 3)
     look = engine.metrics.lookup
     assert look is not None and 0 < look.accepted < look.verified  # both branches ran
-    keys = sorted(exact, key=exact.get)
-    e, o, acc_e, acc_o = [], [], 0.0, 0.0
-    counts: dict[tuple, int] = {}
-    for r in reqs:
-        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
-    assert set(counts) <= {k for k, v in exact.items() if v > 0}
-    for k in keys:
-        acc_e += exact[k] * len(reqs)
-        acc_o += counts.get(k, 0)
-        if acc_e >= 5:
-            e.append(acc_e)
-            o.append(acc_o)
-            acc_e = acc_o = 0.0
-    e[-1] += acc_e
-    o[-1] += acc_o
-    e = [x * sum(o) / sum(e) for x in e]
-    assert chisquare(o, e).pvalue > 1e-3
+    assert chi_square_pvalue([r.output_ids for r in reqs], exact) > 1e-3
 
 
 def test_lookup_tokens_are_marked_and_counted_apart_from_the_draft(target):
