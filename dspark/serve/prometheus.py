@@ -140,9 +140,10 @@ class ServerMetrics:
         if batch:
             self.batch_size.observe(batch)
         s = self._seen
-        for name, _ in self._proposers:  # before the draft's own series below update _seen
-            self._proposer_step(name, m if name == "draft" else m.lookup, s if name == "draft" else s.lookup)
+        if self.gamma:  # the draft's series by proposer: before the ones below move _seen on
+            self._proposer_step("draft", m, s)
         if s.lookup is not None and m.lookup is not None:
+            self._proposer_step("lookup", m.lookup, s.lookup)
             self._advance(s.lookup, m.lookup)
         self.verify_steps.inc(m.steps - s.steps)
         self.plain_steps.inc(m.plain_steps - s.plain_steps)
@@ -156,9 +157,7 @@ class ServerMetrics:
         self._advance(s, m)
         s.plain_steps = m.plain_steps
 
-    def _proposer_step(self, name: str, m: SpecMetrics | None, s: SpecMetrics | None) -> None:
-        if m is None or s is None:
-            return
+    def _proposer_step(self, name: str, m: SpecMetrics, s: SpecMetrics) -> None:
         self.proposer_steps.labels(proposer=name).inc(m.steps - s.steps)
         for stage, now, was in (
             ("proposed", m.drafted, s.drafted),
