@@ -53,7 +53,8 @@ class EngineConfig:
     # the draft's matrices on dspark's CPU kernels: auto | q4 | q8 | bf16 (model/fast.py; auto: q4)
     draft_weights: str = "auto"
     # what dspark's int4 / Q8_0 matmuls (target and draft) do with their activations: auto (8-bit per
-    # 32 inputs on AVX2, as llama.cpp runs the same file; bf16 on AVX-512) | int8 | bf16 (AVX2: closer
+    # 32 inputs on AVX2, as llama.cpp runs the same file, and on Intel Xeon with AMX, where they are
+    # faster; bf16 on other AVX-512 CPUs: kernels.int8_by_default) | int8 | bf16 (AVX2: closer
     # to the model's numbers, slower). Chosen once a process (kernels.choose_activations)
     activations: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)

@@ -232,6 +232,22 @@ ACTIVATIONS = ("auto", "int8", "bf16")
 _activations = "auto"
 
 
+# CPU flags that mark the class whose AVX-512 build runs faster on 8-bit activations than on bf16 at
+# every row count (Intel Xeon, Sapphire / Emerald Rapids: its AMX is the marker, the tile used is
+# AVX512-VNNI's vpdpbusd; docs/BENCHMARKS.md "Current results, per CPU class")
+INT8_CLASS = ("amx_int8", "avx512_vnni")
+
+
+def int8_by_default() -> bool:
+    """Does `auto` give the AVX-512 build 8-bit activations on this CPU? Measured by class: on Intel
+    Xeon with AMX (Sapphire / Emerald Rapids) vdpbf16ps is the slow path, and 8-bit activations on
+    vpdpbusd make a 1-token SmolLM2 step ~1.45x faster, a 2-token verify ~1.1x a step instead of
+    ~1.45x and prefill ~2.8x faster; on AMD Zen 4 they made the 1-token step 2-4 % slower, so bf16
+    stays there (and on any class not measured)."""
+    flags = _cpu_flags()
+    return all(f in flags for f in INT8_CLASS)
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -271,7 +287,11 @@ def extension():
     if isa is not None:
         # the int4 and Q8_0 matmuls' activations (q4_activations): the AVX2 build's are 8-bit unless
         # asked not to, the AVX-512 build's 8-bit where asked for (choose_activations checked the CPU)
-        int8 = _activations != "bf16" if isa == "avx2" else _activations == "int8"
+        # or, left to auto, on the CPU class where they are the faster ones (`int8_by_default`)
+        if isa == "avx2":
+            int8 = _activations != "bf16"
+        else:
+            int8 = _activations == "int8" or (_activations == "auto" and int8_by_default())
         cflags = ISAS[isa][1]
         if isa == "avx2" and not int8:
             cflags += ("-DDSPARK_ACT8=0",)
@@ -350,7 +370,9 @@ def q4_activations() -> str | None:
     build, the AVX2 build's rule and steps): it makes verifies of 4-8 tokens cheaper, where the bf16 dot
     products bound the tile, but not a 1- or 2-token step, which streams its weights (docs/BENCHMARKS.md,
     Zen 4; docs/history/benchmarks.md "the floors, measured"), and 1 row is what plain decoding runs;
-    so `auto` keeps bf16, the model nearer the fp32 one. Either is the target model of its build:
+    so `auto` keeps bf16 there, the model nearer the fp32 one. On Intel Xeon with AMX (Sapphire / Emerald
+    Rapids) the same 8-bit tile is faster at every row count, one included, so `auto` takes it there
+    (`int8_by_default`). Either is the target model of its build:
     verification is lossless against it, and its products are checked against the quantised model
     (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations."""
     extension()
@@ -365,7 +387,8 @@ def check_activations(mode: str) -> None:
 
 def choose_activations(mode: str) -> None:
     """The activations dspark's int4 and Q8_0 matmuls take in this process (`q4_activations`):
-    'auto' (the build's default: 8-bit on AVX2, bf16 on AVX-512), 'int8' (the AVX2 build, or the
+    'auto' (the build's default: 8-bit on AVX2 and on Intel Xeon with AMX, bf16 on other AVX-512
+    CPUs: `int8_by_default`), 'int8' (the AVX2 build, or the
     AVX-512 one where the CPU has AVX512-VNNI) or 'bf16'. The choice is
     the extension's build, so it is made before the kernels first load; asking for the other one
     after that, or for one this CPU's build does not have, is an error naming both."""

@@ -57,7 +57,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=d.activations,
         choices=ACTIVATIONS,
         help="activations of dspark's int4 / Q8_0 CPU matmuls: auto (default: 8-bit per 32 inputs on AVX2, "
-        "as llama.cpp runs the file; bf16 on AVX-512), int8, bf16 (AVX2: closer to the model, slower)",
+        "as llama.cpp runs the file, and on Intel Xeon with AMX; bf16 on other AVX-512 CPUs), int8, bf16 "
+        "(closer to the model; slower on AVX2 and Intel)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
