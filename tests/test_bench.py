@@ -355,9 +355,24 @@ def test_bench_runtime_command_on_any_supported_target(setup, capsys):
     out = capsys.readouterr().out
     assert "| native-fp32 | fp32 |" in out and "8-token verify / 1-token step" in out and "weights='auto' picks" in out
     assert "Draft phase" not in out  # a target other than smollm2 has no draft by default
-    # with a draft: its drafting phase on each native arm, against that arm's own 1-token step
+    # prefill tokens/s of the default lengths the target holds
     from dspark.bench import runtime
+    from transformers import AutoConfig
 
+    positions = AutoConfig.from_pretrained(setup / "target").max_position_embeddings
+    holds = [n for n in runtime.PREFILL if n <= positions]
+    assert ("Prefill (one forward" in out) == bool(holds)
+    assert all(f"| {n} tokens" in out for n in holds)
+    rows = runtime.run(
+        ["hf-fp32", "native-fp32"], 1, 4, 2, 8, str(setup / "target"), "cpu", None, "auto", prefill=(5, 12)
+    )
+    assert all(set(r["prefill_tok_s"]) == {5, 12} and min(r["prefill_tok_s"].values()) > 0 for r in rows)
+    table = runtime.table(rows, 1, 4, 8, str(setup / "target"))
+    assert "| 5 tokens | 12 tokens |" in table and "| native-fp32 | " in table.split("Prefill")[1]
+    assert "x transformers bf16" not in table  # no hf-bf16 arm: tokens/s alone
+    with pytest.raises(DSparkError, match="--prefill 100000"):
+        runtime.run(["native-fp32"], 1, 4, 1, 8, str(setup / "target"), "cpu", None, "auto", prefill=(100000,))
+    # with a draft: its drafting phase on each native arm, against that arm's own 1-token step
     rows = runtime.run(["hf-fp32", "native-fp32"], 1, 6, 1, 16, str(setup / "target"), "cpu", str(setup / "draft"))
     native = rows[1]
     assert "draft_ms" not in rows[0] and set(native["draft_ms"]) == {1, 2, 3}

@@ -147,10 +147,11 @@ def test_a_changed_weight_file_format_or_kernel_packs_again(saved, packing, monk
     monkeypatch.setenv("DSPARK_CACHE", str(saved.parent / "cache"))
     # another weight format, and another kernel build or activation format, pack again
     tag = kernels.build_tag()
+    other = "bf16" if kernels.q4_activations() == "int8" else "int8"  # the activations this build does not take
     for change, weights in (
         (lambda: None, "int8"),
         (lambda: monkeypatch.setattr(kernels, "build_tag", lambda: f"{tag}-rebuilt"), "auto"),
-        (lambda: monkeypatch.setattr(kernels, "q4_activations", lambda: "int8"), "auto"),
+        (lambda: monkeypatch.setattr(kernels, "q4_activations", lambda: other), "auto"),
     ):
         change()
         before = len(packing)

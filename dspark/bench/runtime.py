@@ -55,6 +55,9 @@ PROMPT = (
 )
 
 
+PREFILL = (512, 2000)  # prompt lengths whose prefill the arms time by default
+
+
 def cpu_class() -> str:
     """'<model name>, <n> cores, <ISA features that decide bf16/int kernels>'."""
     name, flags = cpu_model_and_flags()
@@ -108,6 +111,18 @@ def _verify_costs(target, context: int, sizes=(1, 2, 4, 8), reps: int = 5) -> di
     return {s: min(ts) for s, ts in forward_times(target, list(sizes), repeats=reps, context=context).items()}
 
 
+def _prefill_seconds(model, target, ids: torch.Tensor, device) -> float:
+    """Seconds of one forward over a whole prompt `ids` [1, n] from an empty cache, only the last
+    position's logits made (what a prompt costs before its first token): transformers' own model
+    (`logits_to_keep=1`) where `model` is given, else dspark's target (`logits="last"`)."""
+    t = now(device)
+    if model is not None:
+        model(ids.to(device), logits_to_keep=1, use_cache=True)
+    else:
+        target.forward(target.new_state(1), ids.to(device), logits="last")
+    return now(device) - t
+
+
 def arm_kind(arm: str) -> tuple[str, str]:
     """'native-int4' -> ('native', 'int4'); 'llamacpp' -> ('llamacpp', 'gguf'); an unknown arm is refused by name."""
     if arm == LLAMACPP:
@@ -158,6 +173,9 @@ class _TorchArm:
     def forward_costs(self, context: int, reps: int = 5) -> dict[int, float]:
         return _verify_costs(self.target, context, reps=reps)
 
+    def prefill(self, ids: torch.Tensor) -> float:
+        return _prefill_seconds(self.model, self.target, ids, self.device)
+
     def close(self) -> None:
         pass
 
@@ -178,7 +196,12 @@ def run(
     device: str = "cpu",
     draft: str | None = None,
     draft_weights: str = "auto",
+    prefill: tuple[int, ...] | None = (),
 ) -> list[dict]:
+    """Each arm's plain decode tokens/s, forward costs (1-8 tokens on a `context` cache), drafting
+    phase, and prefill tokens/s of a prompt of each `prefill` length (None: PREFILL, those the
+    target holds; arms without a prefill measurement, llama.cpp's, leave it out); rounds alternate
+    the arms' order."""
     torch.set_num_threads(threads)
     m32, tok = load_target(target, "fp32", device)
     if tok is None:
@@ -189,6 +212,16 @@ def run(
         raise DSparkError(
             f"--context {context} does not fit the target's {m32.config.max_position_embeddings} positions"
         )
+    if prefill is None:
+        prefill = tuple(n for n in PREFILL if n <= m32.config.max_position_embeddings)
+    too_long = [n for n in prefill if not 0 < n <= m32.config.max_position_embeddings]
+    if too_long:
+        raise DSparkError(
+            f"--prefill {','.join(map(str, too_long))}: a prompt must have 1 to the target's "
+            f"{m32.config.max_position_embeddings} positions"
+        )
+    gen = torch.Generator().manual_seed(0)
+    prompts = {n: torch.randint(4, m32.config.vocab_size, (1, n), generator=gen) for n in prefill}
     timer = ForwardTimer(m32, device)  # native targets: their forward; hf-fp32 engine arms: the module
     runners: dict[str, _TorchArm | llamacpp.LlamaCppArm] = {}
     natives: dict[str, NativeTarget] = {}  # the native arms' targets (their drafts run after their steps)
@@ -214,6 +247,7 @@ def run(
         over: dict[str, list[float]] = {a: [] for a in arms}
         cost: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
         phase: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
+        pre: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
         drafted = {a: drafts.get(natives[a].dtype) if arm_kind(a)[0] == "native" else None for a in arms}
         with torch.inference_mode():
             for a in arms:  # warm-up: first calls pay allocator and kernel selection
@@ -221,6 +255,9 @@ def run(
                 runners[a].forward_costs(32, reps=1)
                 if drafted[a] is not None:
                     _draft_phases(drafted[a], natives[a], reps=1)
+                runner = runners[a]
+                if prompts and isinstance(runner, _TorchArm):
+                    runner.prefill(prompts[min(prompts)][:, :64])
             for r in range(rounds):
                 order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
                 for a in order:
@@ -231,6 +268,9 @@ def run(
                     cost[a].append(runners[a].forward_costs(context))
                     if drafted[a] is not None:
                         phase[a].append(_draft_phases(drafted[a], natives[a]))
+                    runner = runners[a]
+                    if prompts and isinstance(runner, _TorchArm):
+                        pre[a].append({n: runner.prefill(p) for n, p in prompts.items()})
     finally:
         timer.close()
         for arm in runners.values():
@@ -250,6 +290,8 @@ def run(
                 "verify8_over_1": t[8] / t[1],
             }
         )
+        if pre[a]:  # each length's fastest round (load from other processes only adds time)
+            rows[-1]["prefill_tok_s"] = {n: n / min(x[n] for x in pre[a]) for n in prefill}
         if phase[a]:
             p = {d: statistics.median(x[d] for x in phase[a]) for d in DRAFT_DEPTHS}
             rows[-1]["draft"] = fast.describe(drafted[a])
@@ -276,6 +318,24 @@ def table(rows: list[dict], threads: int, tokens: int, context: int, target: str
         ms = " | ".join(f"{r['ms'][s]:.1f}" for s in (1, 2, 4, 8))
         ov = "-" if r["engine_overhead"] is None else f"{100 * r['engine_overhead']:.1f}%"
         out.append(f"| {r['arm']} | {fmt} | {r['tokens_per_s']:.1f} | {x} | {ov} | {ms} | {r['verify8_over_1']:.2f}x |")
+    prefilled = [r for r in rows if "prefill_tok_s" in r]
+    if prefilled:
+        lengths = sorted(prefilled[0]["prefill_tok_s"])
+        ref = next((r["prefill_tok_s"] for r in prefilled if r["arm"] == "hf-bf16"), None)
+        out += [
+            "",
+            "Prefill (one forward over a prompt from an empty cache, last position's logits), tokens/s"
+            + (" and x transformers bf16:" if ref else ":"),
+            "",
+            "| arm | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
+        for r in prefilled:
+            cells = [
+                f"{r['prefill_tok_s'][n]:.0f}" + (f" ({r['prefill_tok_s'][n] / ref[n]:.2f}x)" if ref else "")
+                for n in lengths
+            ]
+            out.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
     drafted = [r for r in rows if "draft_ms" in r]
     if drafted:
         out += [

@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-draft", action="store_true", help="time no drafting phase")
     p.add_argument(
+        "--prefill",
+        default=None,
+        help="prompt lengths whose prefill each arm times, comma-separated ('' for none; default 512,2000, "
+        "those the target holds)",
+    )
+    p.add_argument(
         "--draft-weights",
         default="auto",
         choices=DRAFT_WEIGHTS,
@@ -48,6 +54,10 @@ def run(args) -> int:
     if args.no_draft and args.draft:
         raise DSparkError("--draft and --no-draft: choose one")
     draft = None if args.no_draft else (args.draft or default_draft(args.target))
+    try:
+        prefill = None if args.prefill is None else tuple(int(n) for n in args.prefill.split(",") if n.strip())
+    except ValueError:
+        raise DSparkError(f"--prefill {args.prefill!r}: comma-separated prompt lengths, e.g. 512,2000") from None
     rows = run_arms(
         arms,
         args.threads,
@@ -58,6 +68,7 @@ def run(args) -> int:
         args.device,
         None if draft is None else str(draft),
         args.draft_weights,
+        prefill,
     )
     print(table(rows, args.threads, args.tokens, args.context, args.target))
     auto = resolve_weights(load_target(args.target, "fp32", args.device)[0], "auto", args.device)
