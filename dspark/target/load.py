@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dspark import envs
+from dspark import envs, kernels
 from dspark.errors import DSparkError
 from dspark.progress import step
 from dspark.target.base import Target
@@ -298,9 +298,11 @@ def _open_native(
         )
         if own == "int4" and (not dtype_given or act == torch.bfloat16):
             act = torch.bfloat16  # weights stay "auto": int4 layers, a head that is not 4-bit kept in float
+            cpu = str(device).startswith("cpu")
+            eight = " (8-bit in the int4 and Q8_0 matmuls)" if cpu and kernels.q4_activations() == "int8" else ""
             notes.append(
                 "weights auto -> int4 (the model's layers are exact 4-bit groups of 32, as its GGUF "
-                "ships them), bf16 activations"
+                f"ships them), bf16 activations{eight}"
             )
         else:
             weights = FLOAT_NAMES[act]
