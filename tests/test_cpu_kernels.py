@@ -309,6 +309,10 @@ def _check_attention(mod):
         (2, 4, 7, 1, 64, 80, (15, 60)),
         (1, 3, 14, 2, 64, 60, (33,)),
         (2, 2, 8, 4, 128, 50, (0, 47)),
+        # a prefill's many positions (heads of 64, 3 query heads a KV head, as SmolLM2's): positions
+        # in blocks of up to 4 share their keys' loads on the AVX-512 build (csrc/attn.cpp attend_rows)
+        (1, 37, 9, 3, 64, 64, (0,)),
+        (2, 9, 9, 3, 64, 100, (50, 3)),
     ]:
         q = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
         kv = (torch.randn(2, B, Hkv, C, D, generator=g) * 2).to(torch.bfloat16)
@@ -316,10 +320,12 @@ def _check_attention(mod):
         o = mod.attn_bf16(q, kv[0], kv[1], pos, D**-0.5)
         ref = _attention_reference(q, kv[0], kv[1], pos)
         assert ((o.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-4).all(), (Hq, Hkv, D)
-        # a row alone, or with other rows around it, gets the same bits
-        b, s = B - 1, S // 2
-        alone = mod.attn_bf16(q[b:, s : s + 1], kv[0][b:], kv[1][b:], pos[b:, s : s + 1], D**-0.5)
-        assert torch.equal(alone[0, 0], o[b, s]), (Hq, Hkv, D)
+        # a row alone, or with other rows around it (any of them, in any order), gets the same bits
+        for b, s in [(B - 1, S // 2)] if S < 9 else [(b, s) for b in range(B) for s in range(S)]:
+            alone = mod.attn_bf16(q[b:, s : s + 1], kv[0][b:], kv[1][b:], pos[b:, s : s + 1], D**-0.5)
+            assert torch.equal(alone[0, 0], o[b, s]), (Hq, Hkv, D, b, s)
+        rev = torch.arange(S - 1, -1, -1)
+        assert torch.equal(mod.attn_bf16(q[:, rev], kv[0], kv[1], pos[:, rev], D**-0.5), o.view(B, S, Hq * D)[:, rev])
     with pytest.raises(RuntimeError, match="outside the cache"):
         mod.attn_bf16(q, kv[0], kv[1], pos + C, D**-0.5)
 
