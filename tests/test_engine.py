@@ -244,6 +244,60 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
         assert torch.allclose(mine.k, ref.k, atol=1e-5) and torch.allclose(mine.v, ref.v, atol=1e-5)
 
 
+def test_a_request_joining_leaves_the_batchs_waiting_taps_waiting_and_every_context_catches_up():
+    """A request joining a batch whose steps skipped drafting: the batch's waiting taps keep waiting
+    (no draft call at the join: the new row skips them, zeros in their place) and later steps still
+    append; once the draft has run, every row's draft context equals a clean prefill of its own
+    committed tokens. Tokens 0-5 (the tiny target's vocabulary), vocab 6."""
+    from dspark.engine.scheduler import FullScheduler
+    from dspark.engine.step import flush_context
+
+    class EveryFourth(FullScheduler):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def should_draft(self, batch):
+            self.calls += 1
+            return self.calls % 4 == 0
+
+    model = _flat_target()
+    draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
+    engine = engine_for(model, draft, policy=EveryFourth())
+    params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+    engine.add_request([1, 2, 3], SamplingParams(seed=7, **params))
+    engine._admit()
+    engine.step()
+    engine.step()  # two plain steps: the prompt's taps and theirs wait
+    waiting = sum(p.shape[1] for p in engine.batch.pending)
+    assert waiting == 3 + 2 and engine.batch.unposted is None
+    engine.add_request([4, 1, 0, 2], SamplingParams(seed=8, **params))
+    engine._admit()
+    b = engine.batch
+    assert len(engine.running) == 2 and b.unposted is None
+    assert sum(p.shape[1] for p in b.pending) == waiting and b.skip is not None and b.skip.tolist() == [0, waiting]
+    assert b.ctx is not None and b.ctx.lengths.tolist() == [0, 4]  # only the new prompt entered the context
+    engine.step()  # plain: appends for both rows
+    assert len(engine.batch.pending) == 2 and engine.batch.skip is not None
+    for _ in range(8):  # drafting steps (the fourth call and every fourth after it) and plain ones between
+        engine.step()
+    assert engine.metrics.plain_steps > 0 and len(engine.running) == 2
+    flush_context(draft, engine.batch)
+    ctx_all = engine.batch.ctx
+    for r, req in enumerate(engine.running):
+        committed = req.prompt_ids + req.output_ids[:-1]  # the last token is the anchor: not run yet
+        assert int(ctx_all.lengths[r]) == len(committed)
+        clean = engine.target.new_state(1)
+        _, taps = engine.target.forward(clean, torch.tensor([committed]))
+        ref = draft.new_context_cache(1, "cpu", torch.float32)
+        draft.extend_context(ref, taps, torch.tensor([len(committed)]))
+        mine = ctx_all.select(torch.tensor([r]))
+        mine.lengths = mine.lengths.clone()
+        for a, c in zip(mine.valid(), ref.valid()):
+            n = len(committed)
+            assert torch.allclose(a.k[:, :, :n], c.k, atol=1e-5) and torch.allclose(a.v[:, :, :n], c.v, atol=1e-5), r
+
+
 def test_drafting_fewer_slots_drafts_the_same_first_slots():
     """propose(depth=d) gives the first d tokens, distributions and confidences of a full proposal
     (greedy and sampled rows, with and without the walk kernel); a depth outside 1..g is refused."""

@@ -6,7 +6,8 @@
 - `StepResult`: what a step committed and how long its parts took, per request;
 - the draft context's deferred commit: the taps a step commits wait in the batch (`pending`,
   `unposted`) until the next drafting call takes them (`take_pending`), joined per row by
-  the steps that do not draft (`wait_taps`).
+  the steps that do not draft (`wait_taps`), and kept waiting when rows join (`merged`: the new
+  rows `skip` the positions made before they joined).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Batch:
     # positions in `unposted` that steps without drafting left there (lookup steps, and the plain
     # steps after them): a catch-up for the next drafting call, like `pending`
     joined: int = 0
+    # [B] int64: positions at the start of `pending` that a row does not commit (rows that joined
+    # the batch after those steps: zeros in their place); None: none (`merge_waiting`)
+    skip: torch.Tensor | None = None
 
     def select(self, keep: list[int], target) -> Batch:
         """The batch of rows `keep` (in that order), everything a row holds kept with it; target: the
@@ -58,6 +62,7 @@ class Batch:
             None if self.unposted is None else (self.unposted[0][rows], self.unposted[1][rows]),
             None if self.lookup is None else [self.lookup[i] for i in keep],
             self.joined,
+            None if self.skip is None else self.skip[rows],
         )
 
 
@@ -116,8 +121,34 @@ def take_pending(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None
     if not batch.pending:
         return None, None
     taps = torch.cat(batch.pending, dim=1) if len(batch.pending) > 1 else batch.pending[0]
-    batch.pending = []
-    return taps, torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long, device=taps.device)
+    skip, batch.pending, batch.skip = batch.skip, [], None
+    B, K = taps.shape[:2]
+    if skip is None:
+        return taps, torch.full((B,), K, dtype=torch.long, device=taps.device)
+    # each row's own positions moved to the front (one gather); past counts[r] a row holds copies
+    # that nothing commits
+    at = (torch.arange(K, device=taps.device)[None, :] + skip[:, None]).clamp(max=K - 1)
+    return taps.gather(1, at[..., None].expand(B, K, taps.shape[2])), K - skip
+
+
+def merge_waiting(
+    a: Batch, more: int
+) -> tuple[list[torch.Tensor], torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What batch a's rows and `more` rows joining after them wait for in the draft context, as
+    (pending, skip, unposted) of the merged batch: a's plain steps' taps keep waiting, the new rows
+    skipping them (zeros in their place), so that the steps after the merge still only append;
+    a's last drafting step's taps (ragged) keep waiting with a count of 0 for the new rows."""
+    if a.pending:
+        taps = torch.cat(a.pending, dim=1) if len(a.pending) > 1 else a.pending[0]
+        B, K = taps.shape[:2]
+        before = a.skip if a.skip is not None else torch.zeros(B, dtype=torch.long, device=taps.device)
+        skip = torch.cat([before, before.new_full((more,), K)])
+        return [torch.cat([taps, taps.new_zeros(more, *taps.shape[1:])])], skip, None
+    if a.unposted is not None:
+        taps, counts = a.unposted
+        rows = torch.cat([taps, taps.new_zeros(more, *taps.shape[1:])])
+        return [], None, (rows, torch.cat([counts, counts.new_zeros(more)]))
+    return [], None, None
 
 
 def join_taps(
@@ -152,3 +183,23 @@ def wait_taps(batch: Batch, taps: torch.Tensor, counts: torch.Tensor | None = No
     else:
         batch.unposted = join_taps(w_taps, w_counts, taps, counts)
     batch.joined = joined + taps.shape[1]
+
+
+def merged(a: Batch, b: Batch, target: TargetState, ctx: ContextCache | None) -> Batch:
+    """Batch a with b's rows after its own, given their merged target state and draft context; b
+    waits for nothing (its taps are in its context). a's waiting taps keep waiting
+    (`merge_waiting`): a batch whose policy skips drafting for a while, as batched decoding often
+    does, pays no draft call when a request joins."""
+    pending, skip, unposted = merge_waiting(a, b.anchors.shape[0])
+    return Batch(
+        target,
+        ctx,
+        torch.cat([a.anchors, b.anchors]),
+        a.params + b.params,
+        a.generators + b.generators,
+        pending,
+        unposted,
+        a.lookup + b.lookup if a.lookup is not None and b.lookup is not None else None,
+        a.joined,
+        skip,
+    )

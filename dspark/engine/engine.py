@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dspark.engine.adaptive import DraftPrior
-from dspark.engine.batch import Batch, StepResult
+from dspark.engine.batch import Batch, StepResult, merged
 from dspark.engine.detok import Detokenizer
 from dspark.engine.lookup import LOOKUP_MAX, LookupIndex, LookupProposer
 from dspark.engine.marks import TokenMark, step_marks
@@ -321,18 +321,13 @@ class Engine:
         return finished
 
     def _merge(self, a: Batch, b: Batch) -> Batch:
-        for x in (a, b):  # rows joining must share one context length: no taps left waiting
-            flush_context(self.draft, x)
+        """The running batch a and the rows b joining it: b's waiting taps (a new prompt's) enter the
+        draft context now, a's keep waiting (`batch.merged`)."""
+        flush_context(self.draft, b)
         if a.ctx is not None and b.ctx is None:
             raise RuntimeError("merging a batch with a draft context and one without")
-        return Batch(
-            self.target.merge([a.target, b.target]),
-            ContextCache.merge([a.ctx, b.ctx]) if a.ctx is not None and b.ctx is not None else None,
-            torch.cat([a.anchors, b.anchors]),
-            a.params + b.params,
-            a.generators + b.generators,
-            lookup=a.lookup + b.lookup if a.lookup is not None and b.lookup is not None else None,
-        )
+        ctx = ContextCache.merge([a.ctx, b.ctx]) if a.ctx is not None and b.ctx is not None else None
+        return merged(a, b, self.target.merge([a.target, b.target]), ctx)
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self.running) if not r.finished]
