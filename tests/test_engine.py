@@ -246,9 +246,9 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
 
 def test_a_request_joining_leaves_the_batchs_waiting_taps_waiting_and_every_context_catches_up():
     """A request joining a batch whose steps skipped drafting: the batch's waiting taps keep waiting
-    (no draft call at the join: the new row skips them, zeros in their place) and later steps still
-    append; once the draft has run, every row's draft context equals a clean prefill of its own
-    committed tokens. Tokens 0-5 (the tiny target's vocabulary), vocab 6."""
+    (no draft call at the join: the new row commits none of them) and later plain steps only append;
+    once the draft has run, every row's draft context equals a clean prefill of its own committed
+    tokens. Tokens 0-5 (the tiny target's vocabulary)."""
     from dspark.engine.scheduler import FullScheduler
     from dspark.engine.step import flush_context
 
@@ -274,11 +274,13 @@ def test_a_request_joining_leaves_the_batchs_waiting_taps_waiting_and_every_cont
     engine.add_request([4, 1, 0, 2], SamplingParams(seed=8, **params))
     engine._admit()
     b = engine.batch
-    assert len(engine.running) == 2 and b.unposted is None
-    assert sum(p.shape[1] for p in b.pending) == waiting and b.skip is not None and b.skip.tolist() == [0, waiting]
+    assert len(engine.running) == 2 and not b.pending and b.unposted is not None
+    assert b.unposted[1].tolist() == [waiting, 0] and b.joined == waiting  # a catch-up for the next draft
     assert b.ctx is not None and b.ctx.lengths.tolist() == [0, 4]  # only the new prompt entered the context
-    engine.step()  # plain: appends for both rows
-    assert len(engine.batch.pending) == 2 and engine.batch.skip is not None
+    before = b.unposted[0]
+    engine.step()  # plain: appends for both rows, and what waited stays as it was (no join a step)
+    assert len(engine.batch.pending) == 1 and engine.batch.unposted is not None
+    assert engine.batch.unposted[0] is before
     for _ in range(8):  # drafting steps (the fourth call and every fourth after it) and plain ones between
         engine.step()
     assert engine.metrics.plain_steps > 0 and len(engine.running) == 2

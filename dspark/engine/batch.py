@@ -6,8 +6,7 @@
 - `StepResult`: what a step committed and how long its parts took, per request;
 - the draft context's deferred commit: the taps a step commits wait in the batch (`pending`,
   `unposted`) until the next drafting call takes them (`take_pending`), joined per row by
-  the steps that do not draft (`wait_taps`), and kept waiting when rows join (`merged`: the new
-  rows `skip` the positions made before they joined).
+  the steps that do not draft (`wait_taps`), and kept waiting when rows join (`merged`).
 """
 
 from __future__ import annotations
@@ -35,18 +34,15 @@ class Batch:
     # that skipped drafting, every row the same k): a plain step does not pay for the context
     # update; the next drafting step adds them in one call
     pending: list[torch.Tensor] = field(default_factory=list)
-    # the last drafting step's taps [B, 1+m, F] and how many of each row it committed [B]: the
-    # next drafting step's call posts them with its block (one call, not two, a step); a plain
-    # step posts them first. Never set while `pending` holds taps.
+    # the last drafting step's taps [B, 1+m, F] and how many of each row it committed [B] (or what
+    # a lookup step or a join left waiting, ragged): the next drafting step's call posts them with
+    # its block (one call, not two, a step). `pending`'s positions come after these.
     unposted: tuple[torch.Tensor, torch.Tensor] | None = None
     # per row, the index the lookup proposer reads (None: no lookup)
     lookup: list[LookupIndex] | None = None
     # positions in `unposted` that steps without drafting left there (lookup steps, and the plain
-    # steps after them): a catch-up for the next drafting call, like `pending`
+    # steps before them): a catch-up for the next drafting call, like `pending`
     joined: int = 0
-    # [B] int64: positions at the start of `pending` that a row does not commit (rows that joined
-    # the batch after those steps: zeros in their place); None: none (`merge_waiting`)
-    skip: torch.Tensor | None = None
 
     def select(self, keep: list[int], target) -> Batch:
         """The batch of rows `keep` (in that order), everything a row holds kept with it; target: the
@@ -62,7 +58,6 @@ class Batch:
             None if self.unposted is None else (self.unposted[0][rows], self.unposted[1][rows]),
             None if self.lookup is None else [self.lookup[i] for i in keep],
             self.joined,
-            None if self.skip is None else self.skip[rows],
         )
 
 
@@ -111,44 +106,16 @@ class StepResult:
 
 
 def take_pending(batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The taps waiting for the draft context and how many of each row to commit [B]: the last
-    drafting step's (batch.unposted), or those in batch.pending as one [B, k, D] tensor (all k),
-    or (None, None). What is returned is no longer waiting."""
-    if batch.unposted is not None:
-        taps, counts = batch.unposted
-        batch.unposted, batch.joined = None, 0
-        return taps, counts
-    if not batch.pending:
-        return None, None
-    taps = torch.cat(batch.pending, dim=1) if len(batch.pending) > 1 else batch.pending[0]
-    skip, batch.pending, batch.skip = batch.skip, [], None
-    B, K = taps.shape[:2]
-    if skip is None:
-        return taps, torch.full((B,), K, dtype=torch.long, device=taps.device)
-    # each row's own positions moved to the front (one gather); past counts[r] a row holds copies
-    # that nothing commits
-    at = (torch.arange(K, device=taps.device)[None, :] + skip[:, None]).clamp(max=K - 1)
-    return taps.gather(1, at[..., None].expand(B, K, taps.shape[2])), K - skip
-
-
-def merge_waiting(
-    a: Batch, more: int
-) -> tuple[list[torch.Tensor], torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """What batch a's rows and `more` rows joining after them wait for in the draft context, as
-    (pending, skip, unposted) of the merged batch: a's plain steps' taps keep waiting, the new rows
-    skipping them (zeros in their place), so that the steps after the merge still only append;
-    a's last drafting step's taps (ragged) keep waiting with a count of 0 for the new rows."""
-    if a.pending:
-        taps = torch.cat(a.pending, dim=1) if len(a.pending) > 1 else a.pending[0]
-        B, K = taps.shape[:2]
-        before = a.skip if a.skip is not None else torch.zeros(B, dtype=torch.long, device=taps.device)
-        skip = torch.cat([before, before.new_full((more,), K)])
-        return [torch.cat([taps, taps.new_zeros(more, *taps.shape[1:])])], skip, None
-    if a.unposted is not None:
-        taps, counts = a.unposted
-        rows = torch.cat([taps, taps.new_zeros(more, *taps.shape[1:])])
-        return [], None, (rows, torch.cat([counts, counts.new_zeros(more)]))
-    return [], None, None
+    """The taps waiting for the draft context and how many of each row to commit [B]: batch.unposted
+    (ragged) followed by batch.pending (every row all of its k positions), joined once here, or
+    (None, None). What is returned is no longer waiting."""
+    unposted, pending = batch.unposted, batch.pending
+    batch.unposted, batch.joined, batch.pending = None, 0, []
+    if not pending:
+        return unposted if unposted is not None else (None, None)
+    taps = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
+    counts = torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long, device=taps.device)
+    return (taps, counts) if unposted is None else join_taps(*unposted, taps, counts)
 
 
 def join_taps(
@@ -169,15 +136,13 @@ def join_taps(
 
 def wait_taps(batch: Batch, taps: torch.Tensor, counts: torch.Tensor | None = None) -> None:
     """A step that did not draft committed counts[b] positions of each row (None: all of taps'):
-    their taps wait for the next drafting call. Plain steps' taps queue in batch.pending while
-    nothing ragged waits; otherwise everything waiting is joined into batch.unposted (no call of
-    the draft's network: a lookup step or a plain step after one costs what a plain step does)."""
-    if counts is None and batch.unposted is None:
+    their taps wait for the next drafting call, with no call of the draft's network. A plain step's
+    queue in batch.pending (an append: whatever waits before them is joined once, when the draft
+    takes them); a lookup step's, ragged, join everything waiting into batch.unposted."""
+    if counts is None:
         batch.pending.append(taps)
         return
-    if counts is None:
-        counts = torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long, device=taps.device)
-    joined = batch.joined
+    joined = batch.joined + sum(t.shape[1] for t in batch.pending)
     w_taps, w_counts = take_pending(batch)
     if w_taps is None or w_counts is None:
         batch.unposted = (taps, counts)
@@ -188,19 +153,26 @@ def wait_taps(batch: Batch, taps: torch.Tensor, counts: torch.Tensor | None = No
 
 def merged(a: Batch, b: Batch, target: TargetState, ctx: ContextCache | None) -> Batch:
     """Batch a with b's rows after its own, given their merged target state and draft context; b
-    waits for nothing (its taps are in its context). a's waiting taps keep waiting
-    (`merge_waiting`): a batch whose policy skips drafting for a while, as batched decoding often
-    does, pays no draft call when a request joins."""
-    pending, skip, unposted = merge_waiting(a, b.anchors.shape[0])
+    waits for nothing (its taps are in its context). a's waiting taps keep waiting, b's rows
+    committing none of them: a batch whose policy skips drafting for a while, as batched decoding
+    often does, pays no draft call when a request joins, and its steps after the join still append."""
+    joined = a.joined + sum(t.shape[1] for t in a.pending)
+    taps, counts = take_pending(a)
+    more = b.anchors.shape[0]
+    unposted = None
+    if taps is not None and counts is not None:
+        unposted = (
+            torch.cat([taps, taps.new_zeros(more, *taps.shape[1:])]),
+            torch.cat([counts, counts.new_zeros(more)]),
+        )
     return Batch(
         target,
         ctx,
         torch.cat([a.anchors, b.anchors]),
         a.params + b.params,
         a.generators + b.generators,
-        pending,
+        [],
         unposted,
         a.lookup + b.lookup if a.lookup is not None and b.lookup is not None else None,
-        a.joined,
-        skip,
+        joined if unposted is not None else 0,
     )
