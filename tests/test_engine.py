@@ -184,6 +184,12 @@ def test_bad_requests_are_refused(target):
         engine.add_request([], SamplingParams())
     with pytest.raises(RequestError, match="context"):
         engine.add_request([1] * 500, SamplingParams(max_new_tokens=100))
+    # a request that fits the context but not with a draft block after it: the message says so
+    positions = engine.target.max_length
+    with pytest.raises(RequestError, match=r"one draft block \(\d+ positions a verify needs\) exceeds"):
+        engine.add_request([1] * (positions - 12), SamplingParams(max_new_tokens=10))
+    with pytest.raises(RequestError, match=r"max_new_tokens \(100\) exceeds"):  # past the context itself
+        engine.add_request([1] * (positions - 12), SamplingParams(max_new_tokens=100))
     with pytest.raises(RequestError, match="vocabulary|token ids"):
         engine.add_request([10_000], SamplingParams())
     for bad in (

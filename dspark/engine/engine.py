@@ -140,8 +140,13 @@ class Engine:
         if not prompt_ids:
             raise RequestError("prompt is empty")
         if params.max_new_tokens > self.room(len(prompt_ids)):
+            block = (
+                f" + one draft block ({self.gamma + 1} positions a verify needs)"
+                if self.gamma and len(prompt_ids) + params.max_new_tokens <= self.target.max_length
+                else ""
+            )
             raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}){block} exceeds the "
                 f"target's context of {self.target.max_length} tokens"
             )
         if max(prompt_ids) >= self.target.vocab_size or min(prompt_ids) < 0:
