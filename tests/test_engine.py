@@ -6,6 +6,7 @@ import pytest
 import torch
 from dspark.engine.batch import Batch
 from dspark.engine.sampling import SamplingParams, probs
+from dspark.engine.scheduler import FullScheduler
 from dspark.engine.step import propose
 
 from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
@@ -203,29 +204,32 @@ def test_bad_requests_are_refused(target):
             SamplingParams(**bad)
 
 
+class _DraftsEvery(FullScheduler):
+    """Full verification that drafts on every n-th step only, recording each step's catch-up."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.calls, self.caught = n, 0, []
+
+    def should_draft(self, batch):
+        self.calls += 1
+        return self.calls % self.n == 0
+
+    def observe(self, res, requests):
+        self.caught.append(res.caught_up)
+
+
 def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
     """The prompt and steps that skip drafting leave their taps pending (no draft work); the next
     drafting step adds them, and the draft context then equals a clean prefill of the committed
     tokens."""
-    from dspark.engine.scheduler import FullScheduler
     from dspark.engine.step import flush_context
 
-    class EveryThird(FullScheduler):  # drafts on every third step only
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
-
-        def should_draft(self, batch):
-            self.calls += 1
-            return self.calls % 3 == 0
-
-        def observe(self, res, requests):
-            caught.append(res.caught_up)
-
-    caught: list[int] = []
+    policy = _DraftsEvery(3)
+    caught = policy.caught
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
-    engine = engine_for(model, draft, policy=EveryThird())
+    engine = engine_for(model, draft, policy=policy)
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=200, temperature=1.0, seed=7, ignore_eos=True))
     engine._admit()
     waited = 0
@@ -255,21 +259,11 @@ def test_a_request_joining_leaves_the_batchs_waiting_taps_waiting_and_every_cont
     (no draft call at the join: the new row commits none of them) and later plain steps only append;
     once the draft has run, every row's draft context equals a clean prefill of its own committed
     tokens. Tokens 0-5 (the tiny target's vocabulary)."""
-    from dspark.engine.scheduler import FullScheduler
     from dspark.engine.step import flush_context
-
-    class EveryFourth(FullScheduler):
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
-
-        def should_draft(self, batch):
-            self.calls += 1
-            return self.calls % 4 == 0
 
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
-    engine = engine_for(model, draft, policy=EveryFourth())
+    engine = engine_for(model, draft, policy=_DraftsEvery(4))
     params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
     engine.add_request([1, 2, 3], SamplingParams(seed=7, **params))
     engine._admit()
