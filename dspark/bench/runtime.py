@@ -249,15 +249,16 @@ def run(
         phase: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
         pre: dict[str, list[dict[int, float]]] = {a: [] for a in arms}
         drafted = {a: drafts.get(natives[a].dtype) if arm_kind(a)[0] == "native" else None for a in arms}
+        # the arms whose prefill is timed (llama.cpp's has no such measurement)
+        prefills = {a: r for a, r in runners.items() if isinstance(r, _TorchArm)} if prompts else {}
         with torch.inference_mode():
             for a in arms:  # warm-up: first calls pay allocator and kernel selection
                 runners[a].decode(ids, 8)
                 runners[a].forward_costs(32, reps=1)
                 if drafted[a] is not None:
                     _draft_phases(drafted[a], natives[a], reps=1)
-                runner = runners[a]
-                if prompts and isinstance(runner, _TorchArm):
-                    runner.prefill(prompts[min(prompts)][:, :64])
+                if a in prefills:
+                    prefills[a].prefill(prompts[min(prompts)][:, :64])
             for r in range(rounds):
                 order = arms if r % 2 == 0 else arms[::-1]  # alternate: no arm always runs first or last
                 for a in order:
@@ -268,9 +269,8 @@ def run(
                     cost[a].append(runners[a].forward_costs(context))
                     if drafted[a] is not None:
                         phase[a].append(_draft_phases(drafted[a], natives[a]))
-                    runner = runners[a]
-                    if prompts and isinstance(runner, _TorchArm):
-                        pre[a].append({n: runner.prefill(p) for n, p in prompts.items()})
+                    if a in prefills:
+                        pre[a].append({n: prefills[a].prefill(p) for n, p in prompts.items()})
     finally:
         timer.close()
         for arm in runners.values():

@@ -44,6 +44,12 @@ class Batch:
     # steps before them): a catch-up for the next drafting call, like `pending`
     joined: int = 0
 
+    @property
+    def catch_up(self) -> int:
+        """Positions waiting for the draft context that steps without drafting left (the prompt's,
+        plain and lookup steps'): those in `pending` and those counted in `joined`."""
+        return self.joined + sum(t.shape[1] for t in self.pending)
+
     def select(self, keep: list[int], target) -> Batch:
         """The batch of rows `keep` (in that order), everything a row holds kept with it; target: the
         runtime whose state this is (Target.select)."""
@@ -142,7 +148,7 @@ def wait_taps(batch: Batch, taps: torch.Tensor, counts: torch.Tensor | None = No
     if counts is None:
         batch.pending.append(taps)
         return
-    joined = batch.joined + sum(t.shape[1] for t in batch.pending)
+    joined = batch.catch_up
     w_taps, w_counts = take_pending(batch)
     if w_taps is None or w_counts is None:
         batch.unposted = (taps, counts)
@@ -156,7 +162,7 @@ def merged(a: Batch, b: Batch, target: TargetState, ctx: ContextCache | None) ->
     waits for nothing (its taps are in its context). a's waiting taps keep waiting, b's rows
     committing none of them: a batch whose policy skips drafting for a while, as batched decoding
     often does, pays no draft call when a request joins, and its steps after the join still append."""
-    joined = a.joined + sum(t.shape[1] for t in a.pending)
+    joined = a.catch_up
     taps, counts = take_pending(a)
     more = b.anchors.shape[0]
     unposted = None
@@ -174,5 +180,5 @@ def merged(a: Batch, b: Batch, target: TargetState, ctx: ContextCache | None) ->
         [],
         unposted,
         a.lookup + b.lookup if a.lookup is not None and b.lookup is not None else None,
-        joined if unposted is not None else 0,
+        joined,
     )

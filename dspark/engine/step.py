@@ -312,7 +312,7 @@ def decode_step(
     if plan is not None:
         drafting = drafting and plan.draft
     prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
-    caught_up = sum(t.shape[1] for t in batch.pending) + batch.joined if drafting else 0
+    caught_up = batch.catch_up if drafting else 0
     if drafting and draft is not None:
         prop = propose(draft, batch, policy.draft_depth(batch))
     t1 = now(dev)
