@@ -9,11 +9,11 @@ import torch
 from dspark.train.data import GenSettings, generate_shard
 from dspark.train.dataset import load_sequences
 from dspark.train.errors import TrainError
-from dspark.train.features import CachedFeatures, OnlineFeatures, build_cache
+from dspark.train.features import CachedFeatures, Extractor, OnlineFeatures, build_cache
 from dspark.train.prompts import Prompt, load_prompts
 
 from tests.test_train_fixtures import char_tokenizer, synthetic_shard
-from tests.tiny import tiny_target
+from tests.tiny import q4_exact, tiny_target
 
 torch.set_num_threads(1)
 PROMPTS = [Prompt("Hi there!"), Prompt("Name a fruit."), Prompt("  hi   THERE! "), Prompt("Count to 3.")]
@@ -149,6 +149,35 @@ def test_feature_cache_matches_online_features_and_hf_hidden_states(tmp_path, ca
         CachedFeatures(cache, (1, 2), seqs)
     with pytest.raises(TrainError, match="other training data"):
         CachedFeatures(cache, taps, seqs[:4])
+
+
+def test_engine_features_are_the_4bit_targets_and_a_cache_keeps_them_apart(tmp_path):
+    """--feature-runtime engine: the native runtime with the engine's numbers (a model of exact 4-bit
+    layers runs them as int4 on the kernels), close to the float model's states and not the same
+    numbers; a cache says which states it holds and is not reused for the other kind."""
+    model = q4_exact(tiny_target())
+    seqs = load_sequences(synthetic_shard(tmp_path / "d.jsonl", 4), vocab_size=96)
+    taps = (0, 2, 4)
+    engine = Extractor(model, taps, "engine")
+    assert engine.native.weights == "int4"
+    native = Extractor(model, taps, "native")
+    assert native.native.weights == "fp32"
+    got, want = engine(seqs), native(seqs)
+    differs = False
+    for (t1, f1), (t2, f2) in zip(got, want):
+        assert t1.shape == t2.shape and f1.shape == f2.shape
+        assert (t1.float() - t2).norm() <= 0.05 * t2.norm() and (f1.float() - f2).norm() <= 0.05 * f2.norm()
+        differs |= not torch.equal(f1.float(), f2)
+    assert differs  # int4 kernels with the CPU's activations: the engine's numbers, not the float model's
+    cache = build_cache(model, taps, seqs, tmp_path / "c", target_name="tiny", progress=False, runtime="engine")
+    assert json.loads((cache / "meta.json").read_text())["numbers"] == "engine"
+    ((t, f),) = CachedFeatures(cache, taps, seqs, "engine").get([0])
+    assert torch.allclose(t.float(), got[0][0].float(), atol=0.05, rtol=0.02)
+    assert torch.allclose(f.float(), got[0][1].float(), atol=0.05, rtol=0.02)
+    with pytest.raises(TrainError, match="engine's states but --feature-runtime native"):
+        CachedFeatures(cache, taps, seqs, "native")
+    with pytest.raises(TrainError, match="engine's states but --feature-runtime hf"):
+        build_cache(model, taps, seqs, cache, target_name="tiny", progress=False, runtime="hf")
 
 
 def _all_args(tmp_path, train_prompts: str, held_prompts: str, *extra: str) -> list[str]:

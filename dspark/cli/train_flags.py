@@ -135,7 +135,9 @@ def _fit_args(p) -> None:
         default="auto",
         choices=FEATURE_RUNTIMES,
         help="target runtime computing the features: native (dspark's, where the architecture is "
-        "supported: the default), hf (transformers with forward hooks); both give the same states",
+        "supported: the default), hf (transformers with forward hooks); both give the model's own "
+        "states. engine: dspark's runtime with the engine's numbers (4-bit weights where exact, the "
+        "CPU's activations): the target the draft is verified against, several times faster",
     )
     g.add_argument(
         "--chunk-anchors",
@@ -202,7 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--feature-runtime",
         default="auto",
         choices=FEATURE_RUNTIMES,
-        help="target runtime computing the features (auto: native where supported)",
+        help="target runtime computing the features (auto: native where supported; engine: the "
+        "engine's 4-bit numbers, several times faster)",
     )
 
     p = sub.add_parser("fit", help="train a draft (resumes from <out> when it holds a checkpoint)")

@@ -16,7 +16,9 @@ from dspark.formats.spec import MARKOV_HEAD_TYPES, Layout
 from dspark.model.factory import make_spec
 from dspark.train.errors import TrainError
 
-FEATURE_RUNTIMES = ("auto", "native", "hf")  # the target runtime of training features; auto: native where supported
+# the target runtime of training features; auto: native where supported. engine: the native runtime
+# with the engine's own numbers (4-bit weights where exact, the CPU's activations: dspark.train.features)
+FEATURE_RUNTIMES = ("auto", "native", "engine", "hf")
 
 INIT_LAYERS = ("random", "target")
 

@@ -99,25 +99,29 @@ def run_native(target: NativeTarget, seqs: list[Sequence]) -> list[tuple[torch.T
 
 class Extractor:
     """Target features of padded batches on one runtime: 'hf' (forward hooks on the transformers
-    model) or 'native' (dspark's runtime, dspark.target.native, with the model's own weights in the
-    model's dtype: the same states, computed with fused projections and no HF overhead)."""
+    model), 'native' (dspark's runtime, dspark.target.native, with the model's own weights in the
+    model's dtype: the same states, computed with fused projections and no HF overhead) or 'engine'
+    (dspark's runtime as the engine decodes: 4-bit weights where the model's are exactly 4-bit, the
+    activations `--activations auto` picks on this CPU; the states of the target the draft will be
+    verified against, several times faster on a CPU, not bit-equal to the model's float ones)."""
 
     def __init__(self, model, taps: tuple[int, ...], runtime: str = "hf"):
         if runtime not in FEATURE_RUNTIMES:
             raise TrainError(f"--feature-runtime must be one of {', '.join(FEATURE_RUNTIMES)}, got {runtime!r}")
         ok, why = native_supports(model)
         self.runtime = runtime = ("native" if ok else "hf") if runtime == "auto" else runtime
-        if runtime == "native":
+        if runtime in ("native", "engine"):
             if not ok:
-                raise TrainError(f"--feature-runtime native: {why}")
+                raise TrainError(f"--feature-runtime {runtime}: {why}")
             check_taps(taps, model.config.num_hidden_layers)
-            self.native = NativeTarget(model, tap_indices=tuple(taps), weights=FLOAT_NAMES[model.dtype])
+            weights = "auto" if runtime == "engine" else FLOAT_NAMES[model.dtype]
+            self.native = NativeTarget(model, tap_indices=tuple(taps), weights=weights)
         else:
             self.cap = TapCapture(model, taps)
         self.model = model
 
     def __call__(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return run_native(self.native, seqs) if self.runtime == "native" else run_target(self.model, self.cap, seqs)
+        return run_target(self.model, self.cap, seqs) if self.runtime == "hf" else run_native(self.native, seqs)
 
     def close(self) -> None:
         if self.runtime == "hf":
@@ -166,6 +170,12 @@ class OnlineFeatures:
         return [found[i] for i in indices]
 
 
+def numbers(runtime: str) -> str:
+    """What a feature runtime's states are: 'engine' (the engine's 4-bit target) or 'model' (the
+    model's own float weights: hf and native give the same states)."""
+    return "engine" if runtime == "engine" else "model"
+
+
 def data_digest(seqs: list[Sequence]) -> str:
     h = hashlib.sha1()
     for s in seqs:
@@ -193,7 +203,7 @@ def build_cache(
     out = Path(out)
     digest = data_digest(seqs)
     if (out / "meta.json").exists():
-        CachedFeatures(out, taps, seqs)  # raises if it does not match
+        CachedFeatures(out, taps, seqs, runtime)  # raises if it does not match
         return out
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -230,6 +240,7 @@ def build_cache(
         "lengths": lengths,
         "data_digest": digest,
         "dtype": "bfloat16",
+        "numbers": numbers(runtime),
     }
     (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
     shutil.rmtree(out, ignore_errors=True)
@@ -242,7 +253,9 @@ def cache_bytes(path) -> int:
 
 
 class CachedFeatures:
-    def __init__(self, path, taps: tuple[int, ...], seqs: list[Sequence]):
+    def __init__(self, path, taps: tuple[int, ...], seqs: list[Sequence], runtime: str | None = None):
+        """runtime: the --feature-runtime the caller asked for; a cache of the other numbers (the
+        engine's 4-bit target against the model's float weights) is refused. None: any."""
         path = Path(path)
         if not (path / "meta.json").exists():
             raise TrainError(f"{path} is not a feature cache (no meta.json; an interrupted build leaves *.partial)")
@@ -258,6 +271,13 @@ class CachedFeatures:
             raise TrainError(
                 f"{path} was built from other training data (or another --max-seq-len): "
                 "delete it to rebuild it, or use another cache directory"
+            )
+        have = meta.get("numbers", "model")  # caches written before `numbers` hold the model's
+        if runtime is not None and have != numbers(runtime):
+            whose = {"engine": "engine", "model": "float model"}
+            raise TrainError(
+                f"{path} caches the {whose[have]}'s states but --feature-runtime {runtime} asks for the "
+                f"{whose[numbers(runtime)]}'s: delete it to rebuild it, or use another cache directory"
             )
         offsets = np.concatenate([[0], np.cumsum(meta["lengths"])]).astype(np.int64)
         total = int(offsets[-1])

@@ -212,7 +212,7 @@ class Run:
             )
             self.echo(f"feature cache {path}: {cache_bytes(path) / 2**20:.1f} MiB (bf16)")
         distributed.barrier(self.ctx)
-        return CachedFeatures(path, taps, self.seqs)
+        return CachedFeatures(path, taps, self.seqs, self.cfg.feature_runtime)
 
     def _scale_taps(self, saved: torch.Tensor | None) -> None:
         """Train on taps / per-dimension RMS (features.tap_scale); exports fold it into fc."""
