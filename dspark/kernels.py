@@ -200,13 +200,33 @@ def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # one extension of separate translation units (csrc/dspark.h declares what they share): the ISA's
 # matmul files (ISAS) and these, which compile for either ISA; bindings.cpp is the Python module
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("norm.cpp", "attn.cpp", "rope.cpp", "markov.cpp", "layers.cpp", "draft.cpp", "bindings.cpp")
+SOURCES = (
+    "norm.cpp",
+    "attn.cpp",
+    "attn_prefill.cpp",
+    "rope.cpp",
+    "markov.cpp",
+    "layers.cpp",
+    "draft.cpp",
+    "bindings.cpp",
+)
 # what each build needs from /proc/cpuinfo, and its flags; at::parallel_for is OpenMP in torch's CPU
 # builds, and an extension built without -fopenmp runs it on one thread
 ISAS = {
     "avx512": (
         ("avx512f", "avx512bw", "avx512_bf16"),
-        ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        # -mamx-*: the prefill's attention tiles (csrc/amx.h), run only where CPUID and the OS allow them
+        (
+            "-O3",
+            "-fopenmp",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512bf16",
+            "-mfma",
+            "-mamx-tile",
+            "-mamx-bf16",
+        ),
         ("q4_avx512.cpp", "q4_avx512_vnni.cpp"),  # the second holds code only in the int8 build
     ),
     "avx2": (

@@ -5,6 +5,10 @@ norms give torch's bits; where the extension cannot run, torch's ops run and the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from dspark import kernels
@@ -334,6 +338,59 @@ def test_attention_is_softmax_attention_by_position(ext):
     _check_attention(ext)
 
 
+def _check_prefill_attention(mod):
+    """attn_prefill_bf16 (a prompt's attention, csrc/attn_prefill.cpp) is softmax attention by position
+    up to its bf16 weights; a row's result depends on its own query and keys only (the same bits
+    whatever other positions share the call); heads it has no tile for fall back to attn_bf16."""
+    g = torch.Generator().manual_seed(7)
+    for B, S, Hq, Hkv, D, C, first in [
+        (1, 70, 9, 3, 64, 80, (0,)),  # SmolLM2's heads; several 16-position blocks, a ragged last one
+        (2, 23, 4, 2, 128, 90, (40, 3)),  # a chunk after cached positions, two rows of other lengths
+        (1, 17, 2, 2, 64, 40, (5,)),  # one query head a KV head
+    ]:
+        q = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
+        kv = (torch.randn(2, B, Hkv, C, D, generator=g) * 2).to(torch.bfloat16)
+        pos = (torch.tensor(first)[:, None] + torch.arange(S)[None]).clamp(max=C - 1)
+        o = mod.attn_prefill_bf16(q, kv[0], kv[1], pos, D**-0.5)
+        ref = _attention_reference(q, kv[0], kv[1], pos)
+        # weights rounded to bf16 (2^-8 relative each): the error stays within 2^-7 of the values' scale
+        bound = 2.0**-7 * kv[1].abs().max().double() + 2.0**-8 * ref.abs()
+        assert ((o.double() - ref).abs() <= bound).all(), (Hq, Hkv, D)
+        assert (o.double() - ref).norm() <= 0.01 * ref.norm()
+        part = mod.attn_prefill_bf16(q[:, 3:S:2], kv[0], kv[1], pos[:, 3:S:2], D**-0.5)
+        assert torch.equal(part, o[:, 3:S:2]), (Hq, Hkv, D)
+    q = torch.randn(1, 20, 4, 32, generator=g).to(torch.bfloat16)  # heads of 32: attn_bf16's bits
+    kv = torch.randn(2, 1, 2, 30, 32, generator=g).to(torch.bfloat16)
+    pos = torch.arange(20)[None]
+    assert torch.equal(mod.attn_prefill_bf16(q, kv[0], kv[1], pos, 0.2), mod.attn_bf16(q, kv[0], kv[1], pos, 0.2))
+    k = torch.zeros(1, 2, 30, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        mod.attn_prefill_bf16(torch.zeros(1, 2, 2, 64).to(torch.bfloat16), k, k, torch.tensor([[0, 30]]), 1.0)
+
+
+def test_prefill_attention_is_softmax_attention_and_row_independent(ext):
+    _check_prefill_attention(ext)
+    kind = ext.attn_prefill_kind()
+    if kernels.extension_isa() == "avx512":
+        want = "amx-bf16" if "amx_bf16" in kernels._cpu_flags() else "avx512-bf16 (the CPU has no AMX-BF16)"
+        assert kind == want
+
+
+def test_prefill_attention_without_amx_tiles_computes_the_same(ext):
+    """DSPARK_AMX=0 runs the AVX-512 path where the tiles would run: the same attention, checked in
+    a process of its own (the choice is made once a process)."""
+    if "amx_bf16" not in kernels._cpu_flags():
+        pytest.skip("no AMX-BF16 on this CPU: the default test already checks the AVX-512 path")
+    code = (
+        "from dspark import kernels; from tests import test_cpu_kernels as t; m = kernels.extension(); "
+        "assert m.attn_prefill_kind() == 'avx512-bf16 (switched off (DSPARK_AMX=0))', m.attn_prefill_kind(); "
+        "t._check_prefill_attention(m)"
+    )
+    env = dict(os.environ, DSPARK_AMX="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     """AVX2-only CPUs (no AVX-512) get an 8-lane build: the matmul tile (int4, Q8_0, bf16), norms and
@@ -363,6 +420,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     y = mod.q4_mm(torch.full((1, 64), float("nan")).to(torch.bfloat16), *kernels.pack_q4(*_q4(16, 64)[:3]))
     assert y.isnan().all()  # NaN in, NaN out (torch's float -> bfloat16 rule)
     _check_attention(mod)
+    _check_prefill_attention(mod)  # AVX2: attn_bf16 itself
     x = (torch.randn(5, 576) * 3).to(torch.bfloat16)
     w = (torch.randn(576) * 0.5 + 1).to(torch.bfloat16)
     assert torch.equal(mod.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
@@ -822,7 +880,7 @@ def test_silu_mul_gives_torchs_bits(ext):
     _check_silu_mul(ext)
 
 
-@pytest.mark.parametrize("family", ["llama-int4", "llama-bf16", "qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("family", ["llama-int4", "llama-bf16", "llama-heads64", "qwen2-bias", "qwen3-qknorm"])
 def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch):
     """csrc/layers.cpp runs a forward's layers in one call: logits, final states, taps (tap 0, a
     middle layer, the last one) and the cache bit for bit those of the Python loop over the same
@@ -833,6 +891,7 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch
     model = {
         "llama-int4": lambda: q4_exact(tiny_target()),
         "llama-bf16": lambda: tiny_target(dtype=torch.bfloat16),
+        "llama-heads64": lambda: tiny_target(hidden=256, layers=2, dtype=torch.bfloat16),  # the prefill's tiles
         "qwen2-bias": lambda: _mk("qwen2-bias").to(torch.bfloat16),
         "qwen3-qknorm": lambda: _mk("qwen3-qknorm").to(torch.bfloat16),
     }[family]()
@@ -865,6 +924,11 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch
         t.commit(st, torch.tensor([1, 1]))
         assert best.shape == (2, 1) and torch.equal(best, kernels.argmax(logits)), (family, name)
         outs.append((best, taps))
+        # a prefill of 16+ positions a row (logits "last" / "final") runs attn_prefill_bf16, in both
+        long = torch.arange(4, 4 + 2 * 21).view(2, 21) % model.config.vocab_size
+        outs.append(t.forward(st, long, torch.tensor([21, 18]), logits="last"))
+        t.commit(st, torch.tensor([21, 18]))
+        outs.append(t.forward(t.new_state(1), long[:1], logits="final"))
         states[name] = (outs, st)
     assert one._stack.head, family  # every family's head sits on the tile: its argmax comes out of the stack's call
     for (a, ta), (b, tb) in zip(states["one"][0], states["loop"][0]):

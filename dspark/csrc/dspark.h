@@ -7,6 +7,7 @@
 #include <torch/types.h>  // tensors without Python: only bindings.cpp includes torch/extension.h
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 // matmuls y [..., N] = x [..., K] @ W.T on packed weights (q4_avx512.cpp / q4_avx2.cpp)
@@ -21,6 +22,11 @@ std::vector<torch::Tensor> add_rms_bf16(torch::Tensor x, torch::Tensor r, torch:
 
 // attention by position and the gated MLP's activation (attn.cpp), RoPE into the cache (rope.cpp)
 torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pos, double scale);
+// the same over a prompt's many queries, faster, not attn_bf16's bits (attn_prefill.cpp); a prefill runs it
+// from this many positions a row (layers.cpp, dspark.reference.kernel_loop)
+constexpr int64_t PREFILL_ROWS = 16;
+std::string attn_prefill_kind();  // 'amx-bf16' | 'avx512-bf16 (why not AMX)' | 'per query (why)'
+torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pos, double scale);
 torch::Tensor silu_mul_bf16(torch::Tensor gu);
 torch::Tensor rope_cache_bf16(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
                               torch::Tensor vc, torch::Tensor pos);
@@ -36,7 +42,7 @@ void layers_release(int64_t id);
 std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor lengths,
                                           torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,
-                                          std::vector<int64_t> tap_cols, bool argmax);
+                                          std::vector<int64_t> tap_cols, bool argmax, bool prefill);
 
 // a draft's phase in one call (draft.cpp)
 int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t hq, int64_t hkv, int64_t head_dim,

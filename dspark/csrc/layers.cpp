@@ -75,11 +75,13 @@ void layers_release(int64_t id) {
 // receives layer i's output in columns tap_cols[i] (-1: none; allocated here, since a tensor made
 // from Python right after a step costs ~20-30 us). argmax: also the head and each position's argmax
 // (the registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
-// output, its final norm, the taps (empty: none)[, the argmax [B, S] int64])
+// output, its final norm, the taps (empty: none)[, the argmax [B, S] int64]). prefill: the call runs a
+// prompt (no verification compares its bits with a decode step's): attention of 16+ positions a row runs
+// attn_prefill_bf16, not attn_bf16.
 std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor lengths,
                                           torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,
-                                          std::vector<int64_t> tap_cols, bool argmax) {
+                                          std::vector<int64_t> tap_cols, bool argmax, bool prefill) {
   using namespace layers;
   const Stack* stack;
   {
@@ -134,7 +136,7 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     } else {  // the kernel reads the value heads from qkv
       q = rope_cache_bf16(qkv, none, cos, sin, kc, vc, pos);
     }
-    auto o = attn_bf16(q, kc, vc, pos, scale);
+    auto o = prefill && S >= PREFILL_ROWS ? attn_prefill_bf16(q, kc, vc, pos, scale) : attn_bf16(q, kc, vc, pos, scale);
     auto xh = add_rms_bf16(x, lin(ly.o, o), ly.ln2, eps, none, 0);
     const auto& next = li + 1 < L ? lys[li + 1].ln1 : final_w;
     const bool tap = tap_cols[li] >= 0;

@@ -20,9 +20,13 @@ def norm(ext, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return ext.rms_bf16(x, w, eps)
 
 
-def layers(t, x, state, pos, L0: int, tapped):
+PREFILL_ROWS = 16  # csrc/dspark.h: a prefill of this many positions a row runs attn_prefill_bf16
+
+
+def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
     """The decoder layers of NativeTarget t (bf16 activations, dspark's extension) over the
-    embeddings x [B, S, H] at positions pos [B, S] -> (the last layer's output, its final norm)."""
+    embeddings x [B, S, H] at positions pos [B, S] -> (the last layer's output, its final norm).
+    prefill: a prompt's positions (NativeTarget.forward's logits "last" / "final")."""
     ext = t._ext
     if ext is None or t.head_dim % 16:
         raise ValueError("kernel_loop.layers runs dspark's kernels: a bf16 target on the extension, heads of 16k")
@@ -39,7 +43,8 @@ def layers(t, x, state, pos, L0: int, tapped):
             qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
             qk = norm(ext, qk, layer.qk_norm, t.eps)  # Qwen3: a weight row per head, one call
         q = ext.rope_cache_bf16(qk, v, t.cos, t.sin, kc, vc, pos)  # [B, S, Hq, D], the cache written
-        o = ext.attn_bf16(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
+        attend = ext.attn_prefill_bf16 if prefill and S >= PREFILL_ROWS else ext.attn_bf16
+        o = attend(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
         x, h = ext.add_rms_bf16(x, layer.wo(o), layer.ln2, t.eps, NO_TENSOR, 0)
         # the residual add, the next layer's input norm (the final norm after the last) and the tap
         col = t._tap_cols[li]

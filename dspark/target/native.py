@@ -397,6 +397,7 @@ class NativeTarget:
         H, width = self.embed.shape[1], self._tap_width
         ids = None
         stack = self._stack
+        prefill = logits in ("last", "final")  # a prompt's positions: no decode step's bits to match
         if stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and stack.head
             # the call makes the taps [B, S, n*H] and writes each tap as its layer runs (stack.ext is self._ext)
@@ -415,6 +416,7 @@ class NativeTarget:
                 width,
                 self._tap_cols,
                 argmax,
+                prefill,
             )
             embedded, x, h = out[:3]
             tapped = out[3] if width else None
@@ -424,7 +426,7 @@ class NativeTarget:
             tapped = torch.empty(B, S, width, dtype=self.embed.dtype, device=dev) if width else None
             pos = lengths[:, None] + torch.arange(S, device=dev)[None, :]  # [B, S]
             x = embedded = F.embedding(tokens, self.embed)  # [B, S, H]
-            x, h = torch_layers.layers(self, x, state, pos, L0, tapped)
+            x, h = torch_layers.layers(self, x, state, pos, L0, tapped, prefill)
         for col, src in self._tap_fill:
             assert tapped is not None  # _tap_fill lists taps: the width is not 0, so the taps were made
             tapped[..., col : col + H] = embedded if src is None else tapped[..., src : src + H]

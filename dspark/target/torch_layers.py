@@ -26,9 +26,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
-def layers(t, x, state, pos, L0: int, tapped):
+def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
     """The decoder layers of target t over the embeddings x [B, S, H] at positions pos [B, S]
-    (L0: the longest row's committed length) -> (the last layer's output, its final norm)."""
+    (L0: the longest row's committed length) -> (the last layer's output, its final norm).
+    prefill: the positions are a prompt's (torch's attention here is the same either way)."""
     B, S, _ = x.shape
     dev = x.device
     T = L0 + S  # keys read: every row's committed entries + the S new ones (shorter rows masked)

@@ -1,0 +1,123 @@
+// W-lane fp32 vectors (AVX-512: 16, AVX2: 8) with bf16 loads and stores and a fixed exp: what the
+// attention kernels (attn.cpp, attn_prefill.cpp) and the gated MLP's activation share.
+#pragma once
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+
+namespace attn {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using V = __m512;
+inline V zero() { return _mm512_setzero_ps(); }
+inline V set1(float f) { return _mm512_set1_ps(f); }
+inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum(V a) { return _mm512_reduce_add_ps(a); }
+inline V load_bf16(const at::BFloat16* p) {  // W bf16 -> fp32 (exact)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline V load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+inline V keep_n(V x, int n) { return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), x); }  // lanes >= n: 0
+inline V where_first(V x, int n) {
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << n) - 1), x);
+}  // lanes >= n: -inf
+inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
+inline V round_int(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V neg_abs(V x) {
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
+inline V div(V a, V b) { return _mm512_div_ps(a, b); }
+inline V where_neg(V x, V a, V b) {  // x < 0 ? a : b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_LT_OQ), b, a);
+}
+inline V pow2(V p, V n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+inline __m256i to_bf16_bits(V x) {  // round to nearest even, as torch's float -> bfloat16 (finite x)
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i r = _mm512_add_epi32(
+      u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store_bf16(at::BFloat16* p, V x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(x)); }
+#else
+constexpr int W = 8;
+using V = __m256;
+inline V zero() { return _mm256_setzero_ps(); }
+inline V set1(float f) { return _mm256_set1_ps(f); }
+inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V load_bf16(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i first_n(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V load_n(const float* p, int n) {  // the first n of 8 (zeros after): a full vector is one load
+  return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_n(n));
+}
+inline V keep_n(V x, int n) { return _mm256_and_ps(x, _mm256_castsi256_ps(first_n(n))); }  // lanes >= n: 0
+inline V where_first(V x, int n) {
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(first_n(n)));
+}  // lanes >= n: -inf
+inline float hmax(V a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline V round_int(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V neg_abs(V x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
+inline V div(V a, V b) { return _mm256_div_ps(a, b); }
+inline V where_neg(V x, V a, V b) {  // x < 0 ? a : b
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, zero(), _CMP_LT_OQ));
+}
+inline V pow2(V p, V n) {  // n in [-126, 0] here
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline void store_bf16(at::BFloat16* p, V x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))),
+      16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+// exp(x) for x <= 0: 2^n e^r with |r| <= ln2/2, degree-6 polynomial (~1 ulp of fp32)
+inline V exp_neg(V x) {
+  x = vmax(x, set1(-87.0f));
+  const V n = round_int(mul(x, set1(1.44269504088896341f)));
+  V r = sub(x, mul(n, set1(0.693145751953125f)));
+  r = sub(r, mul(n, set1(1.428606765330187e-06f)));
+  V p = set1(1.0f / 720);
+  p = fma(p, r, set1(1.0f / 120));
+  p = fma(p, r, set1(1.0f / 24));
+  p = fma(p, r, set1(1.0f / 6));
+  p = fma(p, r, set1(0.5f));
+  p = fma(p, r, set1(1.0f));
+  p = fma(p, r, set1(1.0f));
+  return pow2(p, n);
+}
+
+}  // namespace attn
