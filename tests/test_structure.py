@@ -514,10 +514,11 @@ def test_the_built_extension_compiled_each_file_alone():
         assert f"{f.stem}.o" in ninja and (folder / f"{f.stem}.o").exists(), f.name
 
 
-@pytest.mark.parametrize("header", ["dspark.h", "simd.h", "q4.h"])
-def test_each_kernel_header_compiles_alone(header, tmp_path):
-    """A header includes what it uses: compiled alone (syntax only, the AVX2 build's flags), it
-    has no error."""
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("header", sorted(p.name for p in CSRC.glob("*.h")))
+def test_each_kernel_header_compiles_alone(header, isa, tmp_path):
+    """A header includes what it uses: compiled alone (syntax only, each build's flags: the AVX-512
+    one's include the AMX code), it has no error."""
     import shutil
     import subprocess
 
@@ -527,7 +528,7 @@ def test_each_kernel_header_compiles_alone(header, tmp_path):
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler here")
-    flags = [f for f in kernels.ISAS["avx2"][1] if f != "-O3"]
+    flags = [f for f in kernels.ISAS[isa][1] if f != "-O3"]
     cmd = [cxx, "-std=c++17", "-fsyntax-only", "-x", "c++", *flags, f"-I{CSRC}"]
     cmd += [f"-I{p}" for p in include_paths()] + [str(CSRC / header)]
     out = subprocess.run(cmd, capture_output=True, text=True)
