@@ -1,5 +1,5 @@
 """Issue 14 on the real target: the bundled SmolLM2 draft is a weak draft (acceptance length about
-1.45), and its layout lie (`sample_from_anchor: false` with block_size + 1: a consistent file)
+1.5), and its layout lie (`sample_from_anchor: false` with block_size + 1: a consistent file)
 costs only about 6% of the tokens per step. The doctor must still catch it with its default
 settings, and call the true file healthy."""
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 def lie(tmp_path_factory):
     path = tmp_path_factory.mktemp("bundled-lie")
     config = json.loads((BUNDLED_DRAFT / "config.json").read_text())
-    assert config["sample_from_anchor"] is True and config["block_size"] == 7
-    config["sample_from_anchor"], config["block_size"] = False, 8  # speculative_tokens stays 7: consistent
+    assert config["sample_from_anchor"] is True and config["block_size"] == 3
+    config["sample_from_anchor"], config["block_size"] = False, 4  # speculative_tokens stays 3: consistent
     (path / "config.json").write_text(json.dumps(config))
     (path / "model.safetensors").symlink_to(BUNDLED_DRAFT / "model.safetensors")
     return str(path)
@@ -30,7 +30,7 @@ def test_doctor_catches_the_layout_lie_of_the_weak_bundled_draft(lie, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"] == "misread" and out["explained_by"].startswith("anchor-first"), out["diagnoses"]
     assert len(out["diagnoses"]) == 1
-    assert "set sample_from_anchor: true, block_size: 7 and speculative_tokens: 7" in out["diagnoses"][0]
+    assert "set sample_from_anchor: true, block_size: 3 and speculative_tokens: 3" in out["diagnoses"][0]
 
 
 def test_doctor_calls_the_bundled_draft_healthy(capsys):
