@@ -25,8 +25,24 @@
 #if defined(__AVX512BF16__)
 namespace attn_prefill {
 
-using attn::exp_neg;
 using attn::V;
+
+// exp(x) for x <= 0, to ~1e-6 relative (a degree-5 polynomial on |r| <= ln2 / 2): the weights are
+// rounded to bf16 (2^-9) after it, so attn.cpp's degree-6 exp_neg would buy nothing here
+inline V exp_weight(V x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
+  V p = _mm512_set1_ps(1.0f / 120);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 constexpr int KB = 16;  // keys a block: the lanes of a q.k result
 constexpr int RB = 8;   // query rows sharing each packed key register (q.k)
 constexpr int QB = 16;  // positions a task: with G heads a task holds QB * G query rows
@@ -100,7 +116,7 @@ inline float weights(const float* s, float sc, int64_t n, int64_t np, uint16_t* 
   for (int64_t j = 0; j < np; j += KB) {
     const int64_t left = std::max<int64_t>(0, std::min<int64_t>(KB, n - j));
     const __mmask16 live = static_cast<__mmask16>(left >= KB ? 0xFFFF : (1u << left) - 1);
-    const V e = _mm512_maskz_mov_ps(live, exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + j), scv, m)));
+    const V e = _mm512_maskz_mov_ps(live, exp_weight(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + j), scv, m)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), attn::to_bf16_bits(e));
   }
@@ -186,6 +202,42 @@ void scores_amx(const at::BFloat16* q, int64_t rows16, const uint32_t* kt, int64
       if (m > 1) _tile_stored(1, o + KB, ostride);
       if (m > 2) _tile_stored(2, o + 2 * KB, ostride);
       if (m > 3) _tile_stored(3, o + 3 * KB, ostride);
+    }
+  }
+}
+
+// heads of 64: the row tile's query in tiles 4 and 5 (its two halves) for all its keys, two key blocks at a
+// time into C tiles C0, C1 (the next pair goes to the other two, so its products need not wait for these
+// stores), the keys through tiles 6 and 7
+// (a macro: GCC's tile intrinsics paste their tile numbers into the instruction text)
+#define DSPARK_TWO_BLOCKS64(C0, C1, b, o, ostride) \
+  do {                                             \
+    const uint32_t* b_ = (b);                      \
+    float* o_ = (o);                               \
+    _tile_zero(C0);                                \
+    _tile_zero(C1);                                \
+    _tile_loadd(6, b_, 64);                        \
+    _tile_dpbf16ps(C0, 4, 6);                      \
+    _tile_loadd(7, b_ + 16 * KB, 64);              \
+    _tile_dpbf16ps(C0, 5, 7);                      \
+    _tile_loadd(6, b_ + 32 * KB, 64);              \
+    _tile_dpbf16ps(C1, 4, 6);                      \
+    _tile_loadd(7, b_ + 48 * KB, 64);              \
+    _tile_dpbf16ps(C1, 5, 7);                      \
+    _tile_stored(C0, o_, ostride);                 \
+    _tile_stored(C1, o_ + KB, ostride);            \
+  } while (0)
+
+// scores_amx for heads of 64 (nb even: keys are packed in blocks of 32)
+void scores_amx64(const at::BFloat16* q, int64_t rows16, const uint32_t* kt, int64_t nb, float* out, int64_t np) {
+  const int64_t ostride = np * 4;
+  for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
+    _tile_loadd(4, q + r0 * 64, 128);
+    _tile_loadd(5, q + r0 * 64 + 32, 128);
+    float* o = out + r0 * np;
+    for (int64_t kb = 0; kb < nb; kb += 4) {
+      DSPARK_TWO_BLOCKS64(0, 1, kt + kb * 32 * KB, o + kb * KB, ostride);
+      if (kb + 2 < nb) DSPARK_TWO_BLOCKS64(2, 3, kt + (kb + 2) * 32 * KB, o + (kb + 2) * KB, ostride);
     }
   }
 }
@@ -296,7 +348,8 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
       for (int64_t s = s0; s < s0 + sn; ++s) n_hi = std::max(n_hi, pp[b * S + s] + 1);
       const int64_t np = (n_hi + 31) / 32 * 32, nb = (tiles ? np : n_hi + KB - 1) / KB;
       // the task's query rows (position-major, then head) gathered contiguous: rows x D
-      qrows.assign(rows16 * D, at::BFloat16(0.0f));
+      qrows.resize(rows16 * D);  // the rows past `rows` zero: the tiles read them
+      std::memset(qrows.data() + rows * D, 0, (rows16 - rows) * D * sizeof(at::BFloat16));
       nrow.resize(rows);
       for (int64_t s = 0; s < sn; ++s)
         for (int64_t g = 0; g < G; ++g) {
@@ -305,7 +358,8 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
           nrow[s * G + g] = pp[b * S + s0 + s] + 1;
         }
       sbuf.resize(rows16 * np);
-      pbuf.assign(rows16 * np, 0);
+      pbuf.resize(rows16 * np);  // each row's weights written up to np by `weights`; the padding rows zero
+      std::memset(pbuf.data() + rows * np, 0, (rows16 - rows) * np * sizeof(uint16_t));
       npairs.resize(rows);
       inv.resize(rows);
       orows.resize(rows * D);
@@ -314,7 +368,7 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
 #if defined(DSPARK_AMX)
       if (tiles) {
         if (D == 64)
-          scores_amx<2>(qrows.data(), rows16, ktb, nb, sbuf.data(), np);
+          scores_amx64(qrows.data(), rows16, ktb, nb, sbuf.data(), np);
         else
           scores_amx<4>(qrows.data(), rows16, ktb, nb, sbuf.data(), np);
       } else
