@@ -16,8 +16,9 @@ Switches for comparisons and tests (the defaults are what decoding runs):
 - DSPARK_KERNEL_ISA=avx2: build the AVX2 variant on an AVX-512 machine (to test it there).
 - DSPARK_PACK_BF16=0: bf16 linears stay plain F.linear instead of oneDNN's packed weights.
 - DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages).
-- DSPARK_AMX=0: a prefill's attention runs on AVX-512 where it would run on AMX tiles (read by the
-  extension itself, csrc/amx.h, once a process).
+- DSPARK_AMX=0: a prefill runs no AMX tiles: its attention on AVX-512 (read by the extension
+  itself, csrc/amx.h, once a process) and its matmuls on dspark's packed tiles, not on dense bf16
+  copies through torch (`kernels.dense_prefill`).
 
 Set by launchers (torchrun), read by training: WORLD_SIZE, LOCAL_RANK, RANK (the process that
 holds a run's output lock).
@@ -65,6 +66,10 @@ def pack_bf16() -> bool:
 
 def huge_pages() -> bool:
     return _flag("DSPARK_HUGE_PAGES")
+
+
+def amx() -> bool:
+    return _flag("DSPARK_AMX")
 
 
 def world_size() -> int:

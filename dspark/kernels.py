@@ -268,6 +268,21 @@ def int8_by_default() -> bool:
     return all(f in flags for f in INT8_CLASS)
 
 
+# a prefill of this many rows (batch x positions) runs its matmuls on dense bf16 copies where
+# dense_prefill() says so (csrc/dspark.h PREFILL_MM_ROWS)
+PREFILL_MM_ROWS = 64
+
+
+def dense_prefill() -> bool:
+    """Does a long prefill run the layers' matmuls on dense bf16 copies of their weights (torch's
+    matmul: oneDNN's AMX-BF16 tiles) instead of the packed int4 / Q8_0 tiles? On CPUs with AMX-BF16
+    (a copy of the layers in bf16 is kept once a prompt of PREFILL_MM_ROWS+ rows arrives), not with
+    DSPARK_AMX=0. The weights are the model's own values rounded to bf16, as transformers' bf16
+    model holds them (a Q4_1 value needs more than bf16's 8 bits): a prefill's numbers, which no
+    verification compares with a decode step's."""
+    return extension_isa() == "avx512" and "amx_bf16" in _cpu_flags() and envs.amx()
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -929,6 +929,12 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch
         outs.append(t.forward(st, long, torch.tensor([21, 18]), logits="last"))
         t.commit(st, torch.tensor([21, 18]))
         outs.append(t.forward(t.new_state(1), long[:1], logits="final"))
+        # and one of 64+ rows the layers' dense bf16 copies once they are made (kernels.dense_prefill:
+        # on CPUs with AMX-BF16 at the first such prefill; here asked for, on any CPU)
+        t.dense_layers()
+        longer = torch.arange(4, 4 + 2 * 40).view(2, 40) % model.config.vocab_size
+        outs.append(t.forward(st, longer, torch.tensor([40, 33]), logits="last"))
+        t.commit(st, torch.tensor([40, 33]))
         states[name] = (outs, st)
     assert one._stack.head, family  # every family's head sits on the tile: its argmax comes out of the stack's call
     for (a, ta), (b, tb) in zip(states["one"][0], states["loop"][0]):

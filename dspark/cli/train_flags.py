@@ -136,8 +136,9 @@ def _fit_args(p) -> None:
         choices=FEATURE_RUNTIMES,
         help="target runtime computing the features: native (dspark's, where the architecture is "
         "supported: the default), hf (transformers with forward hooks); both give the model's own "
-        "states. engine: dspark's runtime with the engine's numbers (4-bit weights where exact, the "
-        "CPU's activations): the target the draft is verified against, several times faster",
+        "states. engine: dspark's runtime with the engine's numbers for a prompt (4-bit weights where "
+        "exact, the CPU's activations, AMX tiles where the CPU has them): the target the draft is verified "
+        "against, several times faster",
     )
     g.add_argument(
         "--chunk-anchors",

@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   DSPARK_DEF(silu_mul_bf16);
   DSPARK_DEF(layers_register);
   DSPARK_DEF(layers_release);
+  DSPARK_DEF(layers_set_dense);
   DSPARK_DEF(layers_forward);
   DSPARK_DEF(draft_register);
   DSPARK_DEF(draft_release);

@@ -39,6 +39,9 @@ torch::Tensor argmax_last(torch::Tensor x);
 // a target's layer stack in one call (layers.cpp)
 int64_t layers_register(std::vector<torch::Tensor> t);
 void layers_release(int64_t id);
+// a prefill of this many rows (batch x positions) runs the layers' dense bf16 matrices where they are set
+constexpr int64_t PREFILL_MM_ROWS = 64;
+void layers_set_dense(int64_t id, std::vector<torch::Tensor> t);
 std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor lengths,
                                           torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,

@@ -19,6 +19,8 @@ namespace layers {
 struct Layer {
   torch::Tensor ln1, qkn, ln2;  // qkn: Qwen3's q/k norm weights [Hq + Hkv, D] (empty: none)
   Lin qkv, o, gu, down;
+  // the same four matrices as dense bf16 [N, K] for a long prefill (layers_set_dense; undefined: none)
+  torch::Tensor dqkv, dout, dgu, ddown;
 };
 
 struct Stack {
@@ -29,6 +31,14 @@ struct Stack {
 std::mutex mu;
 std::unordered_map<int64_t, Stack> stacks;
 int64_t next_id = 1;
+
+// a prefill's rows through the dense bf16 copy where there is one (torch's matmul: oneDNN's AMX tiles on
+// CPUs that have them), else the packed tile
+torch::Tensor lin_rows(const Lin& l, const torch::Tensor& dense, const torch::Tensor& x, bool many) {
+  if (!many || !dense.defined()) return lin(l, x);
+  auto y = at::linear(x, dense);
+  return l.b.numel() ? y + l.b : y;
+}
 
 torch::Tensor lin(const Lin& l, const torch::Tensor& x) {
   const auto t = l.P.scalar_type();
@@ -64,6 +74,27 @@ int64_t layers_register(std::vector<torch::Tensor> t) {
   return next_id++;
 }
 
+// t: the dense bf16 [N, K] of each layer's wqkv, wo, w13, w2 (4 a layer), for layers_forward's prefills of
+// PREFILL_MM_ROWS+ rows
+void layers_set_dense(int64_t id, std::vector<torch::Tensor> t) {
+  using namespace layers;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = stacks.find(id);
+  TORCH_CHECK(it != stacks.end(), "layers_set_dense: no layer stack ", id);
+  auto& lys = it->second.layers;
+  TORCH_CHECK(t.size() == 4 * lys.size(), "layers_set_dense: 4 matrices a layer, got ", t.size());
+  for (size_t i = 0; i < lys.size(); ++i) {
+    for (size_t j = 0; j < 4; ++j)
+      TORCH_CHECK(
+          t[4 * i + j].dim() == 2 && t[4 * i + j].scalar_type() == torch::kBFloat16 && t[4 * i + j].is_contiguous(),
+          "layers_set_dense: contiguous 2-D bf16 matrices");
+    lys[i].dqkv = t[4 * i];
+    lys[i].dout = t[4 * i + 1];
+    lys[i].dgu = t[4 * i + 2];
+    lys[i].ddown = t[4 * i + 3];
+  }
+}
+
 void layers_release(int64_t id) {
   std::lock_guard<std::mutex> g(layers::mu);
   layers::stacks.erase(id);
@@ -77,7 +108,8 @@ void layers_release(int64_t id) {
 // (the registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
 // output, its final norm, the taps (empty: none)[, the argmax [B, S] int64]). prefill: the call runs a
 // prompt (no verification compares its bits with a decode step's): attention of 16+ positions a row runs
-// attn_prefill_bf16, not attn_bf16.
+// attn_prefill_bf16, not attn_bf16, and a call of PREFILL_MM_ROWS+ rows the layers' dense bf16 matrices
+// where layers_set_dense gave them.
 std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor lengths,
                                           torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,
@@ -124,11 +156,13 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     TORCH_CHECK(c < 0 || c + H <= tap_width, "layers_forward: tap column ", c, " outside the taps' width ", tap_width);
   const auto taps = tap_width ? torch::empty({B, S, tap_width}, x.options()) : none;
   torch::Tensor h = rms_bf16(x, lys[0].ln1, eps);
+  // a long prefill's matmuls on the dense copies where they are set (the packed tiles otherwise)
+  const bool dense = prefill && B * S >= PREFILL_MM_ROWS;
   for (int64_t li = 0; li < L; ++li) {
     const Layer& ly = lys[li];
     const auto lkv = kv.select(0, li);
     const auto kc = lkv.select(0, 0), vc = lkv.select(0, 1);
-    auto qkv = lin(ly.qkv, h).view({B, S, hq + 2 * hkv, D});
+    auto qkv = lin_rows(ly.qkv, ly.dqkv, h, dense).view({B, S, hq + 2 * hkv, D});
     torch::Tensor q;
     if (ly.qkn.numel()) {  // Qwen3: q_norm on the query heads, k_norm on the key heads
       q = rope_cache_bf16(rms_bf16(qkv.narrow(2, 0, hq + hkv), ly.qkn, eps), qkv.narrow(2, hq + hkv, hkv), cos, sin, kc,
@@ -137,11 +171,11 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
       q = rope_cache_bf16(qkv, none, cos, sin, kc, vc, pos);
     }
     auto o = prefill && S >= PREFILL_ROWS ? attn_prefill_bf16(q, kc, vc, pos, scale) : attn_bf16(q, kc, vc, pos, scale);
-    auto xh = add_rms_bf16(x, lin(ly.o, o), ly.ln2, eps, none, 0);
+    auto xh = add_rms_bf16(x, lin_rows(ly.o, ly.dout, o, dense), ly.ln2, eps, none, 0);
     const auto& next = li + 1 < L ? lys[li + 1].ln1 : final_w;
     const bool tap = tap_cols[li] >= 0;
-    xh = add_rms_bf16(xh[0], lin(ly.down, silu_mul_bf16(lin(ly.gu, xh[1]))), next, eps, tap ? taps : none,
-                      tap ? tap_cols[li] : 0);
+    xh = add_rms_bf16(xh[0], lin_rows(ly.down, ly.ddown, silu_mul_bf16(lin_rows(ly.gu, ly.dgu, xh[1], dense)), dense),
+                      next, eps, tap ? taps : none, tap ? tap_cols[li] : 0);
     x = xh[0];
     h = xh[1];
   }

@@ -23,6 +23,14 @@ def norm(ext, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 PREFILL_ROWS = 16  # csrc/dspark.h: a prefill of this many positions a row runs attn_prefill_bf16
 
 
+def _lin(lin, dense: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A prefill's rows through the layer's dense bf16 copy where one is used (csrc/layers.cpp lin_rows)."""
+    if dense is None:
+        return lin(x)
+    y = torch.nn.functional.linear(x, dense)
+    return y if lin.b is None else y + lin.b
+
+
 def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
     """The decoder layers of NativeTarget t (bf16 activations, dspark's extension) over the
     embeddings x [B, S, H] at positions pos [B, S] -> (the last layer's output, its final norm).
@@ -33,9 +41,11 @@ def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
     B, S, _ = x.shape
     Hq, Hkv, D = t.n_heads, t.n_kv, t.head_dim
     layer_kv = state.layer_kv()
+    dense = t._dense_box[0] if prefill and B * S >= kernels.PREFILL_MM_ROWS else None
     h = norm(ext, x, t.layers[0].ln1, t.eps)
     for li, layer in enumerate(t.layers):
-        qkv = layer.wqkv(h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
+        dq, do, dgu, ddown = dense[li] if dense is not None else (None,) * 4
+        qkv = _lin(layer.wqkv, dq, h).view(B, S, Hq + 2 * Hkv, D)  # heads: Hq queries | Hkv keys | Hkv values
         kc, vc = layer_kv[li]  # [B, Hkv, C, D]
         if layer.qk_norm is None:
             qk, v = qkv, NO_TENSOR  # the kernel reads the value heads from qkv: no slices
@@ -45,10 +55,10 @@ def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
         q = ext.rope_cache_bf16(qk, v, t.cos, t.sin, kc, vc, pos)  # [B, S, Hq, D], the cache written
         attend = ext.attn_prefill_bf16 if prefill and S >= PREFILL_ROWS else ext.attn_bf16
         o = attend(q, kc, vc, pos, D**-0.5)  # [B, S, Hq*D]
-        x, h = ext.add_rms_bf16(x, layer.wo(o), layer.ln2, t.eps, NO_TENSOR, 0)
+        x, h = ext.add_rms_bf16(x, _lin(layer.wo, do, o), layer.ln2, t.eps, NO_TENSOR, 0)
         # the residual add, the next layer's input norm (the final norm after the last) and the tap
         col = t._tap_cols[li]
         nxt = t.layers[li + 1].ln1 if li + 1 < t.num_layers else t.norm
-        mlp = layer.w2(kernels.silu_mul(layer.w13(h), ext))
+        mlp = _lin(layer.w2, ddown, kernels.silu_mul(_lin(layer.w13, dgu, h), ext))
         x, h = ext.add_rms_bf16(x, mlp, nxt, t.eps, NO_TENSOR if col < 0 else tapped, max(col, 0))
     return x, h

@@ -247,7 +247,31 @@ class NativeTarget:
             )
         self._packs = None  # the store is its loader's (which saves it), not the target's
         self._stack = _LayerStack.of(self)
+        # each layer's matrices as dense bf16 for long prefills (kernels.dense_prefill), made at the first
+        # one; a list shared by this target's views (copy.copy), as the layer stack is
+        self._dense_box: list[list[tuple[torch.Tensor, ...]] | None] = [None]
         self.set_taps(tap_indices)
+
+    def dense_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        """Each layer's wqkv, wo, w13, w2 as dense bf16 [N, K] from the model's own weights, made once
+        and handed to the layer stack: what a long prefill's matmuls run on where kernels.dense_prefill."""
+        out = self._dense_box[0]
+        if out is None:
+            out = []
+            with torch.no_grad():
+                for layer in self.model.model.layers:
+                    a, m = layer.self_attn, layer.mlp
+                    mats = (
+                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        a.o_proj.weight,
+                        torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        m.down_proj.weight,
+                    )
+                    out.append(tuple(w.detach().to(torch.bfloat16).contiguous() for w in mats))
+            self._dense_box[0] = out
+            if self._stack is not None:
+                self._stack.ext.layers_set_dense(self._stack.id, [w for ly in out for w in ly])
+        return out
 
     def _fact(self, key: str, compute):
         """A screen of the model's weights (compute()), read from the pack store where it has it."""
@@ -398,6 +422,8 @@ class NativeTarget:
         ids = None
         stack = self._stack
         prefill = logits in ("last", "final")  # a prompt's positions: no decode step's bits to match
+        if prefill and self._dense_box[0] is None and B * S >= kernels.PREFILL_MM_ROWS and kernels.dense_prefill():
+            self.dense_layers()
         if stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and stack.head
             # the call makes the taps [B, S, n*H] and writes each tap as its layer runs (stack.ext is self._ext)

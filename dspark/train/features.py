@@ -101,9 +101,11 @@ class Extractor:
     """Target features of padded batches on one runtime: 'hf' (forward hooks on the transformers
     model), 'native' (dspark's runtime, dspark.target.native, with the model's own weights in the
     model's dtype: the same states, computed with fused projections and no HF overhead) or 'engine'
-    (dspark's runtime as the engine decodes: 4-bit weights where the model's are exactly 4-bit, the
-    activations `--activations auto` picks on this CPU; the states of the target the draft will be
-    verified against, several times faster on a CPU, not bit-equal to the model's float ones)."""
+    (dspark's runtime as the engine runs a prompt: `weights auto`, 4-bit where the model's weights
+    are exactly 4-bit, the activations `--activations auto` picks on this CPU, and on CPUs with
+    AMX-BF16 a long prompt's matmuls on bf16 copies, kernels.dense_prefill; the states of the target
+    the draft will be verified against, several times faster on a CPU, not bit-equal to the model's
+    float ones)."""
 
     def __init__(self, model, taps: tuple[int, ...], runtime: str = "hf"):
         if runtime not in FEATURE_RUNTIMES:
