@@ -374,6 +374,10 @@ def test_prefill_attention_is_softmax_attention_and_row_independent(ext):
     if kernels.extension_isa() == "avx512":
         want = "amx-bf16" if "amx_bf16" in kernels._cpu_flags() else "avx512-bf16 (the CPU has no AMX-BF16)"
         assert kind == want
+    # the start-up line says what a prompt runs on
+    said = NativeTarget(q4_exact(tiny_target()), act_dtype=torch.bfloat16).describe()
+    assert f"prefill attention {kind}" in said
+    assert ("matmuls of 64+ rows in bf16 on torch's (oneDNN) kernels" in said) == kernels.dense_prefill()
 
 
 def test_prefill_attention_without_amx_tiles_computes_the_same(ext):

@@ -347,11 +347,13 @@ class NativeTarget:
                 if ours
                 else f", int4 kernel: {int4[0].kernel}"
             )
-        layers = (
-            f", layers in one call: dspark {kernels.extension_isa()}"
-            if self._stack is not None
-            else ", layers on torch's ops"
-        )
+        layers = ", layers on torch's ops"
+        if self._stack is not None:
+            # what a prompt runs on: its attention (csrc/attn_prefill.cpp) and, where dense_prefill, its matmuls
+            prefill = f"prefill attention {self._stack.ext.attn_prefill_kind()}"
+            if kernels.dense_prefill():
+                prefill += f", matmuls of {kernels.PREFILL_MM_ROWS}+ rows in bf16 on torch's (oneDNN) kernels"
+            layers = f", layers in one call: dspark {kernels.extension_isa()} ({prefill})"
         return (
             f"native runtime, weights {self.weights} (head {self.head_format}), "
             f"activations {str(self.dtype).removeprefix('torch.')}{kernel}{layers}"
