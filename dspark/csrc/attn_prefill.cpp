@@ -27,22 +27,6 @@ namespace attn_prefill {
 
 using attn::V;
 
-// exp(x) for x <= 0, to ~1e-6 relative (a degree-5 polynomial on |r| <= ln2 / 2): the weights are
-// rounded to bf16 (2^-9) after it, so attn.cpp's degree-6 exp_neg would buy nothing here
-inline V exp_weight(V x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
-  V p = _mm512_set1_ps(1.0f / 120);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 constexpr int KB = 16;  // keys a block: the lanes of a q.k result
 constexpr int RB = 8;   // query rows sharing each packed key register (q.k)
 constexpr int QB = 16;  // positions a task: with G heads a task holds QB * G query rows
@@ -116,7 +100,8 @@ inline float weights(const float* s, float sc, int64_t n, int64_t np, uint16_t* 
   for (int64_t j = 0; j < np; j += KB) {
     const int64_t left = std::max<int64_t>(0, std::min<int64_t>(KB, n - j));
     const __mmask16 live = static_cast<__mmask16>(left >= KB ? 0xFFFF : (1u << left) - 1);
-    const V e = _mm512_maskz_mov_ps(live, exp_weight(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + j), scv, m)));
+    const V e =
+        _mm512_maskz_mov_ps(live, attn::exp_neg<5>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + j), scv, m)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), attn::to_bf16_bits(e));
   }

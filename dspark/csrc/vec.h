@@ -104,19 +104,18 @@ inline void store_bf16(at::BFloat16* p, V x) {
 }
 #endif
 
-// exp(x) for x <= 0: 2^n e^r with |r| <= ln2/2, degree-6 polynomial (~1 ulp of fp32)
+// exp(x) for x <= 0: 2^n e^r with |r| <= ln2/2, a Taylor polynomial of degree DEG (6: ~1 ulp of fp32;
+// 5: ~1e-6 relative, enough for values rounded to bf16 after it)
+template <int DEG = 6>
 inline V exp_neg(V x) {
+  static_assert(DEG >= 1 && DEG <= 6, "exp_neg: degree 1..6");
+  constexpr float inv_fact[7] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720};
   x = vmax(x, set1(-87.0f));
   const V n = round_int(mul(x, set1(1.44269504088896341f)));
   V r = sub(x, mul(n, set1(0.693145751953125f)));
   r = sub(r, mul(n, set1(1.428606765330187e-06f)));
-  V p = set1(1.0f / 720);
-  p = fma(p, r, set1(1.0f / 120));
-  p = fma(p, r, set1(1.0f / 24));
-  p = fma(p, r, set1(1.0f / 6));
-  p = fma(p, r, set1(0.5f));
-  p = fma(p, r, set1(1.0f));
-  p = fma(p, r, set1(1.0f));
+  V p = set1(inv_fact[DEG]);
+  for (int k = DEG - 1; k >= 0; --k) p = fma(p, r, set1(inv_fact[k]));
   return pow2(p, n);
 }
 
