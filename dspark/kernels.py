@@ -283,6 +283,18 @@ def dense_prefill() -> bool:
     return extension_isa() == "avx512" and "amx_bf16" in _cpu_flags() and envs.amx()
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the OS says are available (/proc/meminfo MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

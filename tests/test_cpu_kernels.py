@@ -884,6 +884,24 @@ def test_silu_mul_gives_torchs_bits(ext):
     _check_silu_mul(ext)
 
 
+def test_a_dense_copy_too_large_for_memory_is_refused_and_prompts_keep_the_packed_tiles(ext, monkeypatch, caplog):
+    """kernels.dense_prefill's bf16 copy of the layers is made only where it takes at most a quarter of
+    the memory available; refused, it is said once and a long prefill computes what it did without."""
+    model = q4_exact(tiny_target(hidden=256, layers=2))
+    ids = torch.arange(4, 84).view(1, 80) % model.config.vocab_size
+    tiles = NativeTarget(model, act_dtype=torch.bfloat16)
+    tiles._dense_box[0] = []  # the packed tiles whatever the CPU
+    want, _ = tiles.forward(tiles.new_state(1), ids, logits="last")
+    t = NativeTarget(model, act_dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "available_memory", lambda: 1 << 20)  # 1 MiB: no copy fits
+    with caplog.at_level("WARNING", logger="dspark"):
+        assert t.dense_layers() == [] and t.dense_layers() == []
+    said = [r.getMessage() for r in caplog.records if "bf16 copy of the layers" in r.getMessage()]
+    assert len(said) == 1 and "more than 25% of the memory available" in said[0]
+    got, _ = t.forward(t.new_state(1), ids, logits="last")
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("family", ["llama-int4", "llama-bf16", "llama-heads64", "qwen2-bias", "qwen3-qknorm"])
 def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch):
     """csrc/layers.cpp runs a forward's layers in one call: logits, final states, taps (tap 0, a

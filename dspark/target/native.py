@@ -25,6 +25,7 @@ the forward with its logits modes. It implements `dspark.target.base.Target`, as
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,11 @@ from dspark.target import torch_layers
 from dspark.target.base import check_finite
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
 from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
+
+log = logging.getLogger("dspark")
+# a long prefill's dense bf16 copy of the layers is made only where it takes at most this share of the
+# memory available: on a model too large for that, prompts keep the packed tiles
+DENSE_MEMORY_SHARE = 0.25
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once
@@ -254,12 +260,27 @@ class NativeTarget:
 
     def dense_layers(self) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's wqkv, wo, w13, w2 as dense bf16 [N, K] from the model's own weights, made once
-        and handed to the layer stack: what a long prefill's matmuls run on where kernels.dense_prefill."""
+        and handed to the layer stack: what a long prefill's matmuls run on where kernels.dense_prefill.
+        Empty (and said once) where the copy would take more than DENSE_MEMORY_SHARE of the memory
+        available: prompts then keep the packed tiles."""
         out = self._dense_box[0]
         if out is None:
             out = []
+            layers = self.model.model.layers
+            need = 2 * sum(w.numel() for ly in layers for w in ly.parameters() if w.dim() == 2)
+            avail = kernels.available_memory()
+            if avail is not None and need > DENSE_MEMORY_SHARE * avail:
+                log.warning(
+                    "prefill keeps dspark's packed matmuls: a bf16 copy of the layers (%.1f GiB) would take more "
+                    "than %d%% of the memory available (%.1f GiB)",
+                    need / 2**30,
+                    round(100 * DENSE_MEMORY_SHARE),
+                    avail / 2**30,
+                )
+                self._dense_box[0] = out  # empty: asked once, refused
+                return out
             with torch.no_grad():
-                for layer in self.model.model.layers:
+                for layer in layers:
                     a, m = layer.self_attn, layer.mlp
                     mats = (
                         torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
