@@ -884,6 +884,31 @@ def test_silu_mul_gives_torchs_bits(ext):
     _check_silu_mul(ext)
 
 
+def test_replay_rebuilds_a_requests_cache_as_prefill_and_decoding_made_it(ext):
+    """The engine's recovery (`target.base.replay`) runs a request's prompt in its prefill chunks and
+    its output on the decode path: the cache and taps are bit for bit those of the prefill and the
+    1-token steps that made them, though a prompt's numbers are not a decode step's (the prefill's
+    attention tiles and, with AMX, its dense matmuls)."""
+    from dspark.target.base import replay
+
+    model = q4_exact(tiny_target(hidden=256, layers=2))
+    t = NativeTarget(model, (0, 2), act_dtype=torch.bfloat16)
+    prompt = (torch.arange(90) * 7 % 90 + 4).tolist()
+    output = [5, 9, 33, 70, 2, 41, 8]
+    st, taps = t.new_state(1), []
+    for s0 in range(0, len(prompt), 64):  # prefill chunks of 64 (the last one 26)
+        piece = prompt[s0 : s0 + 64]
+        taps.append(t.forward(st, torch.tensor([piece]), logits="last")[1])
+        t.commit(st, torch.tensor([len(piece)]))
+    for tok in output:  # decoding, a token a step
+        taps.append(t.forward(st, torch.tensor([[tok]]), logits="argmax")[1])
+        t.commit(st, torch.tensor([1]))
+    again, again_taps = replay(t, prompt, output, 64)
+    n = len(prompt) + len(output)
+    assert int(again.lengths[0]) == n and torch.equal(again_taps, torch.cat(taps, 1))
+    assert torch.equal(again.kv[..., :n, :], st.kv[..., :n, :])
+
+
 def test_a_dense_copy_too_large_for_memory_is_refused_and_prompts_keep_the_packed_tiles(ext, monkeypatch, caplog):
     """kernels.dense_prefill's bf16 copy of the layers is made only where it takes at most a quarter of
     the memory available; refused, it is said once and a long prefill computes what it did without."""

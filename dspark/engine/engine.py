@@ -26,7 +26,7 @@ from dspark.engine.step import decode_step, draft_taps, flush_context
 from dspark.errors import DSparkError, RequestError
 from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
-from dspark.target.base import Target
+from dspark.target.base import Target, replay
 from dspark.target.text import encode_prompt
 
 log = logging.getLogger("dspark")
@@ -258,13 +258,10 @@ class Engine:
     @torch.inference_mode()
     def _resume(self, req: Request, gen: torch.Generator | None) -> Batch:
         """A one-row batch for a request that has output: its prompt and output but the last token
-        run through the target again, the last token its anchor, its own generator (as it was
-        before the step that failed). What decoding continues from equals what it had."""
+        run through the target again (`replay`: as prefill and decoding computed them), the last token
+        its anchor, its own generator (as before the step that failed): decoding goes on as it would have."""
         dev = self.target.device
-        ids = req.prompt_ids + req.output_ids[:-1]
-        state = self.target.new_state(1)
-        _, taps = self.target.forward(state, torch.tensor([ids], device=dev), logits="last")
-        self.target.commit(state, torch.tensor([len(ids)], device=dev))
+        state, taps = replay(self.target, req.prompt_ids, req.output_ids[:-1], self.prefill_chunk)
         ctx = self.draft.new_context_cache(1, dev) if self.draft is not None else None
         return Batch(
             state,

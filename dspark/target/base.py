@@ -76,3 +76,19 @@ class Target(Protocol[StateT]):
     def select(self, state: StateT, rows: torch.Tensor) -> StateT: ...
 
     def merge(self, states: list[StateT]) -> StateT: ...
+
+
+def replay(target: Target, prompt: list[int], output: list[int], chunk: int) -> tuple[TargetState, torch.Tensor | None]:
+    """A new one-row state holding prompt + output as the engine computed them, and their taps
+    [1, len, n * H] (None without taps): the prompt in prefill chunks of `chunk` tokens (a prompt's
+    numbers: logits "last"), the output in one forward on the decode path (a verify's numbers:
+    each position's result is what the step that committed it computed)."""
+    dev, state = target.device, target.new_state(1)
+    taps: list[torch.Tensor | None] = []
+    pieces = [(prompt[s : s + chunk], "last") for s in range(0, len(prompt), chunk)] + [(output, "argmax")]
+    for ids, mode in pieces:
+        if ids:
+            taps.append(target.forward(state, torch.tensor([ids], device=dev), logits=mode)[1])
+            target.commit(state, torch.tensor([len(ids)], device=dev))
+    have = [t for t in taps if t is not None]
+    return state, torch.cat(have, 1) if have else None
