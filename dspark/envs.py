@@ -18,7 +18,7 @@ Switches for comparisons and tests (the defaults are what decoding runs):
 - DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages).
 - DSPARK_AMX=0: a prefill runs no AMX tiles: its attention on AVX-512 (read by the extension
   itself, csrc/amx.h, once a process) and its matmuls on dspark's packed tiles, not on dense bf16
-  copies through torch (`kernels.dense_prefill`).
+  copies through torch (`dspark.target.dense`).
 
 Set by launchers (torchrun), read by training: WORLD_SIZE, LOCAL_RANK, RANK (the process that
 holds a run's output lock).

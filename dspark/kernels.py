@@ -264,38 +264,12 @@ def int8_by_default() -> bool:
     vpdpbusd make a 1-token SmolLM2 step ~1.45x faster, a 2-token verify ~1.1x a step instead of
     ~1.45x and prefill ~2.8x faster; on AMD Zen 4 they made the 1-token step 2-4 % slower, so bf16
     stays there (and on any class not measured)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return all(f in flags for f in INT8_CLASS)
 
 
-# a prefill of this many rows (batch x positions) runs its matmuls on dense bf16 copies where
-# dense_prefill() says so (csrc/dspark.h PREFILL_MM_ROWS)
-PREFILL_MM_ROWS = 64
-
-
-def dense_prefill() -> bool:
-    """Does a long prefill run the layers' matmuls on dense bf16 copies of their weights (torch's
-    matmul: oneDNN's AMX-BF16 tiles) instead of the packed int4 / Q8_0 tiles? On CPUs with AMX-BF16
-    (a copy of the layers in bf16 is kept once a prompt of PREFILL_MM_ROWS+ rows arrives), not with
-    DSPARK_AMX=0. The weights are the model's own values rounded to bf16, as transformers' bf16
-    model holds them (a Q4_1 value needs more than bf16's 8 bits): a prefill's numbers, which no
-    verification compares with a decode step's."""
-    return extension_isa() == "avx512" and "amx_bf16" in _cpu_flags() and envs.amx()
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the OS says are available (/proc/meminfo MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's flags (/proc/cpuinfo), empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -308,7 +282,7 @@ def _cpu_flags() -> set[str]:
 
 def _isa() -> tuple[str | None, str]:
     """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
-    flags, forced = _cpu_flags(), envs.kernel_isa()
+    flags, forced = cpu_flags(), envs.kernel_isa()
     for isa, (need, _, _) in ISAS.items():
         if forced in (None, isa) and all(f in flags for f in need):
             lacking = [f for f in ISAS["avx512"][0] if f not in flags]
@@ -455,7 +429,7 @@ def choose_activations(mode: str) -> None:
     isa, why = _planned_build()
     if mode == "int8" and isa is None:
         raise DSparkError(f"activations int8 name dspark's int4 / Q8_0 kernels, and none runs here ({why})")
-    lacking = [f for f in INT8_AVX512[0] if f not in _cpu_flags()]
+    lacking = [f for f in INT8_AVX512[0] if f not in cpu_flags()]
     if mode == "int8" and isa == "avx512" and lacking:
         raise DSparkError(
             f"activations int8: the AVX-512 build's 8-bit matmuls need {', '.join(lacking)} (vpdpbusd), "

@@ -15,7 +15,7 @@ from dspark import kernels
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.reference import kernel_loop
-from dspark.target import torch_layers
+from dspark.target import dense, torch_layers
 from dspark.target.native import NativeTarget
 from dspark.target.quant import Linear
 
@@ -372,18 +372,18 @@ def test_prefill_attention_is_softmax_attention_and_row_independent(ext):
     _check_prefill_attention(ext)
     kind = ext.attn_prefill_kind()
     if kernels.extension_isa() == "avx512":
-        want = "amx-bf16" if "amx_bf16" in kernels._cpu_flags() else "avx512-bf16 (the CPU has no AMX-BF16)"
+        want = "amx-bf16" if "amx_bf16" in kernels.cpu_flags() else "avx512-bf16 (the CPU has no AMX-BF16)"
         assert kind == want
     # the start-up line says what a prompt runs on
     said = NativeTarget(q4_exact(tiny_target()), act_dtype=torch.bfloat16).describe()
     assert f"prefill attention {kind}" in said
-    assert ("matmuls of 64+ rows in bf16 on torch's (oneDNN) kernels" in said) == kernels.dense_prefill()
+    assert ("matmuls of 64+ rows in bf16 on torch's (oneDNN) kernels" in said) == dense.dense_prefill()
 
 
 def test_prefill_attention_without_amx_tiles_computes_the_same(ext):
     """DSPARK_AMX=0 runs the AVX-512 path where the tiles would run: the same attention, checked in
     a process of its own (the choice is made once a process)."""
-    if "amx_bf16" not in kernels._cpu_flags():
+    if "amx_bf16" not in kernels.cpu_flags():
         pytest.skip("no AMX-BF16 on this CPU: the default test already checks the AVX-512 path")
     code = (
         "from dspark import kernels; from tests import test_cpu_kernels as t; m = kernels.extension(); "
@@ -400,7 +400,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     """AVX2-only CPUs (no AVX-512) get an 8-lane build: the matmul tile (int4, Q8_0, bf16), norms and
     attention; built (about a minute, hence slow: on an AVX2-only machine the default tests check
     that build already) and checked here on this machine's AVX2 units, the matmul tests included."""
-    if "avx2" not in kernels._cpu_flags():
+    if "avx2" not in kernels.cpu_flags():
         pytest.skip("no AVX2 here")
     from dspark.target.torch_layers import rms as _rms
 
@@ -910,7 +910,7 @@ def test_replay_rebuilds_a_requests_cache_as_prefill_and_decoding_made_it(ext):
 
 
 def test_a_dense_copy_too_large_for_memory_is_refused_and_prompts_keep_the_packed_tiles(ext, monkeypatch, caplog):
-    """kernels.dense_prefill's bf16 copy of the layers is made only where it takes at most a quarter of
+    """dspark.target.dense's bf16 copy of the layers is made only where it takes at most a quarter of
     the memory available; refused, it is said once and a long prefill computes what it did without."""
     model = q4_exact(tiny_target(hidden=256, layers=2))
     ids = torch.arange(4, 84).view(1, 80) % model.config.vocab_size
@@ -918,7 +918,7 @@ def test_a_dense_copy_too_large_for_memory_is_refused_and_prompts_keep_the_packe
     tiles._dense_box[0] = []  # the packed tiles whatever the CPU
     want, _ = tiles.forward(tiles.new_state(1), ids, logits="last")
     t = NativeTarget(model, act_dtype=torch.bfloat16)
-    monkeypatch.setattr(kernels, "available_memory", lambda: 1 << 20)  # 1 MiB: no copy fits
+    monkeypatch.setattr(dense, "available_memory", lambda: 1 << 20)  # 1 MiB: no copy fits
     with caplog.at_level("WARNING", logger="dspark"):
         assert t.dense_layers() == [] and t.dense_layers() == []
     said = [r.getMessage() for r in caplog.records if "bf16 copy of the layers" in r.getMessage()]
@@ -976,7 +976,7 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch
         outs.append(t.forward(st, long, torch.tensor([21, 18]), logits="last"))
         t.commit(st, torch.tensor([21, 18]))
         outs.append(t.forward(t.new_state(1), long[:1], logits="final"))
-        # and one of 64+ rows the layers' dense bf16 copies once they are made (kernels.dense_prefill:
+        # and one of 64+ rows the layers' dense bf16 copies once they are made (dense.dense_prefill:
         # on CPUs with AMX-BF16 at the first such prefill; here asked for, on any CPU)
         t.dense_layers()
         longer = torch.arange(4, 4 + 2 * 40).view(2, 40) % model.config.vocab_size
@@ -1068,7 +1068,7 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
 
     bound = (0.008, 0.94)
     if build.startswith("avx2"):
-        if "avx2" not in kernels._cpu_flags():
+        if "avx2" not in kernels.cpu_flags():
             pytest.skip("no AVX2 here")
         monkeypatch.setattr(kernels, "_build", {})
         monkeypatch.setattr(kernels, "_activations", "auto")
@@ -1083,7 +1083,7 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
             test_rows_get_the_same_bits_in_any_batch(mod)
             test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
     elif build == "avx512-int8":  # the AVX-512 build's 8-bit matmuls (vpdpbusd), by the AVX2 build's rule
-        if kernels._isa()[0] != "avx512" or "avx512_vnni" not in kernels._cpu_flags():
+        if kernels._isa()[0] != "avx512" or "avx512_vnni" not in kernels.cpu_flags():
             pytest.skip("no AVX-512 build with AVX512-VNNI here")
         monkeypatch.setattr(kernels, "_build", {})
         monkeypatch.setattr(kernels, "_activations", "auto")
@@ -1118,7 +1118,7 @@ def vnni(monkeypatch):
     isa, why = kernels._isa()
     if isa != "avx512":
         pytest.skip(f"the AVX-512 build does not run here ({why})")
-    if "avx512_vnni" not in kernels._cpu_flags():
+    if "avx512_vnni" not in kernels.cpu_flags():
         pytest.skip("this CPU lacks avx512_vnni (vpdpbusd), which the AVX-512 build's 8-bit matmuls need")
     if not _VNNI_BUILD:
         monkeypatch.setattr(kernels, "_build", {})
@@ -1243,7 +1243,7 @@ def test_the_activation_format_is_chosen_once_a_process_and_a_contradiction_is_r
     if kernels._isa()[0] == "avx2":
         kernels.choose_activations("bf16")
         assert kernels._activations == "bf16"
-    elif "avx512_vnni" in kernels._cpu_flags():
+    elif "avx512_vnni" in kernels.cpu_flags():
         kernels.choose_activations("int8")
         assert kernels._activations == "int8"
     else:
@@ -1251,7 +1251,7 @@ def test_the_activation_format_is_chosen_once_a_process_and_a_contradiction_is_r
             kernels.choose_activations("int8")
     if kernels._isa()[0] == "avx512":  # a CPU without VNNI is refused by name
         monkeypatch.setattr(kernels, "_activations", "auto")
-        monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_bf16"})
         with pytest.raises(DSparkError, match="need avx512_vnni .vpdpbusd., which this CPU lacks"):
             kernels.choose_activations("int8")
         assert kernels._activations == "auto"

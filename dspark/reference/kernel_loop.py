@@ -14,6 +14,7 @@ import torch
 
 from dspark import kernels
 from dspark.kernels import NO_TENSOR
+from dspark.target.dense import PREFILL_MM_ROWS
 
 
 def norm(ext, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,7 +43,7 @@ def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
     Hq, Hkv, D = t.n_heads, t.n_kv, t.head_dim
     layer_kv = state.layer_kv()
     # the dense copies where they were made (an empty list: refused for memory)
-    dense = (t._dense_box[0] or None) if prefill and B * S >= kernels.PREFILL_MM_ROWS else None
+    dense = (t._dense_box[0] or None) if prefill and B * S >= PREFILL_MM_ROWS else None
     h = norm(ext, x, t.layers[0].ln1, t.eps)
     for li, layer in enumerate(t.layers):
         dq, do, dgu, ddown = dense[li] if dense is not None else (None,) * 4

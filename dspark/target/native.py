@@ -25,7 +25,6 @@ the forward with its logits modes. It implements `dspark.target.base.Target`, as
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,15 +33,10 @@ import torch.nn.functional as F
 from dspark import kernels
 from dspark.errors import DSparkError, RequestError
 from dspark.kernels import NO_TENSOR
-from dspark.target import torch_layers
+from dspark.target import dense, torch_layers
 from dspark.target.base import check_finite
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
 from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
-
-log = logging.getLogger("dspark")
-# a long prefill's dense bf16 copy of the layers is made only where it takes at most this share of the
-# memory available: on a model too large for that, prompts keep the packed tiles
-DENSE_MEMORY_SHARE = 0.25
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once
@@ -253,45 +247,17 @@ class NativeTarget:
             )
         self._packs = None  # the store is its loader's (which saves it), not the target's
         self._stack = _LayerStack.of(self)
-        # each layer's matrices as dense bf16 for long prefills (kernels.dense_prefill), made at the first
+        # each layer's matrices as dense bf16 for long prefills (dspark.target.dense), made at the first
         # one; a list shared by this target's views (copy.copy), as the layer stack is
         self._dense_box: list[list[tuple[torch.Tensor, ...]] | None] = [None]
         self.set_taps(tap_indices)
 
     def dense_layers(self) -> list[tuple[torch.Tensor, ...]]:
-        """Each layer's wqkv, wo, w13, w2 as dense bf16 [N, K] from the model's own weights, made once
-        and handed to the layer stack: what a long prefill's matmuls run on where kernels.dense_prefill.
-        Empty (and said once) where the copy would take more than DENSE_MEMORY_SHARE of the memory
-        available: prompts then keep the packed tiles."""
+        """The layers' dense bf16 copies a long prefill runs on (dspark.target.dense), made once and
+        shared by this target's views; empty where refused for memory."""
         out = self._dense_box[0]
         if out is None:
-            out = []
-            layers = self.model.model.layers
-            need = 2 * sum(w.numel() for ly in layers for w in ly.parameters() if w.dim() == 2)
-            avail = kernels.available_memory()
-            if avail is not None and need > DENSE_MEMORY_SHARE * avail:
-                log.warning(
-                    "prefill keeps dspark's packed matmuls: a bf16 copy of the layers (%.1f GiB) would take more "
-                    "than %d%% of the memory available (%.1f GiB)",
-                    need / 2**30,
-                    round(100 * DENSE_MEMORY_SHARE),
-                    avail / 2**30,
-                )
-                self._dense_box[0] = out  # empty: asked once, refused
-                return out
-            with torch.no_grad():
-                for layer in layers:
-                    a, m = layer.self_attn, layer.mlp
-                    mats = (
-                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                        a.o_proj.weight,
-                        torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                        m.down_proj.weight,
-                    )
-                    out.append(tuple(w.detach().to(torch.bfloat16).contiguous() for w in mats))
-            self._dense_box[0] = out
-            if self._stack is not None:
-                self._stack.ext.layers_set_dense(self._stack.id, [w for ly in out for w in ly])
+            out = self._dense_box[0] = dense.make(self.model, self._stack)
         return out
 
     def _fact(self, key: str, compute):
@@ -372,8 +338,8 @@ class NativeTarget:
         if self._stack is not None:
             # what a prompt runs on: its attention (csrc/attn_prefill.cpp) and, where dense_prefill, its matmuls
             prefill = f"prefill attention {self._stack.ext.attn_prefill_kind()}"
-            if kernels.dense_prefill():
-                prefill += f", matmuls of {kernels.PREFILL_MM_ROWS}+ rows in bf16 on torch's (oneDNN) kernels"
+            if dense.dense_prefill():
+                prefill += f", matmuls of {dense.PREFILL_MM_ROWS}+ rows in bf16 on torch's (oneDNN) kernels"
             layers = f", layers in one call: dspark {kernels.extension_isa()} ({prefill})"
         return (
             f"native runtime, weights {self.weights} (head {self.head_format}), "
@@ -445,7 +411,7 @@ class NativeTarget:
         ids = None
         stack = self._stack
         prefill = logits in ("last", "final")  # a prompt's positions: no decode step's bits to match
-        if prefill and self._dense_box[0] is None and B * S >= kernels.PREFILL_MM_ROWS and kernels.dense_prefill():
+        if prefill and self._dense_box[0] is None and B * S >= dense.PREFILL_MM_ROWS and dense.dense_prefill():
             self.dense_layers()
         if stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and stack.head

@@ -103,7 +103,7 @@ class Extractor:
     model's dtype: the same states, computed with fused projections and no HF overhead) or 'engine'
     (dspark's runtime as the engine runs a prompt: `weights auto`, 4-bit where the model's weights
     are exactly 4-bit, the activations `--activations auto` picks on this CPU, and on CPUs with
-    AMX-BF16 a long prompt's matmuls on bf16 copies, kernels.dense_prefill; the states of the target
+    AMX-BF16 a long prompt's matmuls on bf16 copies, dspark.target.dense; the states of the target
     the draft will be verified against, several times faster on a CPU, not bit-equal to the model's
     float ones)."""
 
