@@ -31,6 +31,7 @@ says why.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import mmap
@@ -268,16 +269,17 @@ def int8_by_default() -> bool:
     return all(f in flags for f in INT8_CLASS)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's flags (/proc/cpuinfo), empty where unknown."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags (/proc/cpuinfo, read once a process), empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _isa() -> tuple[str | None, str]:
