@@ -925,6 +925,9 @@ def test_a_dense_copy_too_large_for_memory_is_refused_and_prompts_keep_the_packe
     assert len(said) == 1 and "more than 25% of the memory available" in said[0]
     got, _ = t.forward(t.new_state(1), ids, logits="last")
     assert torch.equal(got, want)
+    f32 = NativeTarget(model, weights="fp32")  # torch's ops, no layer stack: no copy, whatever the CPU
+    f32.forward(f32.new_state(1), ids, logits="last")
+    assert f32._stack is None and f32._dense_box[0] is None
 
 
 @pytest.mark.parametrize("family", ["llama-int4", "llama-bf16", "llama-heads64", "qwen2-bias", "qwen3-qknorm"])

@@ -411,8 +411,10 @@ class NativeTarget:
         ids = None
         stack = self._stack
         prefill = logits in ("last", "final")  # a prompt's positions: no decode step's bits to match
-        if prefill and self._dense_box[0] is None and B * S >= dense.PREFILL_MM_ROWS and dense.dense_prefill():
-            self.dense_layers()
+        # the dense copies serve the layer stack only (torch's ops path runs its own matmuls)
+        if prefill and stack is not None and self._dense_box[0] is None and B * S >= dense.PREFILL_MM_ROWS:
+            if dense.dense_prefill():
+                self.dense_layers()
         if stack is not None:  # the embedding, the layers (and the head's argmax) in one call (csrc/layers.cpp)
             argmax = logits == "argmax" and stack.head
             # the call makes the taps [B, S, n*H] and writes each tap as its layer runs (stack.ext is self._ext)
