@@ -130,14 +130,15 @@ inline void value_rows(const uint16_t* p, int64_t ps, int64_t upto, const uint32
       attn::store_bf16(o + r * os + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
 }
 
-// every row's output: R rows at a time (each group as far as its longest row's key pairs)
+// every row's output (row i over its first n[i] keys): R rows at a time, each group as far as its
+// longest row's key pairs
 template <int DW, int R>
-void values(const uint16_t* p, int64_t ps, int64_t rows, const int64_t* npairs, const uint32_t* vp, const float* inv,
+void values(const uint16_t* p, int64_t ps, int64_t rows, const int64_t* n, const uint32_t* vp, const float* inv,
             at::BFloat16* o, int64_t os) {
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     const int64_t rn = std::min<int64_t>(R, rows - r0);
     int64_t upto = 0;
-    for (int r = 0; r < rn; ++r) upto = std::max(upto, npairs[r0 + r]);
+    for (int r = 0; r < rn; ++r) upto = std::max(upto, (n[r0 + r] + 1) / 2);
     const uint16_t* pr = p + r0 * ps;
     if (rn == R) {
       value_rows<DW, R>(pr, ps, upto, vp, inv + r0, o + r0 * os, os);
@@ -322,7 +323,7 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
 #endif
     std::vector<float> sbuf, obuf;
     std::vector<uint16_t> pbuf;
-    std::vector<int64_t> npairs, nrow, upto;
+    std::vector<int64_t> nrow, upto;
     std::vector<float> inv;
     std::vector<at::BFloat16> qrows, orows;
     for (int64_t i = i0; i < i1; ++i) {
@@ -345,7 +346,6 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
       sbuf.resize(rows16 * np);
       pbuf.resize(rows16 * np);  // each row's weights written up to np by `weights`; the padding rows zero
       std::memset(pbuf.data() + rows * np, 0, (rows16 - rows) * np * sizeof(uint16_t));
-      npairs.resize(rows);
       inv.resize(rows);
       orows.resize(rows * D);
       const uint32_t* ktb = kt.data() + bh * npmax * P;
@@ -364,14 +364,11 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
         else
           scores<64>(qrows.data(), D, rows, ktb, nb, sbuf.data(), np);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        inv[r] = weights(sbuf.data() + r * np, sc, nrow[r], np, pbuf.data() + r * np);
-        npairs[r] = (nrow[r] + 1) / 2;
-      }
+      for (int64_t r = 0; r < rows; ++r) inv[r] = weights(sbuf.data() + r * np, sc, nrow[r], np, pbuf.data() + r * np);
 #if defined(DSPARK_AMX)
       if (tiles) {
         upto.assign(rows16 / 16, 0);
-        for (int64_t r = 0; r < rows; ++r) upto[r / 16] = std::max(upto[r / 16], npairs[r]);
+        for (int64_t r = 0; r < rows; ++r) upto[r / 16] = std::max(upto[r / 16], (nrow[r] + 1) / 2);
         obuf.resize(rows16 * D);
         if (D == 64)
           values_amx<4>(pbuf.data(), np, rows16, upto.data(), vpb, obuf.data());
@@ -385,9 +382,9 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
 #endif
       {
         if (D == 64)
-          values<4, 4>(pbuf.data(), np, rows, npairs.data(), vpb, inv.data(), orows.data(), D);
+          values<4, 4>(pbuf.data(), np, rows, nrow.data(), vpb, inv.data(), orows.data(), D);
         else
-          values<8, 2>(pbuf.data(), np, rows, npairs.data(), vpb, inv.data(), orows.data(), D);
+          values<8, 2>(pbuf.data(), np, rows, nrow.data(), vpb, inv.data(), orows.data(), D);
       }
       // row (position s, head g) -> o[b, s0 + s, h * G + g]: a position's G heads are contiguous
       for (int64_t s = 0; s < sn; ++s)

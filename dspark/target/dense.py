@@ -21,6 +21,8 @@ from dspark import envs, kernels
 
 log = logging.getLogger("dspark")
 
+# a decoder layer's matrices as NativeTarget packs them (and the layer stack holds them), in that order
+FUSED = ("wqkv", "wo", "w13", "w2")
 # a prefill of this many rows (batch x positions) runs its matmuls on the dense copies (csrc/dspark.h)
 PREFILL_MM_ROWS = 64
 DENSE_MEMORY_SHARE = 0.25
@@ -44,10 +46,20 @@ def available_memory() -> int | None:
     return None
 
 
+def fused_weight(layer, name: str) -> torch.Tensor:
+    """One of an HF decoder layer's FUSED matrices: q | k | v stacked, o, gate | up stacked, down."""
+    a, m = layer.self_attn, layer.mlp
+    if name == "wqkv":
+        return torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+    if name == "w13":
+        return torch.cat([m.gate_proj.weight, m.up_proj.weight])
+    return {"wo": a.o_proj, "w2": m.down_proj}[name].weight
+
+
 def make(model, stack) -> list[tuple[torch.Tensor, ...]]:
-    """Each decoder layer's wqkv, wo, w13, w2 (the fused order NativeTarget packs) as dense bf16
-    [N, K] from `model`'s own weights, handed to the layer stack `stack` (None: none); an empty
-    list, said once, where the copy would take more than DENSE_MEMORY_SHARE of the memory available."""
+    """Each decoder layer's FUSED matrices as dense bf16 [N, K] from `model`'s own weights, handed to
+    the layer stack `stack` (None: none); an empty list, with a warning, where the copy would take
+    more than DENSE_MEMORY_SHARE of the memory available."""
     layers = model.model.layers
     need = 2 * sum(w.numel() for ly in layers for w in ly.parameters() if w.dim() == 2)
     avail = available_memory()
@@ -60,17 +72,8 @@ def make(model, stack) -> list[tuple[torch.Tensor, ...]]:
             avail / 2**30,
         )
         return []
-    out = []
     with torch.no_grad():
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            mats = (
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                a.o_proj.weight,
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                m.down_proj.weight,
-            )
-            out.append(tuple(w.detach().to(torch.bfloat16).contiguous() for w in mats))
+        out = [tuple(fused_weight(ly, n).detach().to(torch.bfloat16).contiguous() for n in FUSED) for ly in layers]
     if stack is not None:
         stack.ext.layers_set_dense(stack.id, [w for ly in out for w in ly])
     return out

@@ -282,7 +282,7 @@ class NativeTarget:
                     ln1=layer.input_layernorm.weight.detach().to(act),
                     wqkv=self._linear(
                         f"layers.{i}.wqkv",
-                        lambda a=a: torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                        lambda layer=layer: dense.fused_weight(layer, "wqkv"),
                         lambda a=a: kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
                         fmt,
                         act,
@@ -295,17 +295,27 @@ class NativeTarget:
                     ).to(act)
                     if hasattr(a, "q_norm")
                     else None,
-                    wo=self._linear(f"layers.{i}.wo", lambda a=a: a.o_proj.weight, lambda a=a: a.o_proj.bias, fmt, act),
+                    wo=self._linear(
+                        f"layers.{i}.wo",
+                        lambda layer=layer: dense.fused_weight(layer, "wo"),
+                        lambda a=a: a.o_proj.bias,
+                        fmt,
+                        act,
+                    ),
                     ln2=layer.post_attention_layernorm.weight.detach().to(act),
                     w13=self._linear(
                         f"layers.{i}.w13",
-                        lambda m=m: torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        lambda layer=layer: dense.fused_weight(layer, "w13"),
                         lambda m=m: kernels.fused_bias(m.gate_proj, m.up_proj),
                         fmt,
                         act,
                     ),
                     w2=self._linear(
-                        f"layers.{i}.w2", lambda m=m: m.down_proj.weight, lambda m=m: m.down_proj.bias, fmt, act
+                        f"layers.{i}.w2",
+                        lambda layer=layer: dense.fused_weight(layer, "w2"),
+                        lambda m=m: m.down_proj.bias,
+                        fmt,
+                        act,
                     ),
                 )
             )
