@@ -1,30 +1,15 @@
-"""CPU matmul kernels chosen by measurement (docs/history/benchmarks.md, "Target runtimes").
-
-bf16 weights on a CPU run through a packed linear instead of `F.linear`: oneDNN's prepacked one
-(measured on Zen 4, AVX512-BF16: 1.3-1.8x faster at 1-8 rows on SmolLM2's shapes, the same numbers
-bit for bit there), and where dspark's extension is built, its own kernel for all but the largest
-weights (`BF16_KERNEL_MAX`: another 2-5x at the row counts of decoding). The target's native runtime
-and the draft (inference only) both use it.
-
-Greedy choices (`argmax`) widen bf16 logits to fp32 first: exact (every bf16 value is an fp32
-value, and ties still go to the first index), and torch's CPU argmax runs 3-4x faster on fp32
-(measured on Zen 4, one thread: 214 -> 50 us over SmolLM2's 49 152 logits, 1.4 -> 0.44 ms for an
-8-token verify, 61 -> 19 us over the draft's 16 384). The AVX-512 build's own argmax (two vector
-passes: the maximum, then its first index; the first NaN where there is one, as torch) takes
-21 us for 3 x 49 152 fp32 logits against torch's 150 (2 threads), and reads bf16 logits as they
-are (a greedy plain step's head output, argmax'd in the layer stack's own call: docs/history/benchmarks.md
-"a greedy plain step in one call").
+"""dspark's compiled CPU extension: which build this CPU takes, compiling and loading it, and the
+format of its matmuls' activations. The weights' layouts are in `dspark.packing`, the ops the
+runtimes call in `dspark.ops`, huge pages in `dspark.hugepages`.
 
 int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4_avx512.cpp`,
-`csrc/q4_avx2.cpp`), compiled on first use (~1-2 min, once per machine and source version, cached under
-`~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row, so
-an 8-token verify costs 3.4-4x a 1-token step; the dspark kernel unpacks once per call
-(docs/history/benchmarks.md "dspark's own int4 kernel"; its AVX2 variant, 8 fp32 lanes and FMAs:
-"a matmul tile for AVX2 CPUs"; there int4 and Q8_0 weights take 8-bit activations, `q4_activations`,
-"8-bit activations for the AVX2 build's int4 and Q8_0 matmuls"). Group scales and minimums that
-are all fp16 numbers (GGUF's: "group scales in fp16") are held in fp16. The same
-extension fuses the native runtime's RMSNorms (and the residual add before each) for bf16
-activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
+`csrc/q4_avx2.cpp`), compiled on first use (~1-2 min, once per machine and source version, cached
+under `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row;
+the dspark kernel unpacks once per call (docs/history/benchmarks.md "dspark's own int4 kernel"; its
+AVX2 variant, 8 fp32 lanes and FMAs: "a matmul tile for AVX2 CPUs"; there int4 and Q8_0 weights
+take 8-bit activations, `q4_activations`, "8-bit activations for the AVX2 build's int4 and Q8_0
+matmuls"). The same extension fuses the native runtime's RMSNorms (and the residual add before
+each) for bf16 activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
 (`csrc/attn.cpp`). Anywhere else, or if it cannot be compiled, torch's ops run and `q4_status()`
 says why.
 """
@@ -34,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import mmap
 import time
 from pathlib import Path
 
@@ -45,155 +29,6 @@ from dspark.errors import DSparkError
 from dspark.outlock import shared_build
 
 log = logging.getLogger("dspark")
-
-
-# bf16 weights up to this many elements run on dspark's kernel (csrc/q4_avx*.cpp `bf16_mm`) where it is
-# built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
-# 2 threads: 576x576 at 7 rows 20 against 44 us). Larger ones (an LM head over the vocabulary) stay on
-# oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
-# 1-3 rows (2.4 against 2.7-3.3 ms); a bf16 head is rare (a float target head; the draft's is Q8_0).
-BF16_KERNEL_MAX = 1 << 22
-HUGE = 2 << 20  # a transparent huge page (x86-64)
-
-
-def _huge_buffer(nbytes: int) -> torch.Tensor | None:
-    """nbytes of zeros (uint8) in an anonymous mapping asked to be backed by 2 MB pages (madvise
-    MADV_HUGEPAGE: Linux with transparent huge pages in `madvise` or `always` mode), starting on
-    a huge page boundary; None where it cannot be had (the caller allocates as usual)."""
-    if not (envs.huge_pages() and hasattr(mmap, "MADV_HUGEPAGE")):
-        return None
-    try:
-        mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return None
-    arena = torch.frombuffer(mm, dtype=torch.uint8)  # its views keep the mapping alive
-    at = (-arena.data_ptr()) % HUGE
-    return arena[at : at + nbytes]
-
-
-def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, in 2 MB pages where the OS gives them (a KV cache
-    that attention reads every step: -0.18 ms a step at 900 cached tokens, BENCHMARKS.md)."""
-    n = 1
-    for d in shape:
-        n *= d
-    buf = _huge_buffer(n * torch.empty(0, dtype=dtype).element_size()) if n else None
-    return torch.zeros(shape, dtype=dtype) if buf is None else buf.view(dtype).view(shape)
-
-
-def into_huge_pages(holders) -> int:
-    """Move the weights held at obj.field (a tensor or a tuple of tensors; (obj, field) pairs) into
-    one mapping in 2 MB pages (`_huge_buffer`), in place; -> the bytes moved (0 where it cannot:
-    the tensors then stay as they are).
-
-    A decode step streams every weight once (SmolLM2: ~114 MB); in 4 KB pages that is ~28 000
-    TLB misses a step, and the matmuls stream measurably slower than in 2 MB pages
-    (docs/history/benchmarks.md, "... huge pages, ..."). Only plain CPU tensors move (not oneDNN's packed ones)."""
-
-    def held(obj, field):
-        val = getattr(obj, field)
-        return val if isinstance(val, tuple) else (val,)
-
-    # each movable tensor once, however many holders share it
-    tensors = {
-        id(t): t
-        for obj, field in holders
-        for t in held(obj, field)
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0
-    }
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors.values()]
-    arena = _huge_buffer(sum(sizes)) if tensors else None
-    if arena is None:
-        return 0
-    moved, at = {}, 0
-    for (key, t), n in zip(tensors.items(), sizes):
-        moved[key] = arena[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
-        at += n
-    for obj, field in holders:
-        val = getattr(obj, field)
-        if isinstance(val, tuple):
-            setattr(obj, field, tuple(moved.get(id(t), t) for t in val))
-        elif id(val) in moved:
-            setattr(obj, field, moved[id(val)])
-    return sum(sizes)
-
-
-# "no tensor" for the extension's optional arguments (rope_cache_bf16's values inside qk,
-# add_rms_bf16's taps): pybind passes no None to a Tensor argument
-NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)
-
-
-def pack_bf16(w: torch.Tensor):
-    """w [N, K] on a CPU -> its packed bf16 weight for `packed_linear` (dspark's layout, or oneDNN's
-    prepacked one); None where neither applies (another device, packing turned off, a torch build
-    without oneDNN) or where plain F.linear is faster: fewer than 16 outputs (the draft's
-    confidence head, one output: oneDNN's packed call took 24 us warm, 85 us cold in a drafting
-    step, against F.linear's 5 us)."""
-    if not envs.pack_bf16() or w.device.type != "cpu" or w.shape[0] < 16:
-        return None
-    N, K = w.shape
-    if N * K <= BF16_KERNEL_MAX and tile_applies(N, K):
-        G = K // 32  # [N/16, K/32, 16 input pairs, 16 columns x 2]: csrc/q4_avx512.cpp's bf16_mm layout
-        P = w.detach().to(torch.bfloat16).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)
-        return P.reshape(N // 16, G, 16, 32).contiguous(), torch.ones(N // 16, G, 16)
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16).contiguous())
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def fused_bias(*linears) -> torch.Tensor | None:
-    """The bias of linears whose weights are concatenated into one matmul (q/k/v, gate/up): theirs
-    end to end, zeros for one without; None when none has one."""
-    bs = [m.bias for m in linears]
-    if all(b is None for b in bs):
-        return None
-    return torch.cat(
-        [
-            b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype)
-            for b, m in zip(bs, linears)
-        ]
-    )
-
-
-def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 @ packed.T (+ bias) -> [..., out_features]."""
-    if isinstance(packed, tuple):  # dspark's tile takes x's own shape
-        y = extension().bf16_mm(x, *packed)
-        return y if bias is None else y + bias
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-    return y.reshape(*x.shape[:-1], out_features)
-
-
-def silu_mul(gu: torch.Tensor, ext) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up projection's output [..., 2I] (gate | up): one call of
-    the extension `ext` where it is given and the width tiles (csrc/attn.cpp `silu_mul_bf16`,
-    torch's rounding steps), torch's ops otherwise."""
-    if ext is not None and gu.shape[-1] % 32 == 0:
-        return ext.silu_mul_bf16(gu)
-    g, u = gu.chunk(2, -1)
-    return torch.nn.functional.silu(g) * u
-
-
-def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x.argmax(dim), with half-precision logits compared as their fp32 values (module docstring);
-    over the last dimension of fp32 or bf16 on dspark's AVX-512 build (csrc/markov.cpp
-    `argmax_last`: torch's choice, ~7x faster, bf16 widened in place), elsewhere torch's."""
-    if (
-        dim in (-1, x.dim() - 1)
-        and x.dim() >= 1
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and x.device.type == "cpu"
-        and x.shape[-1] > 0
-        and extension_isa() == "avx512"
-    ):
-        return extension().argmax_last(x)
-    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
-        x = x.float()
-    return x.argmax(dim)
 
 
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
@@ -457,95 +292,3 @@ def extension_isa() -> str | None:
     """The build of dspark's extension that runs here ('avx512' | 'avx2'), or None."""
     extension()
     return _build["isa"]
-
-
-def tile_applies(n: int, k: int) -> bool:
-    """Can dspark's matmul tile (int4, Q8_0 and bf16 weights; AVX512-BF16 or AVX2 builds) hold an
-    [n, k] weight (blocks of 16 output columns, groups of 32 inputs)?"""
-    return n % 16 == 0 and k % 32 == 0 and tile_name() is not None
-
-
-def _group_scales(d: torch.Tensor, lo: torch.Tensor | None, N: int, G: int) -> tuple[torch.Tensor, ...]:
-    """Per-group scales (and minimums) [N, G] -> csrc/q4.h's [N/16, G, 16] `Scales`: fp16 where
-    every value is an fp16 number (GGUF stores Q4_1's and Q8_0's so: the kernels widen them to the
-    same fp32 values, and a 1-row int4 matmul streams a sixth fewer bytes), fp32 otherwise."""
-    ts = [t.float() for t in (d, lo) if t is not None]
-    dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in ts) else torch.float32
-    return tuple(t.reshape(N // 16, 16, G).permute(0, 2, 1).to(dtype).contiguous() for t in ts)
-
-
-def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
-    """q [N, K] in 0..15, d / lo [N, K/32] (w = q * d + lo) -> (P, D, L) in the layout of the
-    extension's build (csrc/q4_avx512.cpp's header: the AVX2 build reads 8-input octets; D, L:
-    `_group_scales`). Packed weights are made where they run and never stored."""
-    N, K = q.shape
-    G = K // 32
-    qi = q.to(torch.int32)
-    if _octets():
-        qb = qi.reshape(N // 16, 16, G, 4, 4, 2)  # [N/16, column, G, octet, nibble j, word i]: input 8o + 2j + i
-        b0 = qb[..., 0, :] | (qb[..., 1, :] << 4)
-        b1 = qb[..., 2, :] | (qb[..., 3, :] << 4)  # [N/16, column, G, octet, i]: a word's two bytes
-        P = torch.stack([b0, b1], -1).permute(0, 2, 3, 1, 4, 5)  # [N/16, G, octet, column, i, byte]
-    else:
-        qb = qi.reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, step, column, 4]
-        P = torch.stack([qb[..., 0] | (qb[..., 2] << 4), qb[..., 1] | (qb[..., 3] << 4)], -1)
-    return (P.reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous(), *_group_scales(d, lo, N, G))
-
-
-def _octets() -> bool:
-    """Does this build's int4 tile read the octet layout (`pack_q4`)? The AVX2 build's, either
-    activations, and the AVX-512 build's 8-bit one (csrc/q4_avx512_vnni.cpp)."""
-    return extension_isa() == "avx2" or (extension_isa() == "avx512" and q4_activations() == "int8")
-
-
-def q4_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [..., K] bf16 @ W.T -> [..., N] bf16, W packed by `pack_q4`."""
-    return extension().q4_mm(x, *packed)
-
-
-def q8_groups(w: torch.Tensor, group: int = 32):
-    """Symmetric 8-bit quantisation per `group` inputs (the GGUF Q8_0 rule: d = max|w| / 127).
-    w [N, K] -> (q [N, K] in -127..127, d [N, K/group]); a Q8_0 weight gets its exact values back."""
-    N, K = w.shape
-    g = w.float().reshape(N, K // group, group)
-    d = g.abs().amax(-1) / 127
-    q = (g / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127)
-    return q.reshape(N, K).to(torch.int8), d
-
-
-def pack_q8(q: torch.Tensor, d: torch.Tensor):
-    """q [N, K] int8 values, d [N, K/32] (w = q * d, GGUF Q8_0) -> (P, D), csrc/q4_avx512.cpp's q8 layout,
-    or on the AVX-512 build with 8-bit activations csrc/q4_avx512_vnni.cpp's (4 inputs a column's
-    dword in the rows' byte order, q + 128: vpdpbusd's unsigned operand); D: `_group_scales`."""
-    N, K = q.shape
-    G = K // 32
-    if extension_isa() == "avx512" and q4_activations() == "int8":
-        order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # each octet's inputs in the rows' byte order
-        qo = q.to(torch.int16).reshape(N // 16, 16, G, 4, 8)[..., order] + 128  # [N/16, column, G, octet, 8]
-        qs = qo.reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, step, column, 4]
-        return (
-            qs.to(torch.uint8).view(torch.int8).reshape(N // 16, G, 16, 32).contiguous(),
-            *_group_scales(d, None, N, G),
-        )
-    qb = q.to(torch.int8).reshape(N // 16, 16, G, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, G, pair, column, 2]
-    return (qb.reshape(N // 16, G, 16, 32).contiguous(), *_group_scales(d, None, N, G))
-
-
-def q8_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """x [..., K] bf16 @ W.T -> [..., N] bf16, W packed by `pack_q8`."""
-    return extension().q8_mm(x, *packed)
-
-
-def markov_walk(
-    base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor, d2t: torch.Tensor | None, anchors: torch.Tensor
-) -> torch.Tensor | None:
-    """The vanilla Markov head's greedy walk in one call (csrc/markov.cpp): base [B, g, Vd] draft-head
-    logits, w1 [V, r], w2t [r, Vd] (W2 transposed), all bf16 or all fp32, d2t [Vd] or None, anchors
-    [B] -> target ids [B, g]; None where the extension does not run (a CPU without it, another
-    device or dtype): the caller walks in torch."""
-    if base.device.type != "cpu" or {base.dtype, w1.dtype, w2t.dtype} not in ({torch.bfloat16}, {torch.float32}):
-        return None
-    ext = extension()
-    if ext is None:
-        return None
-    return ext.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long) if d2t is None else d2t, anchors)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from dspark import kernels
+from dspark import hugepages, kernels, ops, packing
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.reference import kernel_loop
@@ -73,10 +73,10 @@ def _q4_reference(x, q, d, lo):
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (96, 576)])
 def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
     q, d, lo, w = _q4(N, K)
-    packed = kernels.pack_q4(q, d, lo)
+    packed = packing.pack_q4(q, d, lo)
     for M in (1, 2, 3, 5, 8, 11):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
-        y = kernels.q4_linear(x, packed)
+        y = ops.q4_linear(x, packed)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
         ref = _q4_reference(x, q, d, lo)
         scale = x.double().abs() @ w.double().abs().T
@@ -90,34 +90,34 @@ def test_kernel_is_the_q4_model_up_to_bf16_rounding(q4, N, K):
         x = torch.randn(3, K).to(torch.bfloat16)
         x[1, K - 1], x[2, 0] = float("inf"), float("nan")
         x[0] = 0
-        y = kernels.q4_linear(x, packed)
+        y = ops.q4_linear(x, packed)
         assert y[1:].isnan().all() and torch.equal(y[0], torch.zeros(N, dtype=torch.bfloat16))
 
 
 def test_rows_get_the_same_bits_in_any_batch(q4):
     """Row tiles (8 rows, then the rest in one tile) and the column split between threads never change a row's sum."""
     q, d, lo, _ = _q4(64, 192, seed=1)
-    packed = kernels.pack_q4(q, d, lo)
+    packed = packing.pack_q4(q, d, lo)
     x = torch.randn(19, 192, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    full = kernels.q4_linear(x, packed)
+    full = ops.q4_linear(x, packed)
     for i in range(19):
-        assert torch.equal(kernels.q4_linear(x[i : i + 1], packed), full[i : i + 1])
+        assert torch.equal(ops.q4_linear(x[i : i + 1], packed), full[i : i + 1])
     perm = torch.randperm(19, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(kernels.q4_linear(x[perm], packed), full[perm])
+    assert torch.equal(ops.q4_linear(x[perm], packed), full[perm])
     # the kernel takes x's own shape [..., K] (the runtime's [B, S, K] activations, a single row)
-    assert torch.equal(kernels.q4_linear(x[:18].view(3, 6, 192), packed), full[:18].view(3, 6, 64))
-    assert torch.equal(kernels.q4_linear(x[4], packed), full[4])
+    assert torch.equal(ops.q4_linear(x[:18].view(3, 6, 192), packed), full[:18].view(3, 6, 64))
+    assert torch.equal(ops.q4_linear(x[4], packed), full[4])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(kernels.q4_linear(x, packed), full)
+        assert torch.equal(ops.q4_linear(x, packed), full)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_bad_input_is_named(q4):
     q, d, lo, _ = _q4(32, 64)
-    P, D, L = kernels.pack_q4(q, d, lo)
+    P, D, L = packing.pack_q4(q, d, lo)
     with pytest.raises(RuntimeError, match="bf16"):
         q4.q4_mm(torch.randn(2, 64), P, D, L)
     with pytest.raises(RuntimeError, match="inputs"):
@@ -198,7 +198,7 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
     r = torch.randn(R, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(H, generator=g) * 0.5 + 1).to(torch.bfloat16)
     assert torch.equal(ext.rms_bf16(x, w, 1e-5), _rms(x, w, 1e-5))
-    s, h = ext.add_rms_bf16(x, r, w, 1e-5, kernels.NO_TENSOR, 0)
+    s, h = ext.add_rms_bf16(x, r, w, 1e-5, ops.NO_TENSOR, 0)
     assert torch.equal(s, x + r) and torch.equal(h, _rms(x + r, w, 1e-5))
     # the sum also written into columns of a taps buffer, the rest of it untouched
     taps = torch.full((R, 3 * H), 7.0, dtype=torch.bfloat16)
@@ -212,7 +212,7 @@ def test_fused_norms_give_torchs_bits(ext, R, H):
     # NaN in, NaN out: the sum at that place, the norm of the whole row
     xn = x.clone()
     xn[0, H // 2] = float("nan")
-    s, h = ext.add_rms_bf16(xn, r, w, 1e-5, kernels.NO_TENSOR, 0)
+    s, h = ext.add_rms_bf16(xn, r, w, 1e-5, ops.NO_TENSOR, 0)
     assert s.isnan().sum() == 1 and s[0, H // 2].isnan() and h[0].isnan().all() and not h[1:].isnan().any()
     with pytest.raises(RuntimeError, match=r"w must be \[H\] with x \[..., H\]"):
         ext.rms_bf16(x, w[:-1], 1e-5)
@@ -408,20 +408,20 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
     mod = kernels.extension()
     assert mod is not None and kernels.extension_isa() == "avx2"
-    assert kernels.q4_status() == "dspark AVX2" and kernels.tile_applies(64, 64)
+    assert kernels.q4_status() == "dspark AVX2" and packing.tile_applies(64, 64)
     for N, K in ((16, 32), (48, 96), (96, 576)):
         test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
     test_rows_get_the_same_bits_in_any_batch(mod)
     test_q8_kernel_is_the_q8_0_model_and_row_invariant(mod)
     test_fp16_group_scales_give_the_fp32_scales_bits(mod)
-    limit = kernels.BF16_KERNEL_MAX
+    limit = packing.BF16_KERNEL_MAX
     test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(mod, monkeypatch)  # lowers the limit
-    monkeypatch.setattr(kernels, "BF16_KERNEL_MAX", limit)
+    monkeypatch.setattr(packing, "BF16_KERNEL_MAX", limit)
     test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(mod)
     test_a_verify_gives_each_position_a_single_steps_bits(mod)
     test_an_exact_q8_0_head_runs_as_shipped(mod)
     _check_silu_mul(mod)
-    y = mod.q4_mm(torch.full((1, 64), float("nan")).to(torch.bfloat16), *kernels.pack_q4(*_q4(16, 64)[:3]))
+    y = mod.q4_mm(torch.full((1, 64), float("nan")).to(torch.bfloat16), *packing.pack_q4(*_q4(16, 64)[:3]))
     assert y.isnan().all()  # NaN in, NaN out (torch's float -> bfloat16 rule)
     _check_attention(mod)
     _check_prefill_attention(mod)  # AVX2: attn_bf16 itself
@@ -439,7 +439,7 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
             mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), anchors),
             _walk_reference(base, w1, w2t, None, anchors),
         )
-    for x in _argmax_cases():  # the argmax's generic loop (kernels.argmax keeps torch's on this build)
+    for x in _argmax_cases():  # the argmax's generic loop (ops.argmax keeps torch's on this build)
         assert torch.equal(mod.argmax_last(x), x.argmax(-1))
         assert torch.equal(mod.argmax_last(x.to(torch.bfloat16)), x.to(torch.bfloat16).float().argmax(-1))
     # the draft's decoding forward on this build (its matmuls on the AVX2 tile): the modules' contexts, bit
@@ -469,15 +469,15 @@ def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
     q[0, :32], q[1, :32] = -128, 127
     d = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-4
     w = (q.reshape(N, K // 32, 32).float() * d[..., None]).reshape(N, K)
-    packed = kernels.pack_q8(q, d)
+    packed = packing.pack_q8(q, d)
     x = torch.randn(11, K, generator=g).to(torch.bfloat16)
     x[3, :32] = x[3, :32].abs()  # every product of rows 0 and 1's first group at its extreme
-    y = kernels.q8_linear(x, packed)
+    y = ops.q8_linear(x, packed)
     qx = x.double() if kernels.q4_activations() == "bf16" else _act8(x)
     ref, scale = qx @ w.double().T, x.double().abs() @ w.double().abs().T
     assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-5 * scale).all()
     for i in range(11):
-        assert torch.equal(kernels.q8_linear(x[i : i + 1], packed), y[i : i + 1])
+        assert torch.equal(ops.q8_linear(x[i : i + 1], packed), y[i : i + 1])
 
 
 def test_fp16_group_scales_give_the_fp32_scales_bits(q4):
@@ -486,18 +486,18 @@ def test_fp16_group_scales_give_the_fp32_scales_bits(q4):
     kernels widen them to the very fp32 values: the same bits as fp32 scales, at any row count."""
     q, d, lo, _ = _q4(48, 96, seed=4)
     d16, lo16 = d.half().float(), lo.half().float()
-    packed = kernels.pack_q4(q, d16, lo16)
+    packed = packing.pack_q4(q, d16, lo16)
     assert packed[1].dtype == packed[2].dtype == torch.float16
     wide = (packed[0], packed[1].float(), packed[2].float())
-    assert kernels.pack_q4(q, d, lo)[1].dtype == torch.float32  # random fp32 scales are kept as they are
-    assert kernels.pack_q4(q, d16, lo)[1].dtype == torch.float32  # one tensor not fp16-exact: both fp32
+    assert packing.pack_q4(q, d, lo)[1].dtype == torch.float32  # random fp32 scales are kept as they are
+    assert packing.pack_q4(q, d16, lo)[1].dtype == torch.float32  # one tensor not fp16-exact: both fp32
     qq = torch.randint(-127, 128, (48, 96), generator=torch.Generator().manual_seed(5))
-    p8 = kernels.pack_q8(qq, d16)
+    p8 = packing.pack_q8(qq, d16)
     assert p8[1].dtype == torch.float16
     for M in (1, 2, 3, 8, 11):
         x = torch.randn(M, 96, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
-        assert torch.equal(kernels.q4_linear(x, packed), kernels.q4_linear(x, wide)), M
-        assert torch.equal(kernels.q8_linear(x, p8), kernels.q8_linear(x, (p8[0], p8[1].float()))), M
+        assert torch.equal(ops.q4_linear(x, packed), ops.q4_linear(x, wide)), M
+        assert torch.equal(ops.q8_linear(x, p8), ops.q8_linear(x, (p8[0], p8[1].float()))), M
     with pytest.raises(RuntimeError, match="one dtype"):
         q4.q4_mm(x, packed[0], packed[1], packed[2].float())
     with pytest.raises(RuntimeError, match="fp32 or fp16"):
@@ -507,7 +507,7 @@ def test_fp16_group_scales_give_the_fp32_scales_bits(q4):
 def test_an_exact_q8_0_head_runs_as_shipped(q4):
     """SmolLM2's GGUF head is Q8_0: 'auto' holds such a head as int8 groups on dspark's kernel
     (bf16 would round 97 % of its values), and verification stays bit-exact per position."""
-    from dspark.kernels import q8_groups
+    from dspark.packing import q8_groups
     from dspark.target.quant import is_q8_exact
 
     model = q4_exact(tiny_target())
@@ -558,7 +558,7 @@ def test_rope_and_the_cache_write_give_torchs_bits(ext, D):
     v2[bidx, :, pos] = v
     assert torch.equal(kc, k2) and torch.equal(vc, v2)
     # the whole q/k/v projection with no v: the value heads read from its last Hkv heads
-    from dspark.kernels import NO_TENSOR
+    from dspark.ops import NO_TENSOR
 
     kc3, vc3 = (
         torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16),
@@ -605,14 +605,14 @@ def test_the_markov_walk_is_the_greedy_walk(ext, V, r, reduced, dtype):
     w2t = (torch.randn(r, V, generator=gen) * 0.5).to(dtype)
     d2t = torch.randint(0, 500, (V,), generator=gen) if reduced else None
     anchors = torch.tensor([0, 7, Vt - 1])
-    got = kernels.markov_walk(base, w1, w2t, d2t, anchors)
+    got = ops.markov_walk(base, w1, w2t, d2t, anchors)
     assert torch.equal(got, _walk_reference(base, w1, w2t, d2t, anchors))
     # broken logits (NaN weights, all -inf) choose as torch's argmax does: the first NaN, else the first
     base[0, 1, 600], base[0, 1, 900], base[1, 2] = float("nan"), float("nan"), float("-inf")
-    assert torch.equal(kernels.markov_walk(base, w1, w2t, d2t, anchors), _walk_reference(base, w1, w2t, d2t, anchors))
+    assert torch.equal(ops.markov_walk(base, w1, w2t, d2t, anchors), _walk_reference(base, w1, w2t, d2t, anchors))
     # where it does not run (mixed or other dtypes), the caller walks in torch
-    assert kernels.markov_walk(base.double(), w1, w2t, d2t, anchors) is None
-    assert kernels.markov_walk(base, w1, w2t.double(), d2t, anchors) is None
+    assert ops.markov_walk(base.double(), w1, w2t, d2t, anchors) is None
+    assert ops.markov_walk(base, w1, w2t.double(), d2t, anchors) is None
     none = torch.zeros(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match="outside W1"):
         ext.markov_walk(base, w1, w2t, none, torch.tensor([0, 1, Vt]))
@@ -627,20 +627,20 @@ def test_bf16_kernel_is_the_bf16_matmul_and_row_invariant(q4, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(48, 96, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(48, generator=gen).to(torch.bfloat16)
-    packed = kernels.pack_bf16(w)
+    packed = packing.pack_bf16(w)
     assert isinstance(packed, tuple)  # dspark's layout
     x = torch.randn(11, 96, generator=gen).to(torch.bfloat16)
-    y = kernels.packed_linear(x, packed, None, 48)
+    y = ops.packed_linear(x, packed, None, 48)
     ref = x.double() @ w.double().T
     assert ((y.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
     for M in (1, 2, 3, 7, 8):
-        assert torch.equal(kernels.packed_linear(x[:M], packed, None, 48), y[:M])
-    assert torch.equal(kernels.packed_linear(x[None, :3], packed, bias, 48)[0], y[:3] + bias)
-    assert kernels.pack_bf16(w[:1]) is None  # a one-output head (confidence): plain F.linear is faster
-    monkeypatch.setattr(kernels, "BF16_KERNEL_MAX", 48 * 96 - 1)
-    assert not isinstance(kernels.pack_bf16(w), tuple)  # oneDNN's packed weight (or None without it)
+        assert torch.equal(ops.packed_linear(x[:M], packed, None, 48), y[:M])
+    assert torch.equal(ops.packed_linear(x[None, :3], packed, bias, 48)[0], y[:3] + bias)
+    assert packing.pack_bf16(w[:1]) is None  # a one-output head (confidence): plain F.linear is faster
+    monkeypatch.setattr(packing, "BF16_KERNEL_MAX", 48 * 96 - 1)
+    assert not isinstance(packing.pack_bf16(w), tuple)  # oneDNN's packed weight (or None without it)
     with pytest.raises(RuntimeError, match="bf16_mm: x has 64 inputs, the weight 96"):
-        kernels.packed_linear(x[:, :64], packed, None, 48)
+        ops.packed_linear(x[:, :64], packed, None, 48)
 
 
 def test_the_norm_kernel_takes_a_weight_per_head(ext):
@@ -654,7 +654,7 @@ def test_the_norm_kernel_takes_a_weight_per_head(ext):
     with pytest.raises(RuntimeError, match="heads"):
         ext.rms_bf16(x, w[:4], 1e-6)
     with pytest.raises(RuntimeError, match="one weight row"):
-        ext.add_rms_bf16(x.contiguous(), x.contiguous(), w, 1e-6, kernels.NO_TENSOR, 0)
+        ext.add_rms_bf16(x.contiguous(), x.contiguous(), w, 1e-6, ops.NO_TENSOR, 0)
 
 
 def _contexts(draft, taps, steps, force_torch, monkeypatch):
@@ -840,13 +840,13 @@ def test_argmax_is_torchs_choice(q4):
     torch's picks, in every case where the two could differ, over any leading shape."""
     for x in _argmax_cases():
         assert torch.equal(q4.argmax_last(x), x.argmax(-1))
-        assert torch.equal(kernels.argmax(x[None]), x[None].argmax(-1)) and kernels.argmax(x[0]).dim() == 0
+        assert torch.equal(ops.argmax(x[None]), x[None].argmax(-1)) and ops.argmax(x[0]).dim() == 0
         # bf16 logits (a greedy plain step's head output) are compared as their exact fp32 values
         xb = x.to(torch.bfloat16)
         assert torch.equal(q4.argmax_last(xb), xb.float().argmax(-1))
         assert torch.equal(q4.argmax_last(xb.view(2, 3, -1)), xb.float().argmax(-1).view(2, 3))
     bf = torch.randn(3, 700).to(torch.bfloat16)
-    assert torch.equal(kernels.argmax(bf), bf.float().argmax(-1))
+    assert torch.equal(ops.argmax(bf), bf.float().argmax(-1))
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         q4.argmax_last(torch.randn(2, 8).double())
 
@@ -972,7 +972,7 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch
             assert torch.equal(t.forward(st, torch.tensor([[21], [22]]), logits="argmax")[0], best)
             t._stack.head = True
         t.commit(st, torch.tensor([1, 1]))
-        assert best.shape == (2, 1) and torch.equal(best, kernels.argmax(logits)), (family, name)
+        assert best.shape == (2, 1) and torch.equal(best, ops.argmax(logits)), (family, name)
         outs.append((best, taps))
         # a prefill of 16+ positions a row (logits "last" / "final") runs attn_prefill_bf16, in both
         long = torch.arange(4, 4 + 2 * 21).view(2, 21) % model.config.vocab_size
@@ -1018,22 +1018,22 @@ def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
     )
     b.w, b.other = None, "not a tensor"
     before = (a.w.clone(), tuple(t.clone() for t in a.packed))
-    moved = kernels.into_huge_pages([(a, "w"), (a, "packed"), (b, "w"), (b, "other")])
+    moved = hugepages.into_huge_pages([(a, "w"), (a, "packed"), (b, "w"), (b, "other")])
     assert moved >= a.w.numel() * 4 + 21 + 10 and b.w is None and b.other == "not a tensor"
     assert isinstance(a.packed, tuple) and torch.equal(a.w, before[0])
     assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a.packed, before[1]))
     base = a.w.untyped_storage().data_ptr()
     assert a.packed[0].untyped_storage().data_ptr() == base  # one mapping
-    z = kernels.huge_zeros((2, 3, 1000), torch.bfloat16)  # a KV cache's allocation
+    z = hugepages.huge_zeros((2, 3, 1000), torch.bfloat16)  # a KV cache's allocation
     assert z.shape == (2, 3, 1000) and z.dtype == torch.bfloat16 and z.is_contiguous() and not z.any()
     z[1, 2, 999] = 1.0
     assert z.sum() == 1
     monkeypatch.setenv("DSPARK_HUGE_PAGES", "0")
-    assert not kernels.huge_zeros((4, 5), torch.float32).any()
+    assert not hugepages.huge_zeros((4, 5), torch.float32).any()
     c = Holder()
     c.w = torch.randn(4, 4)
     ptr = c.w.data_ptr()
-    assert kernels.into_huge_pages([(c, "w")]) == 0 and c.w.data_ptr() == ptr
+    assert hugepages.into_huge_pages([(c, "w")]) == 0 and c.w.data_ptr() == ptr
     model = q4_exact(tiny_target())
     ids = torch.tensor([[5, 17, 33, 8, 9]])
     plain = NativeTarget(model, act_dtype=torch.bfloat16)
@@ -1188,8 +1188,8 @@ def test_the_vnni_tile_is_the_exact_integer_sums_scaled_in_fp32(vnni, N, K):
     x[3, 5] = -x[3, :32].max()
     x[4, K - 1], x[5, 0], x[6] = float("inf"), float("nan"), 0
     for lin, packed, ref in (
-        (kernels.q4_linear, kernels.pack_q4(q, d, lo), _a8_reference(x, q, d, lo)),
-        (kernels.q8_linear, kernels.pack_q8(q8, d8), _a8_reference(x, q8, d8)),
+        (ops.q4_linear, packing.pack_q4(q, d, lo), _a8_reference(x, q, d, lo)),
+        (ops.q8_linear, packing.pack_q8(q8, d8), _a8_reference(x, q8, d8)),
     ):
         y = lin(x, packed)
         assert y.dtype == torch.bfloat16 and _same(y, ref), (N, K, lin.__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark import kernels
+from dspark import ops, packing
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.target.hf import HFTarget
@@ -305,10 +305,9 @@ def test_smollm2_native_equals_hf_and_auto_is_int4():
     assert (torch.cat([a, b], 1) - ref.logits).abs().max() <= 1e-4
     assert torch.allclose(torch.cat([ta, tb], 1)[..., :576], ref.hidden_states[1], atol=1e-4)
     auto = NativeTarget(model)
-    from dspark import kernels
 
     # the head is Q8_0 in the GGUF: held as such on dspark's kernel, else kept in bf16
-    head = "q8_0" if kernels.tile_applies(*model.get_output_embeddings().weight.shape) else "bf16"
+    head = "q8_0" if packing.tile_applies(*model.get_output_embeddings().weight.shape) else "bf16"
     assert auto.weights == "int4" and auto.head_format == head and auto.dtype == torch.bfloat16
     # the int4 runtime holds the shipped Q4_1 values (bf16 activations):
     # its next-token choice on the prompt is the fp32 model's
@@ -330,7 +329,7 @@ def test_hf_target_last_logits_match_full_ragged():
     assert torch.allclose(one[0, 0], full[0, 5], atol=1e-5)
     # logits="argmax" (what a greedy plain step asks for): the choice greedy verification makes
     best, _ = t.forward(t.new_state(2), ids, counts, logits="argmax")
-    assert best.shape == (2, 6) and torch.equal(best, kernels.argmax(full))
+    assert best.shape == (2, 6) and torch.equal(best, ops.argmax(full))
 
 
 def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
@@ -362,9 +361,9 @@ def test_bf16_linears_run_prepacked_with_the_same_results(monkeypatch):
 
 
 def test_greedy_argmax_widens_half_precision_with_the_same_choice():
-    """kernels.argmax (greedy acceptance, the draft's greedy tokens, the doctor's text) widens bf16
+    """ops.argmax (greedy acceptance, the draft's greedy tokens, the doctor's text) widens bf16
     logits to fp32 for speed: the same index as torch's argmax, ties to the first maximum."""
-    from dspark.kernels import argmax
+    from dspark.ops import argmax
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 8, 4096, generator=g).to(torch.bfloat16)

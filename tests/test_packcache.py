@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from dspark import kernels
+from dspark import packing as tile_packing
 from dspark.api import EngineConfig, build_engine
 from dspark.engine.sampling import SamplingParams
 from dspark.target import packcache, quant
@@ -34,7 +35,7 @@ def saved(tmp_path, monkeypatch):
     return _save(q4_exact(tiny_target(vocab=len(char_tokenizer()))), tmp_path / "target")
 
 
-PACKERS = ((quant, "int4_groups"), (quant, "q8_groups"), (kernels, "pack_q4"), (kernels, "pack_q8"))
+PACKERS = ((quant, "int4_groups"), (quant, "q8_groups"), (tile_packing, "pack_q4"), (tile_packing, "pack_q8"))
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ inline std::array<int64_t, 3> packed_shape(const char* name, const torch::Tensor
 }
 
 // a weight's per-group scales or minimums [N/16, K/32, 16]: fp32, or fp16 where every value is
-// one (GGUF stores them so; kernels.pack_q4 / pack_q8 check): the same fp32 values with a sixth
+// one (GGUF stores them so; packing.pack_q4 / pack_q8 check): the same fp32 values with a sixth
 // fewer bytes to stream for an int4 weight at one row. p null: none.
 struct Scales {
   const void* p = nullptr;

@@ -19,7 +19,7 @@
 // 8 at a time, then the rest together, with the same per-row sequence; threads split columns,
 // never a sum).
 //
-// Layout (made by kernels.pack_q4, which asks the build for its own):
+// Layout (made by packing.pack_q4, which asks the build for its own):
 //   P  [N/16, K/32, 8, 32] uint8: column block, group, then
 //      AVX512-BF16: step r (inputs k = 32g + 4r + 0..3); byte 2c = q[c, k0] | q[c, k2] << 4,
 //      byte 2c+1 = q[c, k1] | q[c, k3] << 4 (a step's 32 bytes widen to the 16-bit lanes of two

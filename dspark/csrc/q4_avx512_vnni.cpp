@@ -13,7 +13,7 @@
 // stream their weights and the arithmetic is not what bounds them, which is why the bf16 tile stays
 // the default where plain decoding matters (kernels.q4_activations).
 //
-// Layouts (kernels.pack_q4 / pack_q8 ask the build):
+// Layouts (packing.pack_q4 / pack_q8 ask the build):
 //   int4: the AVX2 build's octets (q4_avx512.cpp's header): 64 bytes a column block and octet o of
 //     a group; column c's dword holds inputs (0, 4, 1, 5) of the octet in its low nibbles and
 //     (2, 6, 3, 7) in its high ones, so one mask gives 16 columns x 4 inputs;

@@ -9,7 +9,7 @@ import torch
 from dspark.doctor.report import BUILTIN_PROMPTS, HELDOUT_PROMPTS, Text
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
-from dspark.kernels import argmax
+from dspark.ops import argmax
 from dspark.target.text import encode_prompt
 
 # ---- text --------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def curve_identity(target, grid: list[int]) -> dict:
         # the int4 kernel, and the extension's norms / attention / RoPE build
         "int4_kernel": target.int4_kernels() if hasattr(target, "int4_kernels") else None,
         "extension": target.extension() if hasattr(target, "extension") else None,
-        # weights in 2 MB pages stream faster (kernels.into_huge_pages)
+        # weights in 2 MB pages stream faster (hugepages.into_huge_pages)
         "huge_pages": getattr(target, "huge_pages", None),
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),

@@ -24,8 +24,8 @@ from dspark.engine.request import Prefilling, Request, StepObserver, request_met
 from dspark.engine.sampling import SamplingParams, probs, sample
 from dspark.engine.step import decode_step, draft_taps, flush_context
 from dspark.errors import DSparkError, RequestError
-from dspark.kernels import argmax
 from dspark.model.draft import ContextCache, DSparkDraft
+from dspark.ops import argmax
 from dspark.target.base import Target, replay
 from dspark.target.text import encode_prompt
 

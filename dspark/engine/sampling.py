@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.errors import RequestError
-from dspark.kernels import argmax
+from dspark.ops import argmax
 
 # The smallest temperature above 0 (vLLM's floor too): logits are divided by it, and below this
 # they overflow to inf, the probabilities turn NaN and sampling fails.

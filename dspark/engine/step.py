@@ -26,9 +26,9 @@ from dspark.engine.lookup import LookupProposer, Plan
 from dspark.engine.policy import VerifyPolicy
 from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
 from dspark.engine.timing import now
-from dspark.kernels import argmax
 from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
+from dspark.ops import argmax
 from dspark.target.base import Target, TargetState
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark import kernels
+from dspark import hugepages, kernels, ops, packing
 
 DRAFT_WEIGHTS = ("auto", "q4", "q8", "bf16", "fp32")
 # the formats of the kernels' own copy; "fp32" runs the draft's modules in fp32 (the kernels compute in bf16)
@@ -48,7 +48,7 @@ def _q8(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     g = w.detach().float().reshape(w.shape[0], -1, 32)
     d = (g.abs().amax(-1) / 127).half().float()
     q = (g / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127)
-    return kernels.pack_q8(q.reshape(w.shape).to(torch.int8), d)
+    return packing.pack_q8(q.reshape(w.shape).to(torch.int8), d)
 
 
 def _q4(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -57,13 +57,13 @@ def _q4(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     lo = g.amin(-1).half().float()
     d = ((g.amax(-1) - lo) / 15).half().float()
     q = ((g - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
-    return kernels.pack_q4(q.reshape(w.shape), d, lo)
+    return packing.pack_q4(q.reshape(w.shape), d, lo)
 
 
 def _pack(w: torch.Tensor, b: torch.Tensor | None, fmt: str) -> list[torch.Tensor]:
     """A weight [N, K] (and bias) -> the extension's (P, D, L, bias) in `fmt` (L empty but for q4)."""
-    none = kernels.NO_TENSOR
-    packed = {"q4": _q4, "q8": _q8}.get(fmt, lambda m: kernels.pack_bf16(_bf16(m)))(w)
+    none = ops.NO_TENSOR
+    packed = {"q4": _q4, "q8": _q8}.get(fmt, lambda m: packing.pack_bf16(_bf16(m)))(w)
     return [*packed, *[none] * (3 - len(packed)), none if b is None else _bf16(b)]
 
 
@@ -76,11 +76,11 @@ def _matrices(draft) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         out += [
             (
                 torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
+                packing.fused_bias(a.q_proj, a.k_proj, a.v_proj),
             ),
-            (torch.cat([a.k_proj.weight, a.v_proj.weight]), kernels.fused_bias(a.k_proj, a.v_proj)),
+            (torch.cat([a.k_proj.weight, a.v_proj.weight]), packing.fused_bias(a.k_proj, a.v_proj)),
             (a.o_proj.weight, a.o_proj.bias),
-            (torch.cat([m.gate_proj.weight, m.up_proj.weight]), kernels.fused_bias(m.gate_proj, m.up_proj)),
+            (torch.cat([m.gate_proj.weight, m.up_proj.weight]), packing.fused_bias(m.gate_proj, m.up_proj)),
             (m.down_proj.weight, m.down_proj.bias),
         ]
     return out
@@ -114,7 +114,7 @@ class FastDraft:
             raise ValueError(f"draft weights {fmt!r} run through the draft's modules, not dspark's kernels")
         b = draft.spec.backbone
         self.Hq, self.Hkv, self.D, self.eps = b.num_attention_heads, b.num_key_value_heads, b.head_dim, b.rms_norm_eps
-        none, mh, ch = kernels.NO_TENSOR, draft.markov_head, draft.confidence_head
+        none, mh, ch = ops.NO_TENSOR, draft.markov_head, draft.confidence_head
         # the walk and the confidences run in the call for a vanilla Markov head (or none); the
         # gated and rnn heads walk in Python over the head logits the call returns
         self.walks = mh is None or mh.head_type == "vanilla"
@@ -199,7 +199,7 @@ class FastDraft:
         h = h.to(torch.bfloat16)
         pad = self.head[0].shape[1] * 32 - h.shape[-1]
         h = torch.nn.functional.pad(h, (0, pad)) if pad else h
-        return kernels.q4_linear(h, self.head) if len(self.head) == 3 else kernels.q8_linear(h, self.head)
+        return ops.q4_linear(h, self.head) if len(self.head) == 3 else ops.q8_linear(h, self.head)
 
     def stale(self, draft) -> bool:
         return draft.fc.weight is not self.fc_weight or any(t._version != v for t, v in self.versions)
@@ -230,7 +230,7 @@ class FastDraft:
             self.id,
             kv,
             ctx.lengths,
-            kernels.NO_TENSOR if taps is None else taps.to(torch.bfloat16),
+            ops.NO_TENSOR if taps is None else taps.to(torch.bfloat16),
             none if counts is None else counts,
             none if anchors is None else anchors,
             cos,
@@ -261,10 +261,10 @@ _NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The same tensors, moved into 2 MB pages where the OS gives them (kernels.into_huge_pages)."""
+    """The same tensors, moved into 2 MB pages where the OS gives them (hugepages.into_huge_pages)."""
     holder = type("Held", (), {})()
     holder.t = tuple(tensors)
-    kernels.into_huge_pages([(holder, "t")])
+    hugepages.into_huge_pages([(holder, "t")])
     return list(holder.t)
 
 
@@ -295,10 +295,10 @@ def _why_not(draft) -> str | None:
     if b.head_dim % 16 or b.hidden_act != "silu":
         return f"head size {b.head_dim}, activation {b.hidden_act}; the kernels take multiples of 16 and SiLU"
     shapes = _shapes(draft)
-    bad = [s for s in shapes[:-1] if not kernels.tile_applies(*s)] + [s for s in shapes[-1:] if s[0] % 16]
+    bad = [s for s in shapes[:-1] if not packing.tile_applies(*s)] + [s for s in shapes[-1:] if s[0] % 16]
     if bad or draft.layers[0].mlp.gate_proj.weight.shape[0] % 16:
         return f"a matrix of {bad[0] if bad else 'gate/up'} shape; the kernels take outputs in 16s and inputs in 32s"
-    if weights(draft) == "bf16" and max(n * k for n, k in shapes[:-1]) > kernels.BF16_KERNEL_MAX:
+    if weights(draft) == "bf16" and max(n * k for n, k in shapes[:-1]) > packing.BF16_KERNEL_MAX:
         return "bf16 matrices larger than dspark's bf16 kernel holds (--draft-weights q8 takes them)"
     return None
 
@@ -369,4 +369,4 @@ def head_applies(draft, grad: bool | None = None) -> bool:
     reads torch's current mode.)"""
     w = draft.lm_head.weight
     grad = torch.is_grad_enabled() if grad is None else grad
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and not grad and kernels.tile_applies(*w.shape)
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and not grad and packing.tile_applies(*w.shape)

@@ -27,7 +27,7 @@ class MarkovHead(nn.Module):
 
     def w2_transposed(self) -> torch.Tensor:
         """W2 transposed, [r, Vd] in its own dtype: the layout of the compiled greedy walk
-        (kernels.markov_walk); kept until the weight changes."""
+        (ops.markov_walk); kept until the weight changes."""
         w = self.markov_w2.weight
         key = (w.data_ptr(), w._version)
         if getattr(self, "_w2t_key", None) != key:

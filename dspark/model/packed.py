@@ -3,7 +3,7 @@
 A drafting step is a handful of small matmuls (one layer, the draft head over its vocabulary,
 the Markov head once per slot); on SmolLM2 it cost about half a target step. `pack_linears`
 turns every bf16 `nn.Linear` of a draft on a CPU into a `PackedLinear` in place: the same
-module, parameters and state dict, whose forward uses the packed copy (dspark/kernels.py)
+module, parameters and state dict, whose forward uses the packed copy (dspark/packing.py, dspark/ops.py)
 whenever no gradient is wanted. Training (grad enabled) runs the plain `nn.Linear` forward,
 and a weight changed in place is repacked before its next use.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark import kernels
+from dspark import ops, packing
 
 
 class PackedLinear(nn.Linear):
@@ -24,10 +24,10 @@ class PackedLinear(nn.Linear):
         if (torch.is_grad_enabled() and self.weight.requires_grad) or x.dtype != torch.bfloat16:
             return super().forward(x)
         if self._packed_version != self.weight._version:
-            self._packed, self._packed_version = kernels.pack_bf16(self.weight), self.weight._version
+            self._packed, self._packed_version = packing.pack_bf16(self.weight), self.weight._version
         if self._packed is None:
             return super().forward(x)
-        return kernels.packed_linear(x, self._packed, self.bias, self.out_features)
+        return ops.packed_linear(x, self._packed, self.bias, self.out_features)
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark import kernels
-from dspark.kernels import NO_TENSOR
+from dspark import ops
+from dspark.ops import NO_TENSOR
 from dspark.target.dense import PREFILL_MM_ROWS
 
 
@@ -61,6 +61,6 @@ def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
         # the residual add, the next layer's input norm (the final norm after the last) and the tap
         col = t._tap_cols[li]
         nxt = t.layers[li + 1].ln1 if li + 1 < t.num_layers else t.norm
-        mlp = _lin(layer.w2, ddown, kernels.silu_mul(_lin(layer.w13, dgu, h), ext))
+        mlp = _lin(layer.w2, ddown, ops.silu_mul(_lin(layer.w13, dgu, h), ext))
         x, h = ext.add_rms_bf16(x, mlp, nxt, t.eps, NO_TENSOR if col < 0 else tapped, max(col, 0))
     return x, h

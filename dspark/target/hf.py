@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from dspark.errors import RequestError
-from dspark.kernels import argmax
+from dspark.ops import argmax
 from dspark.ragged import merge_rows, pack
 from dspark.target.base import check_finite
 
@@ -111,7 +111,7 @@ class HFTarget:
         logits="last": only each row's last valid position -> [B, 1, V] (all a prefill needs:
         the LM head over a whole prompt is wasted work).
         logits="argmax": each position's greedy token [B, S] int64 instead (what a greedy plain
-        step reads; `kernels.argmax`, the choice greedy verification makes).
+        step reads; `ops.argmax`, the choice greedy verification makes).
         taps is a new tensor on every call, never a reused buffer: the engine keeps the taps of
         steps that did not draft until the next drafting step (Batch.pending).
         """

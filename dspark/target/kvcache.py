@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dspark import kernels
+from dspark import hugepages
 
 CACHE_CHUNK = 256  # KV capacity grows in multiples of this (doubling), so growth copies are rare
 
@@ -81,5 +81,5 @@ def alloc_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     """A zeroed kv tensor; on a CPU in 2 MB pages where the OS gives them (attention reads it
     every step)."""
     if device.type == "cpu":
-        return kernels.huge_zeros(shape, dtype)
+        return hugepages.huge_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark import kernels
+from dspark import hugepages, kernels, ops, packing
 from dspark.errors import DSparkError, RequestError
-from dspark.kernels import NO_TENSOR
+from dspark.ops import NO_TENSOR
 from dspark.target import dense, torch_layers
 from dspark.target.base import check_finite
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
@@ -212,7 +212,7 @@ class NativeTarget:
                 q8 = (
                     ops == "auto"
                     and act == torch.bfloat16
-                    and kernels.tile_applies(*lm_head.weight.shape)
+                    and packing.tile_applies(*lm_head.weight.shape)
                     and self._fact("head q8_0", lambda: is_q8_exact(lm_head.weight, rows=64))
                 )
                 head = "q8_0" if q8 else "fp32" if act == torch.float32 else "bf16"
@@ -243,7 +243,7 @@ class NativeTarget:
             # extension's layer stack takes its references)
             lins = [lin for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)] + [self.head]
             self.huge_pages = (
-                kernels.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")]) > 0
+                hugepages.into_huge_pages([(lin, f) for lin in lins for f in ("q4", "q8", "packed", "w")]) > 0
             )
         self._packs = None  # the store is its loader's (which saves it), not the target's
         self._stack = _LayerStack.of(self)
@@ -283,7 +283,7 @@ class NativeTarget:
                     wqkv=self._linear(
                         f"layers.{i}.wqkv",
                         lambda layer=layer: dense.fused_weight(layer, "wqkv"),
-                        lambda a=a: kernels.fused_bias(a.q_proj, a.k_proj, a.v_proj),
+                        lambda a=a: packing.fused_bias(a.q_proj, a.k_proj, a.v_proj),
                         fmt,
                         act,
                     ),
@@ -306,7 +306,7 @@ class NativeTarget:
                     w13=self._linear(
                         f"layers.{i}.w13",
                         lambda layer=layer: dense.fused_weight(layer, "w13"),
-                        lambda m=m: kernels.fused_bias(m.gate_proj, m.up_proj),
+                        lambda m=m: packing.fused_bias(m.gate_proj, m.up_proj),
                         fmt,
                         act,
                     ),
@@ -465,7 +465,7 @@ class NativeTarget:
         if logits == "final":
             return h, tapped
         if logits == "argmax":
-            return (ids if ids is not None else kernels.argmax(self._logits(h))), tapped
+            return (ids if ids is not None else ops.argmax(self._logits(h))), tapped
         if logits == "last":
             if counts is None:  # full
                 return self._logits(h[:, -1:]), tapped  # [B, 1, V]

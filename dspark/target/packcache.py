@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 import dspark
-from dspark import envs, kernels
+from dspark import envs, kernels, packing
 from dspark.doctor.cache import cpu_class, directory_digests
 from dspark.errors import DSparkError
 from dspark.target import native, quant
@@ -53,7 +53,7 @@ PACK_FORMAT = "dspark-packed-weights"
 PACK_VERSION = 1  # what a file holds and how it is keyed; a change makes every file stale
 STORED = ("int4", "int8", "q8_0")  # the formats whose Linear is computed; float ones are converted
 # the code whose output is stored: the formats (quant.py), the layers they are fused into and the
-# head's choice (NativeTarget's construction), the tile's layouts (kernels.py's packing functions,
+# head's choice (NativeTarget's construction), the tile's layouts (dspark/packing.py's functions,
 # not the whole file: its kernels are named by their build) and this file's layout
 CODE = (
     Path(__file__).resolve(),
@@ -62,13 +62,13 @@ CODE = (
     native.NativeTarget._build,
     native.NativeTarget._linear,
     native.NativeTarget._fact,
-    kernels.pack_bf16,
-    kernels.fused_bias,
-    kernels._group_scales,
-    kernels.pack_q4,
-    kernels._octets,
-    kernels.q8_groups,
-    kernels.pack_q8,
+    packing.pack_bf16,
+    packing.fused_bias,
+    packing._group_scales,
+    packing.pack_q4,
+    packing._octets,
+    packing.q8_groups,
+    packing.pack_q8,
 )
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 fp32 / bf16 / fp16 as loaded; int8 (symmetric, one scale per output channel) and int4 (group
 32, the layout of the GGUF Q4_0/Q4_1 files, so a model dequantised from such a file is held
 exactly as shipped) on torch's CPU weight-only kernels, or on dspark's matmul tile (int4, Q8_0,
-packed bf16: dspark/kernels.py) where it runs. `resolve_weights` picks the format for 'auto'.
+packed bf16: dspark/packing.py) where it runs. `resolve_weights` picks the format for 'auto'.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark import kernels
+from dspark import kernels, ops, packing
 from dspark.errors import DSparkError
-from dspark.kernels import q8_groups
+from dspark.packing import q8_groups
 
 WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,7 +75,7 @@ class Linear:
         self.packed = self.q4 = self.q8 = None
         w = w.detach()
         if fmt == "bf16" and act == torch.bfloat16:
-            self.packed = kernels.pack_bf16(w)  # only the packed copy is kept
+            self.packed = packing.pack_bf16(w)  # only the packed copy is kept
         if self.packed is not None:
             self.w = None
         elif fmt in FLOATS:
@@ -85,14 +85,14 @@ class Linear:
             self.w = (w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self.s = s.to(act)
         elif fmt == "q8_0":  # group 32, w = q * d (the GGUF Q8_0 rule), dspark's kernel only
-            if not (act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape)):
+            if not (act == torch.bfloat16 and w.device.type == "cpu" and packing.tile_applies(*w.shape)):
                 raise DSparkError(
                     f"q8_0 weights need dspark's matmul tile (AVX2 or AVX512-BF16 builds) and bf16 "
                     f"activations ({kernels.q4_status()})"
                 )
             q, d = q8_groups(w)
             self.exact = is_q8_exact(w)
-            self.q8, self.w, self.kernel = kernels.pack_q8(q, d), None, kernels.tile_name()
+            self.q8, self.w, self.kernel = packing.pack_q8(q, d), None, kernels.tile_name()
         elif fmt == "int4":  # group 32, kernel convention w = (q - 8) * scale + zero
             if w.shape[1] % GROUP or w.shape[0] % 16:
                 raise DSparkError(
@@ -101,11 +101,11 @@ class Linear:
                 )
             q, d, lo = int4_groups(w)
             self.exact = _int4_exact(w, q, d, lo)  # the packed values are w's own (a Q4 GGUF's)
-            if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and kernels.tile_applies(*w.shape):
+            if ops == "auto" and act == torch.bfloat16 and w.device.type == "cpu" and packing.tile_applies(*w.shape):
                 # dspark's kernel: d and lo kept exact (fp32, or fp16 where every value is one, as
                 # GGUF's; torch's rounds them to bf16), and a verify of 8 rows costs far less than 8
                 # single rows (kernels.py)
-                self.q4, self.w = kernels.pack_q4(q, d, lo), None
+                self.q4, self.w = packing.pack_q4(q, d, lo), None
                 self.kernel = kernels.tile_name()
             else:  # torch's kernel, whose scale and zero are rounded to the activation dtype
                 self.kernel = (
@@ -122,12 +122,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return kernels.packed_linear(x, self.packed, self.b, self.out_features)
+            return ops.packed_linear(x, self.packed, self.b, self.out_features)
         if self.fmt in FLOATS:
             assert self.w is not None  # a float format not packed keeps its weight as is
             return F.linear(x, self.w, self.b)
         if self.q4 is not None or self.q8 is not None:  # dspark's tile takes x's own shape
-            y = kernels.q4_linear(x, self.q4) if self.q4 is not None else kernels.q8_linear(x, self.q8)
+            y = ops.q4_linear(x, self.q4) if self.q4 is not None else ops.q8_linear(x, self.q8)
             return y if self.b is None else y + self.b
         x2 = x.reshape(-1, x.shape[-1])
         if self.fmt == "int8":

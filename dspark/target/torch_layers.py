@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark import kernels
+from dspark import ops
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,7 +76,7 @@ def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
         # the last layer's output is tapped before the final norm, like the HF target's hook
         x, h = add_norm(
             x,
-            layer.w2(kernels.silu_mul(layer.w13(h), None)),
+            layer.w2(ops.silu_mul(layer.w13(h), None)),
             t.layers[li + 1].ln1 if li + 1 < t.num_layers else t.norm,
             t.eps,
             tapped,
