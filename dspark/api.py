@@ -45,6 +45,9 @@ class EngineConfig:
     target: str = SMOLLM2  # an HF model directory, or "smollm2"
     draft: str | None = None  # None: the bundled draft when the target is smollm2
     no_spec: bool = False  # plain decoding through the same engine (no draft loaded)
+    # speculation from the request's own text alone (the lookup proposer): no draft loaded, so any
+    # target speculates, a draft or not; proposals verified in full (the lookup prices its own)
+    no_draft: bool = False
     dtype: str = "auto"  # auto (bf16 where the hardware has it natively, else fp32) | bf16 | fp32, or torch's spellings
     device: str | None = None  # None: cuda when available, else cpu
     runtime: str = "auto"  # target runtime: native where supported (auto), "native", or "hf" (transformers)
@@ -135,7 +138,23 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
         raise DSparkError(f"--max-batch must be >= 1, got {config.max_batch}")
     if config.prefill_chunk < 1:
         raise DSparkError(f"--prefill-chunk must be >= 1 prompt token a step, got {config.prefill_chunk}")
-    draft = None if config.no_spec else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
+    if config.no_draft:
+        if config.no_spec:
+            raise DSparkError("--no-draft speculates from the text alone and --no-spec not at all: pass one of them")
+        if config.draft is not None:
+            raise DSparkError(f"--no-draft loads no draft, but --draft {config.draft} names one: pass one of them")
+        if not config.lookup:
+            raise DSparkError(
+                "--no-draft with --no-lookup leaves nothing to propose: pass --no-spec for plain decoding"
+            )
+        if config.verify not in (None, "full"):
+            raise DSparkError(
+                f"--verify {config.verify} decides how much of a draft's block to verify, and --no-draft loads no "
+                "draft (the lookup proposer sizes its own proposals): leave --verify out"
+            )
+    draft = (
+        None if config.no_spec or config.no_draft else str(resolve_draft(config.target, config.draft, ", or --no-spec"))
+    )
     verify = config.verify or ("full" if draft is None else "adaptive")
     return replace(config, device=device, dtype=dtype, draft=draft, verify=verify, draft_weights=draft_weights), notes
 
@@ -199,11 +218,11 @@ def build_engine(config: EngineConfig) -> Engine:
         skip=not config.always_draft,
     )
     lookup = None
-    if config.lookup and draft is not None:
+    if config.lookup and (draft is not None or config.no_draft):
         lookup = LookupProposer()
         if policy.curve is None:  # full / threshold: the lookup proposer still prices its proposals
             policy.curve = cost_curve_for(target, config.max_batch * (lookup.limit + 1))
-        notes.append(lookup.describe())
+        notes.append(lookup.describe(draft is not None))
     engine = Engine(
         target,
         draft,

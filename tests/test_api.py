@@ -130,6 +130,34 @@ def test_build_engine_assembles_everything_from_the_config(saved):
     assert same.draft is None and same.config.no_spec
 
 
+def test_no_draft_speculates_from_the_text_alone_on_any_target(saved):
+    """--no-draft: no draft is loaded (a target without one speculates), the lookup proposes, verified
+    in full; greedy output is the target's own decoding in fp32, and the start-up says what runs."""
+    target, _, model = saved
+    eng = build_engine(EngineConfig(target=target, no_draft=True, dtype="fp32", device="cpu"))
+    assert eng.draft is None and eng.lookup is not None and isinstance(eng.policy, FullScheduler)
+    assert eng.policy.curve is not None and eng.notes[-1] == eng.lookup.describe(False)
+    assert "against plain decoding (no draft loaded)" in eng.notes[-1]
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    req = eng.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert req.output_ids == hf_greedy(model, prompt, 40)
+    look = eng.metrics.lookup
+    assert look is not None and look.steps > 0 and eng.metrics.steps == 0  # the lookup's steps alone
+    plain = eng.derive(speculative=False)
+    assert (
+        plain.lookup is None
+        and plain.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True)).output_ids == req.output_ids
+    )
+    for bad, match in (
+        (dict(no_spec=True), "pass one of them"),
+        (dict(draft="somewhere"), "pass one of them"),
+        (dict(lookup=False), "leaves nothing to propose"),
+        (dict(verify="adaptive"), "leave --verify out"),
+    ):
+        with pytest.raises(DSparkError, match=match):
+            build_engine(EngineConfig(target=target, no_draft=True, device="cpu", **bad))
+
+
 def test_build_engine_refuses_bad_settings_before_loading(saved, tmp_path):
     target, draft, _ = saved
     with pytest.raises(DSparkError, match="no draft given"):

@@ -172,6 +172,7 @@ def test_engine_arms_step_side_by_side_on_each_prompt():
         def __init__(self, name, steps):
             self.name, self.steps, self.left = name, steps, 0
             self.draft = None if name == "plain" else object()
+            self.speculative = self.draft is not None
             self.metrics = SimpleNamespace(t_draft=0.0, t_verify=0.0, t_other=0.0)
 
         def add_request(self, ids, params):
@@ -455,3 +456,21 @@ def test_bench_feeds_a_prompt_ids_record_as_it_is(setup, tmp_path, monkeypatch):
     assert ids in seen
     res = json.loads((out / "results.json").read_text())
     assert res["sets"]["ids"]["arms"]["plain"]["requests"] == 2
+
+
+def test_bench_no_draft_runs_the_lookup_in_the_full_arm_and_refuses_draft_arms(setup, tmp_path, capsys):
+    """--no-draft: the 'full' arm speculates from the text alone against plain decoding, the same
+    output in fp32; arms that size a draft's block, or no speculative arm at all, are refused."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]}) + "\n")
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(setup / "target"), "--no-draft", "--dtype", "fp32", "--device", "cpu"]
+    args += ["--prompts", str(tmp_path / "p.jsonl"), "--sets", "p", "--max-new-tokens", "24", "--ignore-eos"]
+    assert main([*args, "--arms", "plain,full", "--baseline", "plain", "--out", str(out)]) == 0
+    full = json.loads((out / "results.json").read_text())["sets"]["p"]["arms"]["full"]
+    assert full["same_output_as_baseline"] == 1.0 and full["acceptance"]["lookup"]["verify_steps"] > 0
+    assert full["acceptance"]["verify_steps"] == 0  # no draft ran
+    assert "--no-draft" in (out / "results.md").read_text()  # the reproduce line repeats it
+    capsys.readouterr()
+    for arms, why in (("plain,adaptive", "size a draft's block"), ("plain", "add full to --arms")):
+        assert main([*args, "--arms", arms, "--baseline", "plain", "--out", str(out)]) == 2
+        assert why in capsys.readouterr().err

@@ -59,6 +59,27 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
         assert m["mean_accept_length"] == round(1 + sum(m["marginal_accept_rates"]), 4)
 
 
+def test_generate_no_draft_compares_lookup_speculation_with_plain(saved, capsys):  # noqa: F811
+    """--no-draft: the target speculates from the text alone (no draft loaded, none named); --compare
+    measures it against plain decoding, the same output in fp32; the doctor and train eval, which
+    examine a draft, refuse the flag by name."""
+    target, _ = saved
+    text = "one two three four five six seven. one two three four five six seven. one two three"
+    args = ["generate", "--target", str(target), "--no-draft", "--dtype", "fp32", "--device", "cpu",
+            "--prompt", f"Repeat this text exactly: {text}", "--max-new-tokens", "24",
+            "--compare", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["speculative"] and "layout" not in out and out["plain"]["same_output"] is True
+    m = out["metrics"]
+    assert m["verify_steps"] == 0 and "lookup" in m  # proposals from the text, none from a draft
+    assert out["timed_steps"] >= 3 and out["speedup"] == (out["arms_ratio"] if out["drafted_steps"] else None)
+    assert main(args[:-1]) == 0 and "steps without drafting" not in capsys.readouterr().out
+    for command in (["doctor"], ["train", "eval"]):
+        assert main([*command, "--target", str(target), "--no-draft", "--device", "cpu"]) != 0
+        assert "a draft" in (err := capsys.readouterr().err) and "drop --no-draft" in err
+
+
 def _hello(saved) -> list[str]:  # noqa: F811
     """`generate` of six tokens of "Hello" on the tiny target and draft, compared, fully verified."""
     target, draft = saved

@@ -238,6 +238,7 @@ def test_the_flag_and_the_config_turn_lookup_off(monkeypatch, tmp_path):
     add_engine_flags(p)
     assert engine_config(p.parse_args([])).lookup is True and EngineConfig().lookup is True
     assert engine_config(p.parse_args(["--no-lookup"])).lookup is False
+    assert engine_config(p.parse_args(["--no-draft"])).no_draft is True and EngineConfig().no_draft is False
 
 
 def test_the_copy_set_is_a_bench_set_apart_from_the_training_prompts():

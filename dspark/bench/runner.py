@@ -188,7 +188,7 @@ class EngineRunner:
             reqs = [self.engine.generate(prompts[0], params[0])]
         else:
             reqs = self.engine.generate_many(prompts, params)
-        spec = self.engine.draft is not None
+        spec = self.engine.speculative
         return [r.output_ids for r in reqs], [r.metrics if spec else None for r in reqs]
 
 
@@ -243,7 +243,7 @@ def _engine_chunks(arms: list[Arm], runners: dict, set_name: str, i: int, ids, p
     reqs, wall, target = side_by_side(engines, ids, params, first, timer, device)
     chunks = []
     for a, e, r, b, w, t in zip(arms, engines, reqs, before, wall, target):
-        c = Chunk(a.name, set_name, [i], [r.output_ids], [r.metrics if e.draft is not None else None], w, t)
+        c = Chunk(a.name, set_name, [i], [r.output_ids], [r.metrics if e.speculative else None], w, t)
         _engine_spans(c, e, b)
         chunks.append(c)
     return chunks

@@ -147,7 +147,7 @@ def reproduce_command(args) -> str:
         ]
     if args.threshold != DEFAULT_THRESHOLD:
         parts += ["--threshold", str(args.threshold)]
-    for flag in ("no_spec", "always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
+    for flag in ("no_spec", "no_draft", "always_draft", "no_check", "ignore_eos", "no_chat", "no_warmup"):
         if getattr(args, flag):
             parts.append(f"--{flag.replace('_', '-')}")
     parts += [
@@ -196,8 +196,9 @@ def build_runners(arms, engine, args) -> dict:
                 prior=engine.prior,
             )
             # a `full` arm verifies the draft's every block, the draft alone: the reference for the
-            # draft's acceptance (and the speculation profile); the others propose as the engine does
-            lookup = False if arm.kind == "full" else None
+            # draft's acceptance (and the speculation profile); the others propose as the engine does, and
+            # with --no-draft the full arm is the lookup alone
+            lookup = False if arm.kind == "full" and engine.draft is not None else None
             runners[arm.name] = EngineRunner(engine.derive(policy=policy, max_batch=arm.concurrency, lookup=lookup))
     return runners
 
@@ -214,6 +215,14 @@ def run(args) -> int:
         raise DSparkError(
             "--no-spec leaves only the arms without a draft (hf, lookup, plain): drop the others from --arms"
         )
+    if args.no_draft:
+        if not speculative:
+            raise DSparkError("--no-draft speculates from the text alone in the 'full' arm: add full to --arms")
+        if any(a.kind in ("threshold", "adaptive") for a in arms):
+            raise DSparkError(
+                "--no-draft loads no draft, and the threshold and adaptive arms size a draft's block: keep plain, "
+                "hf, lookup and full in --arms"
+            )
     refuse_verify(args, "bench", f"add {args.verify} to --arms")
     refuse_max_batch(args, "bench", "the arms (NAME@N)")
     sets = load_sets(args.dataset_dir, args.sets.split(",") if args.sets else None, args.prompts, args.limit)
@@ -284,7 +293,7 @@ def run(args) -> int:
         }
     machine["load_average_end"] = load_average()
     table = aggregate(chunks, arms, [s.name for s in sets])
-    profile_arm = _profile_arm(arms)
+    profile_arm = _profile_arm(arms) if draft is not None else None  # the draft's per-position profile
     results: dict[str, Any] = {
         "command": reproduce_command(args),
         "machine": machine,

@@ -66,8 +66,8 @@ def run(args) -> int:
         extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
     except ValueError:
         raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
-    if args.no_spec:
-        raise DSparkError("the doctor examines a draft: drop --no-spec")
+    if args.no_spec or args.no_draft:
+        raise DSparkError(f"the doctor examines a draft: drop --no-{'spec' if args.no_spec else 'draft'}")
     prompts = list(args.prompt or []) + (read_prompt_file(args.prompts) if args.prompts else [])
     # The doctor builds the draft itself (from a spec it may find broken): the engine brings the
     # target, tokenizer and settings; --layout forces the declared reading the doctor starts from.

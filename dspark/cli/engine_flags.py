@@ -106,6 +106,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="propose with the draft alone (default: also from the request's own text, the prompt and the output "
         "so far, chosen per request and step by expected tokens per second)",
     )
+    g.add_argument(
+        "--no-draft",
+        action="store_true",
+        help="speculate from the request's own text alone (lookup): no draft is loaded, so any target speculates "
+        "(default: the draft and the lookup, chosen per request and step)",
+    )
     g.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
 
 
@@ -115,6 +121,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         target=args.target,
         draft=args.draft,
         no_spec=args.no_spec,
+        no_draft=args.no_draft,
         dtype=args.dtype,
         device=args.device,
         runtime=args.runtime,

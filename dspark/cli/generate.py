@@ -122,7 +122,8 @@ def run(args) -> int:
         seed=args.seed,
     )
     ids = engine.encode(args.prompt, chat=args.chat)
-    compare = args.compare and engine.draft is not None
+    speculative = engine.speculative  # the draft's or the lookup's proposals (--no-draft: the lookup's alone)
+    compare = args.compare and speculative
     plain = engine.derive(speculative=False) if compare else None
     if plain is not None:  # compare: both arms warmed up (allocator, kernels, caches) before anything is timed
         warm = SamplingParams(
@@ -146,11 +147,12 @@ def run(args) -> int:
         "finish_reason": req.finish_reason,
         "seconds": round(elapsed, 4),
         "tokens_per_second": round(len(req.output_ids) / elapsed, 2),
-        "speculative": engine.draft is not None,
+        "speculative": speculative,
         "dtype": engine.config.dtype,
     }
     if engine.draft is not None:
         out["layout"] = engine.draft.spec.layout
+    if speculative:
         out["metrics"] = req.metrics.to_dict()
     if args.show_drafts:
         out["token_kinds"] = counts(req.marks)
@@ -213,10 +215,13 @@ def _print_summary(out: dict) -> None:
         t.add_row("tokens by origin", cell)
     m = out.get("metrics")
     if m:
-        t.add_row("layout", out["layout"])
-        t.add_row("verify steps", str(m["verify_steps"]))
-        if m["plain_steps"]:
+        if "layout" in out:
+            t.add_row("layout", out["layout"])
+            t.add_row("verify steps", str(m["verify_steps"]))
+        if m["plain_steps"] and "layout" in out:
             t.add_row("steps without drafting", f"{m['plain_steps']}  (the policy judged that drafting would not pay)")
+        elif m["plain_steps"]:
+            t.add_row("steps without proposals", f"{m['plain_steps']}  (the text offered no proposal that would pay)")
         if m["verify_steps"]:
             t.add_row(
                 "mean acceptance length", f"{m['mean_accept_length']:.2f}  (tokens per verify step, bonus included)"

@@ -212,7 +212,7 @@ def _loader(args):
             "dspark serve: ready: model %r (%s) on http://%s:%d (the page showing each token's origin: "
             "that address in a browser)",
             name,
-            "speculative" if engine.draft is not None else "no draft",
+            "speculative" if engine.draft is not None else ("lookup only" if engine.speculative else "no draft"),
             args.host,
             args.port,
         )

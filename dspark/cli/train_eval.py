@@ -26,8 +26,10 @@ def print_eval(res: dict, as_json: bool) -> None:
 
 
 def eval_stage(args) -> int:
-    if args.no_spec:
-        raise TrainError("train eval compares a draft with plain decoding: drop --no-spec")
+    if args.no_spec or args.no_draft:
+        raise TrainError(
+            f"train eval compares a draft with plain decoding: drop --no-{'spec' if args.no_spec else 'draft'}"
+        )
     # it measures the draft: every step drafts and verifies every slot unless --verify says otherwise
     # (adaptive would skip drafting a draft that does not pay, and report acceptance of nothing)
     engine = build_engine(replace(engine_config(args), verify=args.verify or "full"))

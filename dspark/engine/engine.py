@@ -76,6 +76,11 @@ class Engine:
         self.notes: list[str] = []
         self.prior: DraftPrior | None = None
 
+    @property
+    def speculative(self) -> bool:
+        """Whether a proposer runs: the draft, the lookup, or both (--no-draft: the lookup alone)."""
+        return self.draft is not None or self.lookup is not None
+
     def newrequest_metrics(self) -> SpecMetrics:
         """Counters for this engine's proposers: the draft's, and the lookup's when it proposes."""
         return SpecMetrics(self.gamma, lookup=SpecMetrics(self.lookup.limit) if self.lookup is not None else None)
@@ -441,7 +446,7 @@ class Engine:
             except Exception as err:
                 self._fail(req, err, "output")
                 kept = 0
-            if self.draft is not None or self.lookup is not None:
+            if self.speculative:
                 # the engine's counters: what it drafted, verified and accepted (the policy's view);
                 # the request's: what it received, so a stop (or max_new_tokens) among the accepted
                 # drafts leaves the drafts past it out, and its statistics agree with its tokens

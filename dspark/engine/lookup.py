@@ -153,10 +153,11 @@ class LookupProposer:
             return 0.0
         return max(0.0, min(look) - min(plain))
 
-    def describe(self) -> str:
+    def describe(self, draft: bool = True) -> str:
+        against = "the draft and plain decoding" if draft else "plain decoding (no draft loaded)"
         return (
             f"lookup: proposals from the prompt and the output (suffix of up to {MATCH_MAX} tokens matched, "
-            f"up to {self.limit} proposed), chosen per request against the draft by expected tokens per second"
+            f"up to {self.limit} proposed), chosen per request against {against} by expected tokens per second"
         )
 
     def plan(self, indices: list[LookupIndex], step_seconds, draft_rate) -> Plan:

@@ -223,7 +223,7 @@ def create_app(
             "created": created,
             "owned_by": "dspark",
             "max_model_len": max_context,
-            "speculative": engine.draft is not None,
+            "speculative": engine.speculative,
         }
         return {"object": "list", "data": [card]}
 

@@ -332,7 +332,7 @@ class EngineWorker:
         summary = getattr(eng.policy, "summary", None)
         steps = m.steps + m.plain_steps
         return {
-            "speculative": eng.draft is not None,
+            "speculative": eng.speculative,
             "policy": eng.policy.name,
             "policy_line": summary(max(1, len(eng.running))) if summary is not None and eng.draft is not None else None,
             "gamma": m.gamma,
@@ -366,7 +366,7 @@ class EngineWorker:
         if reason is None:
             raise RuntimeError(f"{job.id} is not finished")
         assert r.metrics is not None  # add_request gives every request its metrics
-        spec = r.metrics.to_dict() if self.engine.draft is not None else None
+        spec = r.metrics.to_dict() if self.engine.speculative else None
         tail_marks = self._take_marks(job) if job.pieces is not None else None
         self.metrics.count(reason)  # before the client can see the answer: /metrics never lags it
         job.push(
