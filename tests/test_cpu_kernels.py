@@ -104,6 +104,13 @@ def test_rows_get_the_same_bits_in_any_batch(q4):
         assert torch.equal(ops.q4_linear(x[i : i + 1], packed), full[i : i + 1])
     perm = torch.randperm(19, generator=torch.Generator().manual_seed(3))
     assert torch.equal(ops.q4_linear(x[perm], packed), full[perm])
+    # 9-15 rows run column chunk by chunk (csrc/q4.h row_chunks), 5 column blocks: a chunk left over
+    q5, d5, lo5, _ = _q4(80, 192, seed=5)
+    p5 = packing.pack_q4(q5, d5, lo5)
+    every = ops.q4_linear(x, p5)
+    for M in range(1, 19):
+        assert torch.equal(ops.q4_linear(x[:M], p5), every[:M]), M
+        assert torch.equal(ops.q4_linear(x[M : M + 1], p5), every[M : M + 1]), M
     # the kernel takes x's own shape [..., K] (the runtime's [B, S, K] activations, a single row)
     assert torch.equal(ops.q4_linear(x[:18].view(3, 6, 192), packed), full[:18].view(3, 6, 64))
     assert torch.equal(ops.q4_linear(x[4], packed), full[4])
