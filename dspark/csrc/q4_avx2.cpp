@@ -1,7 +1,7 @@
 // AVX2 + FMA (no bf16 dot product): the same packed layouts, walked 8 columns (half a block of 16)
 // at a time. int4 and Q8_0 weights take 8-bit activations and integer sums (`tile_a8`,
-// docs/history/benchmarks.md "8-bit activations ..."), unless built with DSPARK_ACT8=0 (kernels.py, from
-// DSPARK_INT8_ACTIVATIONS=0): then, as bf16 weights (a draft's) always, every row adds w * x in
+// docs/history/benchmarks.md "8-bit activations ..."), unless built with DSPARK_ACT8=0 (kernels.py, for
+// --activations bf16): then, as bf16 weights (a draft's) always, every row adds w * x in
 // fp32 in input order, one FMA a weight and row (`tile8`). A row's operations do not depend on M
 // or on which rows share the call (batch invariance).
 #include "q4.h"
@@ -274,7 +274,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
   return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()),
                           Scales(D));
 }
-#else  // bf16 activations (DSPARK_INT8_ACTIVATIONS=0: closer to the model, slower here)
+#else  // bf16 activations (--activations bf16: closer to the model, slower here)
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
   const uint8_t* p = P.data_ptr<uint8_t>();
