@@ -228,6 +228,36 @@ def test_the_server_streams_lookup_marks_and_exports_each_proposer():
         s.close()
 
 
+def test_a_server_without_a_draft_speculates_from_the_text_and_says_so():
+    """--no-draft's engine (the lookup, no draft) through the server: the model card and the stats
+    call it speculative, answers are plain decoding's, the lookup's tokens are counted."""
+    from dspark.serve.app import create_app
+
+    from tests.test_serve import LiveServer, tiny_engine
+
+    base = tiny_engine()
+    policy = FullScheduler()
+    policy.curve = FLAT
+    engine = Engine(
+        base.target.view(), None, base.tokenizer, base.eos_token_ids, policy=policy, lookup=LookupProposer()
+    )
+    assert engine.speculative and engine.draft is None
+    ref = tiny_engine()
+    s = LiveServer(create_app(engine, model_name="tiny"))
+    try:
+        prompt = "one two three four one two three four one two three four one two"
+        out = s.http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        ).json()
+        want = ref.generate(ref.encode(prompt), SamplingParams(max_new_tokens=40))
+        assert out["choices"][0]["text"] == want.text and out["speculative"]["lookup"]["verify_steps"] > 0
+        assert s.http.get("/v1/models").json()["data"][0]["speculative"] is True
+        stats = s.http.get("/v1/dspark/stats").raise_for_status().json()
+        assert stats["speculative"] and stats["verify_steps"] == 0 and stats["lookup"]["verify_steps"] > 0
+    finally:
+        s.close()
+
+
 def test_the_flag_and_the_config_turn_lookup_off(monkeypatch, tmp_path):
     import argparse
 
