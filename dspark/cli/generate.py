@@ -215,13 +215,17 @@ def _print_summary(out: dict) -> None:
         t.add_row("tokens by origin", cell)
     m = out.get("metrics")
     if m:
-        if "layout" in out:
+        drafts = "layout" in out  # a draft ran (--no-draft: the lookup alone)
+        if drafts:
             t.add_row("layout", out["layout"])
             t.add_row("verify steps", str(m["verify_steps"]))
-        if m["plain_steps"] and "layout" in out:
-            t.add_row("steps without drafting", f"{m['plain_steps']}  (the policy judged that drafting would not pay)")
-        elif m["plain_steps"]:
-            t.add_row("steps without proposals", f"{m['plain_steps']}  (the text offered no proposal that would pay)")
+        if m["plain_steps"]:
+            what, why = (
+                ("steps without drafting", "the policy judged that drafting would not pay")
+                if drafts
+                else ("steps without proposals", "the text offered no proposal that would pay")
+            )
+            t.add_row(what, f"{m['plain_steps']}  ({why})")
         if m["verify_steps"]:
             t.add_row(
                 "mean acceptance length", f"{m['mean_accept_length']:.2f}  (tokens per verify step, bonus included)"

@@ -17,12 +17,19 @@ import logging
 
 import torch
 
-from dspark import envs, kernels
+from dspark import envs, kernels, packing
 
 log = logging.getLogger("dspark")
 
-# a decoder layer's matrices as NativeTarget packs them (and the layer stack holds them), in that order
-FUSED = ("wqkv", "wo", "w13", "w2")
+# a decoder layer's matrices as NativeTarget packs them (and the layer stack holds them), in that
+# order: each the linears of one of the layer's blocks, stacked
+PARTS = {
+    "wqkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "wo": ("self_attn", ("o_proj",)),
+    "w13": ("mlp", ("gate_proj", "up_proj")),
+    "w2": ("mlp", ("down_proj",)),
+}
+FUSED = tuple(PARTS)
 # a prefill of this many rows (batch x positions) runs its matmuls on the dense copies (csrc/dspark.h)
 PREFILL_MM_ROWS = 64
 DENSE_MEMORY_SHARE = 0.25
@@ -46,14 +53,23 @@ def available_memory() -> int | None:
     return None
 
 
+def fused_parts(layer, name: str) -> list[torch.nn.Linear]:
+    """The linears of an HF decoder layer that FUSED matrix `name` stacks, in order."""
+    block, names = PARTS[name]
+    sub = getattr(layer, block)
+    return [getattr(sub, n) for n in names]
+
+
 def fused_weight(layer, name: str) -> torch.Tensor:
     """One of an HF decoder layer's FUSED matrices: q | k | v stacked, o, gate | up stacked, down."""
-    a, m = layer.self_attn, layer.mlp
-    if name == "wqkv":
-        return torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-    if name == "w13":
-        return torch.cat([m.gate_proj.weight, m.up_proj.weight])
-    return {"wo": a.o_proj, "w2": m.down_proj}[name].weight
+    parts = fused_parts(layer, name)
+    return parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts])
+
+
+def fused_bias(layer, name: str) -> torch.Tensor | None:
+    """The bias of `fused_weight(layer, name)` (None: none), its parts' end to end."""
+    parts = fused_parts(layer, name)
+    return parts[0].bias if len(parts) == 1 else packing.fused_bias(*parts)
 
 
 def make(model, stack) -> list[tuple[torch.Tensor, ...]]:

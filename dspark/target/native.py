@@ -276,17 +276,21 @@ class NativeTarget:
     def _build(self, base, fmt: str, act: torch.dtype) -> list[Layer]:
         layers = []
         for i, layer in enumerate(base.layers):
-            a, m = layer.self_attn, layer.mlp
+            a = layer.self_attn
+            # the FUSED matrices (q|k|v, o, gate|up, down), each packed or read from the pack store
+            linears = {
+                name: self._linear(
+                    f"layers.{i}.{name}",
+                    lambda layer=layer, name=name: dense.fused_weight(layer, name),
+                    lambda layer=layer, name=name: dense.fused_bias(layer, name),
+                    fmt,
+                    act,
+                )
+                for name in dense.FUSED
+            }
             layers.append(
                 Layer(
                     ln1=layer.input_layernorm.weight.detach().to(act),
-                    wqkv=self._linear(
-                        f"layers.{i}.wqkv",
-                        lambda layer=layer: dense.fused_weight(layer, "wqkv"),
-                        lambda a=a: packing.fused_bias(a.q_proj, a.k_proj, a.v_proj),
-                        fmt,
-                        act,
-                    ),
                     qk_norm=torch.cat(
                         [
                             a.q_norm.weight.detach().expand(self.n_heads, -1),
@@ -295,28 +299,8 @@ class NativeTarget:
                     ).to(act)
                     if hasattr(a, "q_norm")
                     else None,
-                    wo=self._linear(
-                        f"layers.{i}.wo",
-                        lambda layer=layer: dense.fused_weight(layer, "wo"),
-                        lambda a=a: a.o_proj.bias,
-                        fmt,
-                        act,
-                    ),
                     ln2=layer.post_attention_layernorm.weight.detach().to(act),
-                    w13=self._linear(
-                        f"layers.{i}.w13",
-                        lambda layer=layer: dense.fused_weight(layer, "w13"),
-                        lambda m=m: packing.fused_bias(m.gate_proj, m.up_proj),
-                        fmt,
-                        act,
-                    ),
-                    w2=self._linear(
-                        f"layers.{i}.w2",
-                        lambda layer=layer: dense.fused_weight(layer, "w2"),
-                        lambda m=m: m.down_proj.bias,
-                        fmt,
-                        act,
-                    ),
+                    **linears,
                 )
             )
         return layers
