@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from dspark.train.data import GenSettings, generate_shard
-from dspark.train.dataset import load_sequences
+from dspark.train.dataset import Sequence, answer_heads, load_sequences
 from dspark.train.errors import TrainError
 from dspark.train.features import CachedFeatures, Extractor, OnlineFeatures, build_cache
 from dspark.train.prompts import Prompt, load_prompts
@@ -309,3 +309,13 @@ def test_one_prompt_reader_for_training_and_measuring(tmp_path):
     txt.write_text('{"prompt": "json-looking"}\nplain\n')
     assert [p.text for p in load_prompts(str(txt))] == ['{"prompt": "json-looking"}', "plain"]
     assert read_prompt_file(txt) == ["json-looking", "plain"]
+
+
+def test_answer_heads_keep_each_answers_first_tokens():
+    ids = torch.arange(12)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    prompt_only = Sequence("p", torch.arange(3), torch.zeros(3, dtype=torch.bool))
+    cut, short, bare = answer_heads([Sequence("a", ids, mask), Sequence("b", ids[:5], mask[:5]), prompt_only], 4)
+    assert cut.ids.tolist() == [0, 1, 2, 3, 4, 5, 6] and cut.loss_mask.sum() == 4 and cut.key == "a"
+    assert short.ids.tolist() == [0, 1, 2, 3, 4]  # shorter than the window: whole
+    assert bare.ids.tolist() == [0, 1, 2]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dspark.train.checkpoint import keep_best
 from dspark.train.config import DraftOptions, TrainConfig
 from dspark.train.data import GenSettings, generate_shard
 from dspark.train.dataset import load_sequences, read_records, token_subset
@@ -244,6 +245,25 @@ def _cfg(tmp_path, target, data, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def test_best_is_judged_by_one_measure(tmp_path):
+    exported: list[int] = []
+
+    def keep(ev, step, window=128):
+        return keep_best(tmp_path, ev, step, lambda d: exported.append(step) or d, window)
+
+    walk = {"blocks": 9, "tau_greedy": 1.9, "greedy_conditional": [0.5], "walk_mal": 1.6, "walk_first_slot": 0.4}
+    assert keep(walk, 1)["measure"] == "walk_mal" and exported == [1]
+    # a higher tau_greedy with a lower walk does not replace it; a higher walk does
+    assert keep({**walk, "tau_greedy": 2.5, "walk_mal": 1.5}, 2)["step"] == 1 and exported == [1]
+    assert keep({**walk, "tau_greedy": 1.0, "walk_mal": 1.7}, 3)["step"] == 3 and exported == [1, 3]
+    # another window, or whole answers (no walk): figures that do not compare, so the new one is kept
+    assert keep({**walk, "walk_mal": 1.1}, 4, window=256)["answer_tokens"] == 256 and exported[-1] == 4
+    whole = keep({"blocks": 9, "tau_greedy": 1.2, "greedy_conditional": [0.2]}, 5, window=0)
+    assert whole["measure"] == "tau_greedy" and "walk_mal" not in whole and exported[-1] == 5
+    assert keep({"blocks": 9, "tau_greedy": 1.1, "greedy_conditional": [0.1]}, 6, window=0)["step"] == 5
+    assert keep({"blocks": 0}, 7) is None and exported[-1] == 5
+
+
 def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
     target = _tiny_dir(tmp_path)
     data = synthetic_shard(tmp_path / "d.jsonl", 24)
@@ -251,7 +271,10 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
     run = tmp_path / "run"
     best = json.loads((run / "best.json").read_text())
     evals = [json.loads(x)["eval"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
-    assert best["tau_greedy"] == max(e["tau_greedy"] for e in evals) and res.best == best
+    # judged by the decoding walk over the answers' first 128 tokens (the default), recorded as such
+    assert best["measure"] == "walk_mal" and best["answer_tokens"] == 128
+    assert best["walk_mal"] == max(e["walk_mal"] for e in evals) and res.best == best
+    assert all(e["walk_blocks"] > 0 and 0 <= e["walk_first_slot"] <= 1 for e in evals)
     assert (run / "best" / "config.json").exists()
 
     # a tiny budget stops the session early, saves, and a rerun continues to the planned end

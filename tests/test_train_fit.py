@@ -131,6 +131,10 @@ def test_bad_settings_are_clear_errors(setup, tmp_path):
         train(cfg_for(setup, "x", draft=DraftOptions(gamma=2, num_layers=1, taps=(9,))), progress=False)
     with pytest.raises(TrainError, match="does not exist"):
         train(cfg_for(setup, "x", data=str(tmp_path / "none.jsonl")), progress=False)
+    with pytest.raises(TrainError, match="--anchor-window"):
+        train(cfg_for(setup, "x", anchor_window=-1), progress=False)
+    with pytest.raises(TrainError, match="--eval-answer-tokens"):
+        train(cfg_for(setup, "x", eval_answer_tokens=-5), progress=False)
     assert (
         main(
             [
@@ -181,11 +185,19 @@ def test_cli_fit_with_feature_cache_then_export_both_formats(setup, tmp_path, ca
         "4",
         "--batch-size",
         "4",
+        "--anchor-window",
+        "20",
+        "--eval-answer-tokens",
+        "24",
         "--quiet",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "feature cache" in out and "MiB" in out and "trained to step 4/4" in out and "tau_greedy" in out
+    assert "decoding walk: first slot" in out and "best held-out acceptance: walk_mal" in out
+    assert "(first 24 answer tokens)" in out
+    saved = json.loads((run / "train_config.json").read_text())
+    assert saved["anchor_window"] == 20 and saved["eval_answer_tokens"] == 24
     for fmt in ("speculators", "deepspec"):
         assert main(["train", "export", "--run", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
         assert main(["inspect", str(tmp_path / fmt), "--json"]) == 0

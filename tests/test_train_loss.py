@@ -91,6 +91,11 @@ def test_valid_and_sampled_anchors():
     assert a1.tolist() == a2.tolist() and len(set(a1.tolist())) == 8 and a1.tolist() == sorted(a1.tolist())
     assert set(a1.tolist()) <= set(valid_anchors(m).tolist())
     assert sample_anchors(m, None, None).tolist() == valid_anchors(m).tolist()
+    # a window keeps the answer's first tokens only: counted from its first answer token
+    first = int(m.nonzero()[0])
+    windowed = sample_anchors(m, None, None, window=6)
+    assert windowed.tolist() == [a for a in valid_anchors(m).tolist() if a < first + 6] and windowed.numel() > 0
+    assert set(sample_anchors(m, 3, torch.Generator().manual_seed(1), window=6).tolist()) <= set(windowed.tolist())
     with pytest.raises(TrainError):
         make_blocks(ids, m, torch.tensor([0]), layout="anchor_first", gamma=2, mask_token_id=MASK)
 

@@ -44,6 +44,7 @@ def train_config(args, data: str, heldout: str | None, features: str, out: str):
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
         max_anchors=args.max_anchors,
+        anchor_window=args.anchor_window,
         decay=args.decay,
         ce_weight=args.ce_weight,
         l1_weight=args.l1_weight,
@@ -54,6 +55,7 @@ def train_config(args, data: str, heldout: str | None, features: str, out: str):
         seed=args.seed,
         eval_every=args.eval_every,
         eval_max_anchors=args.eval_max_anchors,
+        eval_answer_tokens=args.eval_answer_tokens,
         ckpt_every=args.ckpt_every,
         feature_batch_tokens=args.feature_batch_tokens,
         chunk_anchors=args.chunk_anchors,
@@ -78,10 +80,13 @@ def report_fit(res) -> None:
         print(eval_line(res.step, res.eval))
     print(f"checkpoint: {res.draft_dir}")
     if res.best:
-        print(
-            f"best held-out acceptance: tau_greedy {res.best['tau_greedy']:.3f} at step {res.best['step']} "
-            f"-> {Path(res.draft_dir).parent / 'best'}"
+        b = res.best
+        figure = (
+            f"walk_mal {b['walk_mal']:.3f} (first {b['answer_tokens']} answer tokens)"
+            if b.get("measure") == "walk_mal"
+            else f"tau_greedy {b['tau_greedy']:.3f}"
         )
+        print(f"best held-out acceptance: {figure} at step {b['step']} -> {Path(res.draft_dir).parent / 'best'}")
 
 
 def fit_stage(args) -> int:

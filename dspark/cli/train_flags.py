@@ -82,6 +82,13 @@ def _fit_args(p) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--max-anchors", type=int, default=64, help="random anchors per sequence and step")
+    g.add_argument(
+        "--anchor-window",
+        type=int,
+        default=0,
+        help="draw training anchors only among each answer's first N tokens, the part a reply of N "
+        "tokens decodes (0: the whole answer)",
+    )
     g.add_argument("--decay", type=float, default=4.0, help="slot weight exp(-slot/decay)")
     g.add_argument(
         "--no-tap-scale",
@@ -127,7 +134,21 @@ def _fit_args(p) -> None:
         help="seconds: stop this session after training that long (checkpoint saved; rerun to continue)",
     )
     g.add_argument("--eval-every", type=int, default=100)
-    g.add_argument("--eval-max-anchors", type=int, default=64)
+    g.add_argument(
+        "--eval-max-anchors",
+        type=int,
+        default=64,
+        help="with --eval-answer-tokens 0: anchors scored per held-out answer (drawn at random)",
+    )
+    g.add_argument(
+        "--eval-answer-tokens",
+        type=int,
+        default=128,
+        help="score each held-out answer's first N tokens at every anchor and walk them as greedy decoding "
+        "does (walk_first_slot, walk_mal: what `dspark train eval --max-new-tokens N` measures in the "
+        "engine; the best checkpoint is chosen by walk_mal); 0: whole answers, --eval-max-anchors "
+        "anchors each, no walk",
+    )
     g.add_argument("--ckpt-every", type=int, default=100)
     g.add_argument("--feature-batch-tokens", type=int, default=4096)
     g.add_argument(

@@ -72,16 +72,35 @@ def drop_replayed_records(run_dir: Path, step: int) -> None:
         log.write_text("".join(line + "\n" for line in keep))
 
 
-def keep_best(run_dir: Path, ev: dict | None, step: int, export: Callable[[Path], Path]) -> dict | None:
+def keep_best(
+    run_dir: Path, ev: dict | None, step: int, export: Callable[[Path], Path], answer_tokens: int = 0
+) -> dict | None:
     """Keep the checkpoint with the best held-out greedy acceptance in <run_dir>/best: when `ev`
-    beats best.json's figures, `export` writes the draft there. Returns the best record so far."""
+    beats best.json's figure, `export` writes the draft there. Returns the best record so far.
+
+    The figure is the decoding walk's mean acceptance length (`walk_mal`) over the answers' first
+    `answer_tokens` tokens where the evaluation walks, else `tau_greedy`. A best.json judged by
+    another measure or window (an older run resumed with other evaluation settings) is replaced:
+    figures of different measures do not compare."""
     if not ev or not ev.get("blocks"):
         return None
+    measure = "walk_mal" if "walk_mal" in ev else "tau_greedy"
+    window = answer_tokens if measure == "walk_mal" else 0
     path = Path(run_dir) / (BEST + ".json")
     best = json.loads(path.read_text()) if path.exists() else None
-    if best is not None and best["tau_greedy"] >= ev["tau_greedy"]:
+    same = best is not None and best.get("measure", "tau_greedy") == measure and best.get("answer_tokens", 0) == window
+    if same and best is not None and best[measure] >= ev[measure]:
         return best
     export(Path(run_dir) / BEST)
-    best = {"step": step, "tau_greedy": ev["tau_greedy"], "greedy_conditional": ev["greedy_conditional"]}
+    best = {
+        "step": step,
+        "measure": measure,
+        "answer_tokens": window,
+        "tau_greedy": ev["tau_greedy"],
+        "greedy_conditional": ev["greedy_conditional"],
+    }
+    for key in ("walk_mal", "walk_first_slot"):
+        if key in ev:
+            best[key] = ev[key]
     path.write_text(json.dumps(best) + "\n")
     return best

@@ -27,6 +27,7 @@ RESUMABLE_CHANGES = {
     "eval_every",
     "ckpt_every",
     "eval_max_anchors",
+    "eval_answer_tokens",
     "feature_batch_tokens",
     "chunk_anchors",
     "feature_runtime",
@@ -102,6 +103,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     max_anchors: int | None = 64  # per sequence and step (DeepSpec samples up to 512; CPU budgets need fewer)
+    anchor_window: int = 0  # > 0: training anchors only among each answer's first N tokens
     ce_weight: float = 0.1
     l1_weight: float = 0.9
     conf_weight: float = 1.0
@@ -112,6 +114,9 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 100
     eval_max_anchors: int = 64
+    # the held-out answers' first N tokens, every anchor, walked as decoding walks them (the figures
+    # `dspark train eval --max-new-tokens N` measures in the engine); 0: whole answers, sampled anchors
+    eval_answer_tokens: int = 128
     ckpt_every: int = 100
     feature_batch_tokens: int = 4096
     chunk_anchors: int = 1024  # blocks per draft forward in a step (memory, not math: see Run.chunks)
@@ -142,6 +147,10 @@ class TrainConfig:
         for name, v in positive.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+        if not (isinstance(self.anchor_window, int) and self.anchor_window >= 0):
+            raise TrainError(f"--anchor-window must be 0 (the whole answer) or more, got {self.anchor_window!r}")
+        if not (isinstance(self.eval_answer_tokens, int) and self.eval_answer_tokens >= 0):
+            raise TrainError(f"--eval-answer-tokens must be 0 (whole answers) or more, got {self.eval_answer_tokens!r}")
         if self.data_tokens is not None and self.data_tokens < 1:
             raise TrainError(f"--data-tokens must be >= 1, got {self.data_tokens}")
         if self.time_budget is not None and self.time_budget <= 0:

@@ -52,6 +52,17 @@ def read_records(path: Path, repair: bool = False) -> list[dict]:
     return records
 
 
+def answer_heads(seqs: list[Sequence], tokens: int) -> list[Sequence]:
+    """Each sequence cut after its first `tokens` answer tokens (counted from its first one): the
+    part of an answer that decoding with `--max-new-tokens tokens` writes."""
+    out = []
+    for s in seqs:
+        answer = s.loss_mask.nonzero()
+        end = len(s.ids) if answer.numel() == 0 else int(answer[0]) + tokens
+        out.append(Sequence(s.key, s.ids[:end], s.loss_mask[:end]))
+    return out
+
+
 def load_sequences(path, vocab_size: int | None = None, max_len: int | None = None) -> list[Sequence]:
     """A JSONL shard or a packed data set (a directory with manifest.json, see store.py); several,
     comma-separated, are read in the order given (one data set of all their sequences)."""

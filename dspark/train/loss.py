@@ -76,9 +76,14 @@ def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return ok.nonzero().squeeze(-1)
 
 
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int | None, generator: torch.Generator | None) -> torch.Tensor:
-    """Up to max_anchors distinct valid anchors drawn uniformly (all of them when None), sorted."""
+def sample_anchors(
+    loss_mask: torch.Tensor, max_anchors: int | None, generator: torch.Generator | None, window: int = 0
+) -> torch.Tensor:
+    """Up to max_anchors distinct valid anchors drawn uniformly (all of them when None), sorted;
+    window > 0: only anchors among the answer's first `window` tokens (from its first answer token)."""
     cand = valid_anchors(loss_mask)
+    if window > 0 and cand.numel():
+        cand = cand[cand < int(loss_mask.nonzero()[0]) + window]
     if max_anchors is None or cand.numel() <= max_anchors:
         return cand
     pick = torch.randperm(cand.numel(), generator=generator)[:max_anchors]

@@ -35,7 +35,7 @@ from dspark.train.checkpoint import (
     write_state,
 )
 from dspark.train.config import TrainConfig, draft_spec
-from dspark.train.dataset import load_sequences, token_subset
+from dspark.train.dataset import answer_heads, load_sequences, token_subset
 from dspark.train.errors import TrainError
 from dspark.train.evaluate import eval_line, evaluate
 from dspark.train.export import default_verifier
@@ -112,6 +112,8 @@ class Run:
             self.seqs = token_subset(self.seqs, cfg.data_tokens, cfg.seed)
         self.data_digest = data_digest(self.seqs)
         self.held = load_sequences(cfg.heldout, vocab, cfg.max_seq_len) if cfg.heldout else None
+        if self.held is not None and cfg.eval_answer_tokens:
+            self.held = answer_heads(self.held, cfg.eval_answer_tokens)
         ver = default_verifier(cfg.target, self.model.config)
         if cfg.verifier:
             ver["name_or_path"] = cfg.verifier
@@ -246,7 +248,7 @@ class Run:
     def blocks(self, epoch: int, i: int):
         s, d = self.seqs[i], self.spec
         g = torch.Generator().manual_seed(_seed(self.cfg.seed, epoch, i, 7))
-        anchors = sample_anchors(s.loss_mask, self.cfg.max_anchors, g)
+        anchors = sample_anchors(s.loss_mask, self.cfg.max_anchors, g, self.cfg.anchor_window)
         return make_blocks(
             s.ids,
             s.loss_mask,
@@ -335,6 +337,7 @@ class Run:
             weights=self.weights,
             seed=self.cfg.seed,
             head_weight=self.head_weight,
+            walk=self.cfg.eval_answer_tokens > 0,
         )
 
     def save(self) -> Path:
@@ -357,7 +360,7 @@ class Run:
 
     def save_best(self, ev: dict | None) -> dict | None:
         """Keep the checkpoint with the best held-out greedy acceptance in <out>/best (main process)."""
-        return keep_best(self.out, ev, self.step, self._export)
+        return keep_best(self.out, ev, self.step, self._export, self.cfg.eval_answer_tokens)
 
     def evaluate_and_keep(self, result: TrainResult, echo: Echo | None) -> None:
         """Held-out evaluation at this step: logged, echoed (unless echo is None), best kept."""
