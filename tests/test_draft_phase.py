@@ -262,3 +262,13 @@ def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(mo
     _, bf16_logits = first_slots("bf16")
     for a, b in zip(bf16_logits, ref_logits):
         assert (a - b).abs().max() <= 2**-4 * b.abs().max()
+
+
+def test_the_phase_is_priced_at_its_least_time(monkeypatch):
+    """A start-up that meets interference in some reps still prices the phase at what it costs:
+    the least of the reps after the warm-up, not a median an outlier can move."""
+    draft = tiny_draft(tiny_target(), gamma=3)
+    clock = iter([0.0, 9.0, 10.0, 10.5, 20.0, 20.2, 30.0, 31.0, 40.0, 40.3, 50.0, 50.9])
+    monkeypatch.setattr(S, "now", lambda _dev: next(clock))
+    # warm-up 9.0 (dropped), then 0.5, 0.2, 1.0, 0.3, 0.9: the median would read 0.5
+    assert S.draft_phase_seconds(draft, context=8, reps=5) == pytest.approx(0.2)

@@ -181,7 +181,7 @@ class _TorchArm:
 
 
 def _draft_phases(draft, target, reps: int = 5) -> dict[int, float]:
-    """Seconds of one drafting phase of each depth, after a step of `target` (median of reps)."""
+    """Seconds of one drafting phase of each depth, after a step of `target` (the least of reps)."""
     step = target_step(target)
     return {d: draft_phase_seconds(draft, evict=step, depth=d, reps=reps) for d in DRAFT_DEPTHS}
 

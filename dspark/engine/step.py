@@ -158,7 +158,10 @@ def draft_phase_seconds(
     """Wall time of one drafting step's own work at batch 1 (`propose`, with the context update of
     two positions the last step committed in its call, as decoding runs it), on a context of
     `context` positions: what the adaptive policy
-    weighs against a target step before any real step has run. Median of `reps` after one warm-up.
+    weighs against a target step before any real step has run. The least of `reps` after one
+    warm-up: interference (another process, a page fault, a frequency step) only ever adds time, and
+    a start-up that happened to meet some would otherwise price drafting out until a probe, many
+    steps later (bench-runtime's forward costs are each size's fastest for the same reason).
     evict: called (untimed) before each rep; pass one target step, which in decoding runs between
     two drafting phases and pushes the draft's weights out of the CPU's caches (on SmolLM2 a warm
     phase costs ~2/3 of a cold one). depth: the slots drafted (`propose`), all by default."""
@@ -186,7 +189,7 @@ def draft_phase_seconds(
         t0 = now(dev)
         propose(draft, batch, depth)
         times.append(now(dev) - t0)
-    return sorted(times[1:])[reps // 2]
+    return min(times[1:])
 
 
 @torch.inference_mode()
