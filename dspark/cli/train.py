@@ -1,4 +1,4 @@
-"""`dspark train {data,features,fit,export,eval,all}`: the training pipeline on the command line.
+"""`dspark train {data,features,fit,vocab,export,eval,all}`: the training pipeline on the command line.
 
 `dspark train all --target smollm2 --out runs/smollm2` runs every stage, each resumable:
 rerunning the same command continues where it stopped. `train eval` decodes, so it takes the
@@ -15,7 +15,7 @@ from dspark import envs
 from dspark.cli.train_all import all_stage
 from dspark.cli.train_data import data_stage, features_stage, pack_stage, prompts_stage
 from dspark.cli.train_eval import eval_stage
-from dspark.cli.train_fit import export_stage, fit_stage
+from dspark.cli.train_fit import export_stage, fit_stage, vocab_stage
 from dspark.cli.train_flags import add_arguments
 from dspark.cli.train_probe import probe_stage
 from dspark.outlock import output_lock
@@ -23,8 +23,8 @@ from dspark.train.errors import TrainError
 
 __all__ = ["add_arguments", "run"]
 
-STAGES = ("prompts", "data", "pack", "features", "fit", "export", "eval", "all")
-LOCKED_STAGES = ("prompts", "data", "pack", "features", "fit", "export", "all")  # those whose --out they write
+STAGES = ("prompts", "data", "pack", "features", "fit", "vocab", "export", "eval", "all")
+LOCKED_STAGES = ("prompts", "data", "pack", "features", "fit", "vocab", "export", "all")  # those whose --out they write
 
 
 def run(args) -> int:
@@ -44,6 +44,7 @@ def _stage(args) -> int:
         "data": data_stage,
         "features": features_stage,
         "fit": fit_stage,
+        "vocab": vocab_stage,
         "export": export_stage,
         "eval": eval_stage,
         "probe": probe_stage,

@@ -7,10 +7,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from dspark.formats.load import load_spec
+from dspark.target.load import load_target
 from dspark.train.config import DraftOptions, TrainConfig
+from dspark.train.dataset import load_sequences
 from dspark.train.evaluate import eval_line
 from dspark.train.export import export_run, size_mb
 from dspark.train.trainer import train
+from dspark.train.vocab import shrink_draft_vocab
 
 
 def train_config(args, data: str, heldout: str | None, features: str, out: str):
@@ -92,6 +96,22 @@ def report_fit(res) -> None:
 def fit_stage(args) -> int:
     cfg = train_config(args, args.data, args.heldout, args.features, args.out)
     report_fit(train(cfg, progress=not args.quiet, echo=tqdm.write))
+    return 0
+
+
+def vocab_stage(args) -> int:
+    spec = load_spec(args.draft, check_values=False)
+    seqs = load_sequences(args.data, spec.vocab_size)
+
+    def head():
+        return load_target(args.target, "fp32")[0].get_output_embeddings().weight
+
+    done = shrink_draft_vocab(args.draft, args.out, seqs, args.draft_vocab, target_head=head)
+    print(
+        f"draft vocabulary {spec.draft_vocab_size} -> {done.spec.draft_vocab_size} tokens, covering "
+        f"{done.coverage_before:.2%} -> {done.coverage_after:.2%} of the answers' tokens; "
+        f"written to {args.out} ({size_mb(args.out):.1f} MiB)"
+    )
     return 0
 
 

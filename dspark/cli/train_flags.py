@@ -239,6 +239,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _draft_args(p)
     _fit_args(p)
 
+    p = sub.add_parser(
+        "vocab",
+        help="a copy of a draft over fewer tokens (those the answers use most), nothing retrained: "
+        "a cheaper drafting phase",
+    )
+    p.add_argument("--draft", required=True, help="draft checkpoint to read (any family)")
+    p.add_argument("--data", required=True, help=DATA_HELP + " (the answers that rank the tokens)")
+    p.add_argument("--draft-vocab", type=int, required=True, help="tokens the new draft keeps")
+    p.add_argument("--out", required=True, help="new (or empty) directory: a speculators-format draft")
+    p.add_argument(
+        "--target",
+        default="smollm2",
+        help="the target whose LM head rows a draft over its whole vocabulary borrows ('smollm2' or a "
+        "Hugging Face model directory; read only for such a draft)",
+    )
+
     p = sub.add_parser("export", help="write a run's latest checkpoint as speculators or DeepSpec")
     p.add_argument("--run", required=True, help="run directory of `dspark train fit`")
     p.add_argument("--format", default="speculators", choices=("speculators", "deepspec"))
