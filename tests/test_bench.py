@@ -141,7 +141,7 @@ def test_arms_are_interleaved_per_prompt_with_rotating_order():
     runners = {a.name: Fake(a.name) for a in arms}
     sets = [Set("a", 3)]
     encoded = {"a": [[10], [11], [12]]}
-    with ForwardTimer(torch.nn.Identity(), "cpu") as timer:  # it wraps NativeTarget.forward until closed
+    with ForwardTimer(torch.nn.Identity(), "cpu") as timer:  # it wraps NativeTarget._forward until closed
         chunks = interleaved(arms, runners, sets, encoded, lambda i: None, timer, "cpu")
     assert calls == [
         ("hf", (10,)),
@@ -422,16 +422,17 @@ def test_runtime_arms_compare_the_int4_kernels(setup, capsys):
 
 
 def test_the_forward_timer_puts_the_native_forward_back():
-    """It wraps NativeTarget.forward (every native call counts) only while open, keeping its signature."""
+    """It wraps NativeTarget._forward, which its four forwards run (every native call counts), only
+    while open, keeping its signature."""
     import inspect
 
     from dspark.target.native import NativeTarget
 
-    original = NativeTarget.forward
+    original = NativeTarget._forward
     with ForwardTimer(torch.nn.Identity(), "cpu"):
-        assert NativeTarget.forward is not original
-        assert inspect.signature(NativeTarget.forward) == inspect.signature(original)
-    assert NativeTarget.forward is original
+        assert NativeTarget._forward is not original
+        assert inspect.signature(NativeTarget._forward) == inspect.signature(original)
+    assert NativeTarget._forward is original
 
 
 def test_bench_feeds_a_prompt_ids_record_as_it_is(setup, tmp_path, monkeypatch):

@@ -269,15 +269,15 @@ def test_the_extensions_forward_stays_near_torchs(ext):
     ours, theirs = NativeTarget(model, taps), NativeTarget(model, taps, ops="torch")
     assert ours._ext is not None and theirs._ext is None
     ids = torch.tensor([[5, 17, 33, 8, 9, 60, 2]])
-    for kw in ({}, {"logits": "last"}, {"logits": "final"}):
-        a, ta = ours.forward(ours.new_state(1), ids, **kw)
-        b, tb = theirs.forward(theirs.new_state(1), ids, **kw)
+    for name in ("forward", "forward_last", "forward_final"):
+        a, ta = getattr(ours, name)(ours.new_state(1), ids)
+        b, tb = getattr(theirs, name)(theirs.new_state(1), ids)
         assert (a - b).abs().max() <= 0.05 * b.abs().max() and (
             ta.float() - tb.float()
-        ).abs().max() <= 0.05 * tb.abs().max(), kw
+        ).abs().max() <= 0.05 * tb.abs().max(), name
         assert ta.shape == (1, 7, 4 * H) and torch.equal(ta[..., :H], model.get_input_embeddings()(ids))
         assert torch.equal(ta[..., H : 2 * H], ta[..., 2 * H : 3 * H])
-    final, ta = ours.forward(ours.new_state(1), ids, logits="final")
+    final, ta = ours.forward_final(ours.new_state(1), ids)
     assert torch.equal(
         kernel_loop.norm(ours._ext, ta[..., 3 * H :], ours.norm, ours.eps), final
     )  # the final norm of the last tap
@@ -905,10 +905,10 @@ def test_replay_rebuilds_a_requests_cache_as_prefill_and_decoding_made_it(ext):
     st, taps = t.new_state(1), []
     for s0 in range(0, len(prompt), 64):  # prefill chunks of 64 (the last one 26)
         piece = prompt[s0 : s0 + 64]
-        taps.append(t.forward(st, torch.tensor([piece]), logits="last")[1])
+        taps.append(t.forward_last(st, torch.tensor([piece]))[1])
         t.commit(st, torch.tensor([len(piece)]))
     for tok in output:  # decoding, a token a step
-        taps.append(t.forward(st, torch.tensor([[tok]]), logits="argmax")[1])
+        taps.append(t.forward_argmax(st, torch.tensor([[tok]]))[1])
         t.commit(st, torch.tensor([1]))
     again, again_taps = replay(t, prompt, output, 64)
     n = len(prompt) + len(output)
@@ -923,17 +923,17 @@ def test_a_dense_copy_too_large_for_memory_is_refused_and_prompts_keep_the_packe
     ids = torch.arange(4, 84).view(1, 80) % model.config.vocab_size
     tiles = NativeTarget(model, act_dtype=torch.bfloat16)
     tiles._dense_box[0] = []  # the packed tiles whatever the CPU
-    want, _ = tiles.forward(tiles.new_state(1), ids, logits="last")
+    want, _ = tiles.forward_last(tiles.new_state(1), ids)
     t = NativeTarget(model, act_dtype=torch.bfloat16)
     monkeypatch.setattr(dense, "available_memory", lambda: 1 << 20)  # 1 MiB: no copy fits
     with caplog.at_level("WARNING", logger="dspark"):
         assert t.dense_layers() == [] and t.dense_layers() == []
     said = [r.getMessage() for r in caplog.records if "bf16 copy of the layers" in r.getMessage()]
     assert len(said) == 1 and "more than 25% of the memory available" in said[0]
-    got, _ = t.forward(t.new_state(1), ids, logits="last")
+    got, _ = t.forward_last(t.new_state(1), ids)
     assert torch.equal(got, want)
     f32 = NativeTarget(model, weights="fp32")  # torch's ops, no layer stack: no copy, whatever the CPU
-    f32.forward(f32.new_state(1), ids, logits="last")
+    f32.forward_last(f32.new_state(1), ids)
     assert f32._stack is None and f32._dense_box[0] is None
 
 
@@ -964,33 +964,33 @@ def test_the_layer_stack_in_one_call_is_the_python_loop(ext, family, monkeypatch
         st = t.new_state(2)
         outs = [t.forward(st, ids, counts)]
         t.commit(st, counts)
-        outs.append(t.forward(st, torch.tensor([[11, 12, 3], [4, 77, 6]]), torch.tensor([3, 2]), logits="all"))
+        outs.append(t.forward(st, torch.tensor([[11, 12, 3], [4, 77, 6]]), torch.tensor([3, 2])))
         t.commit(st, torch.tensor([1, 2]))
-        outs.append(t.forward(st, torch.tensor([[9], [8]]), logits="final"))
+        outs.append(t.forward_final(st, torch.tensor([[9], [8]])))
         t.commit(st, torch.tensor([1, 1]))
         # a greedy plain step's argmax (out of the same call where the stack holds the head) is the
         # argmax of the step's logits
         logits, _ = t.forward(st, torch.tensor([[21], [22]]))
         t.commit(st, torch.tensor([0, 0]))
-        best, taps = t.forward(st, torch.tensor([[21], [22]]), logits="argmax")
+        best, taps = t.forward_argmax(st, torch.tensor([[21], [22]]))
         if t is one:  # a stack without the head: the head and argmax from Python, the same choice
             t.commit(st, torch.tensor([0, 0]))
             t._stack.head = False
-            assert torch.equal(t.forward(st, torch.tensor([[21], [22]]), logits="argmax")[0], best)
+            assert torch.equal(t.forward_argmax(st, torch.tensor([[21], [22]]))[0], best)
             t._stack.head = True
         t.commit(st, torch.tensor([1, 1]))
         assert best.shape == (2, 1) and torch.equal(best, ops.argmax(logits)), (family, name)
         outs.append((best, taps))
         # a prefill of 16+ positions a row (logits "last" / "final") runs attn_prefill_bf16, in both
         long = torch.arange(4, 4 + 2 * 21).view(2, 21) % model.config.vocab_size
-        outs.append(t.forward(st, long, torch.tensor([21, 18]), logits="last"))
+        outs.append(t.forward_last(st, long, torch.tensor([21, 18])))
         t.commit(st, torch.tensor([21, 18]))
-        outs.append(t.forward(t.new_state(1), long[:1], logits="final"))
+        outs.append(t.forward_final(t.new_state(1), long[:1]))
         # and one of 64+ rows the layers' dense bf16 copies once they are made (dense.dense_prefill:
         # on CPUs with AMX-BF16 at the first such prefill; here asked for, on any CPU)
         t.dense_layers()
         longer = torch.arange(4, 4 + 2 * 40).view(2, 40) % model.config.vocab_size
-        outs.append(t.forward(st, longer, torch.tensor([40, 33]), logits="last"))
+        outs.append(t.forward_last(st, longer, torch.tensor([40, 33])))
         t.commit(st, torch.tensor([40, 33]))
         states[name] = (outs, st)
     assert one._stack.head, family  # every family's head sits on the tile: its argmax comes out of the stack's call
@@ -1108,7 +1108,7 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
     kl, agree, n = 0.0, 0, 0
     for seq in seqs:
         ids = seq.ids[None]
-        logits, _ = target.forward(target.new_state(1), ids, logits="all")
+        logits, _ = target.forward(target.new_state(1), ids)
         with torch.no_grad():
             ref = torch.log_softmax(model(ids).logits[0].float(), -1)
         got = torch.log_softmax(logits[0].float(), -1)

@@ -233,7 +233,7 @@ def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(mo
     with torch.inference_mode():
         for seq in held:
             ids = seq.ids[None, :]
-            _, taps = target.forward(target.new_state(1), ids, None, logits="final")
+            _, taps = target.forward_final(target.new_state(1), ids, None)
             start = int(seq.loss_mask.nonzero()[0])  # the answer's first token
             for a in torch.linspace(start + 4, len(seq.ids) - 2, 8).long().tolist():
                 contexts.append(taps[:, :a])

@@ -352,20 +352,25 @@ def test_greedy_verification_reads_the_argmax_and_sampled_verification_the_logit
     draft = tiny_draft(target, gamma=4)
     engine = engine_for(target, draft)
     asked = []
-    forward = engine.target.forward
 
-    def spy(state, tokens, counts=None, logits="all"):
-        if tokens.shape[1] > 1 and logits != "last":  # a verify (a prefill reads its last position's logits)
-            asked.append(logits)
-        return forward(state, tokens, counts, logits=logits)
+    def spy(name):
+        forward = getattr(engine.target, name)
 
-    monkeypatch.setattr(engine.target, "forward", spy)
+        def run(state, tokens, counts=None):
+            if tokens.shape[1] > 1:  # a verify (a prefill reads its last position's logits: forward_last)
+                asked.append(name)
+            return forward(state, tokens, counts)
+
+        return run
+
+    for name in ("forward", "forward_argmax"):
+        monkeypatch.setattr(engine.target, name, spy(name))
     req = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert req.output_ids == hf_greedy(target, PROMPTS[0], 24)
-    assert asked and set(asked) == {"argmax"}
+    assert asked and set(asked) == {"forward_argmax"}
     asked.clear()
     engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, seed=3))
-    assert asked and set(asked) == {"all"}
+    assert asked and set(asked) == {"forward"}
 
 
 def test_the_draft_context_cache_keeps_exactly_the_committed_entries():

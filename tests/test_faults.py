@@ -165,7 +165,7 @@ def test_the_native_target_names_the_rows_whose_states_are_not_finite():
     # a NaN reaches one row only: through its token's embedding
     target.embed[11] = float("nan")
     with pytest.raises(NonFiniteError) as e:
-        target.forward(state, torch.tensor([[12], [11]]), logits="argmax")
+        target.forward_argmax(state, torch.tensor([[12], [11]]))
     assert e.value.rows == [1]
 
 

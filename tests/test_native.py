@@ -137,7 +137,7 @@ def test_commit_overwrites_rejected_entries_and_last_logits():
     clean = t.new_state(1)
     ref, ref_tp = t.forward(clean, ids)
     assert torch.allclose(lg, ref[:, 20:], atol=1e-5) and torch.allclose(tp, ref_tp[:, 20:], atol=1e-5)
-    last, _ = t.forward(t.new_state(1), ids, logits="last")
+    last, _ = t.forward_last(t.new_state(1), ids)
     assert last.shape == (1, 1, 96) and torch.allclose(last[:, 0], ref[:, -1], atol=1e-5)
     with pytest.raises(RuntimeError, match="commit"):
         t.forward(clean, ids[:, :1]), t.forward(clean, ids[:, :1])
@@ -311,24 +311,24 @@ def test_smollm2_native_equals_hf_and_auto_is_int4():
     assert auto.weights == "int4" and auto.head_format == head and auto.dtype == torch.bfloat16
     # the int4 runtime holds the shipped Q4_1 values (bf16 activations):
     # its next-token choice on the prompt is the fp32 model's
-    lg, _ = auto.forward(auto.new_state(1), ids, logits="last")
+    lg, _ = auto.forward_last(auto.new_state(1), ids)
     assert int(lg[0, -1].argmax()) == int(ref.logits[0, -1].argmax())
 
 
 def test_hf_target_last_logits_match_full_ragged():
-    """logits="last" (what a prefill asks for) on the HF runtime: each row's last valid position."""
+    """forward_last (what a prefill asks for) on the HF runtime: each row's last valid position."""
     model = _mk("llama-untied-gqa")
     t = HFTarget(model)
     ids = torch.randint(4, 96, (2, 6), generator=torch.Generator().manual_seed(4))
     counts = torch.tensor([6, 4])
     full, _ = t.forward(t.new_state(2), ids, counts)
-    last, _ = t.forward(t.new_state(2), ids, counts, logits="last")
+    last, _ = t.forward_last(t.new_state(2), ids, counts)
     assert last.shape == (2, 1, 96)
     assert torch.allclose(last[0, 0], full[0, 5], atol=1e-5) and torch.allclose(last[1, 0], full[1, 3], atol=1e-5)
-    one, _ = t.forward(t.new_state(1), ids[:1], logits="last")
+    one, _ = t.forward_last(t.new_state(1), ids[:1])
     assert torch.allclose(one[0, 0], full[0, 5], atol=1e-5)
-    # logits="argmax" (what a greedy plain step asks for): the choice greedy verification makes
-    best, _ = t.forward(t.new_state(2), ids, counts, logits="argmax")
+    # forward_argmax (what a greedy plain step asks for): the choice greedy verification makes
+    best, _ = t.forward_argmax(t.new_state(2), ids, counts)
     assert best.shape == (2, 6) and torch.equal(best, ops.argmax(full))
 
 

@@ -114,12 +114,12 @@ def _verify_costs(target, context: int, sizes=(1, 2, 4, 8), reps: int = 5) -> di
 def _prefill_seconds(model, target, ids: torch.Tensor, device) -> float:
     """Seconds of one forward over a whole prompt `ids` [1, n] from an empty cache, only the last
     position's logits made (what a prompt costs before its first token): transformers' own model
-    (`logits_to_keep=1`) where `model` is given, else dspark's target (`logits="last"`)."""
+    (`logits_to_keep=1`) where `model` is given, else dspark's target (`forward_last`)."""
     t = now(device)
     if model is not None:
         model(ids.to(device), logits_to_keep=1, use_cache=True)
     else:
-        target.forward(target.new_state(1), ids.to(device), logits="last")
+        target.forward_last(target.new_state(1), ids.to(device))
     return now(device) - t
 
 

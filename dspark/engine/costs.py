@@ -174,7 +174,7 @@ def forward_times(
             # greedy steps, plain or verifying, read the target's argmax alone (a sampled verify's
             # fp32 logits add a few %: the adaptive scheduler rescales the curve to observed steps)
             t0 = clock(dev)
-            target.forward(state, batches[t], logits="argmax")
+            target.forward_argmax(state, batches[t])
             t1 = clock(dev)
             target.commit(state, keep_none)  # drop the pending entries: the scratch context stays as it was
             times[t].append(t1 - t0)

@@ -180,7 +180,7 @@ class Engine:
         of its last position [1, 1, V] (the head on that position only)."""
         dev = self.target.device
         ids = job.req.prompt_ids[job.done : job.done + self.prefill_chunk]
-        logits, taps = self.target.forward(job.state, torch.tensor([ids], device=dev), logits="last")
+        logits, taps = self.target.forward_last(job.state, torch.tensor([ids], device=dev))
         self.target.commit(job.state, torch.tensor([len(ids)], device=dev))
         job.done += len(ids)
         if self.draft is not None:

@@ -340,7 +340,7 @@ def decode_step(
         # accept: every row keeps its anchor, so the step's small tensor ops (each ~30-50 us after a
         # forward has streamed the weights through the caches) are made before the forward
         keep = batch.anchors.new_ones(B)
-        best, taps = target.forward(batch.target, tokens, None, logits="argmax")
+        best, taps = target.forward_argmax(batch.target, tokens, None)
         t3 = now(dev)
         nxt = best[:, 0]
     elif g and all(p.greedy for p in batch.params):
@@ -348,7 +348,7 @@ def decode_step(
         # logits [B, 1+m, V] to make and scan (docs/history/benchmarks.md, "... greedy verification
         # without fp32 logits"); the padding positions' tokens are never read
         assert prop is not None and n is not None  # g > 0
-        best, taps = target.forward(batch.target, tokens, 1 + n, logits="argmax")
+        best, taps = target.forward_argmax(batch.target, tokens, 1 + n)
         t3 = now(dev)
         accepted, nxt = greedy_accept_ids(best, prop.tokens[:, : tokens.shape[1] - 1], n)
     else:

@@ -35,7 +35,7 @@ def _lin(lin, dense: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 def layers(t, x, state, pos, L0: int, tapped, prefill: bool = False):
     """The decoder layers of NativeTarget t (bf16 activations, dspark's extension) over the
     embeddings x [B, S, H] at positions pos [B, S] -> (the last layer's output, its final norm).
-    prefill: a prompt's positions (NativeTarget.forward's logits "last" / "final")."""
+    prefill: a prompt's positions (NativeTarget.forward_last / forward_final)."""
     ext = t._ext
     if ext is None or t.head_dim % 16:
         raise ValueError("kernel_loop.layers runs dspark's kernels: a bf16 target on the extension, heads of 16k")

@@ -7,16 +7,17 @@ The engine, the decode step and the benchmarks see only this protocol.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from dspark.errors import NonFiniteError
 
-# What `forward(..., logits=...)` returns besides the taps:
-# "all" [B, S, V] fp32 logits; "last" [B, 1, V] each row's last valid position; "argmax" [B, S]
-# int64 greedy tokens (no fp32 logits made); "final" [B, S, H] post-norm final hidden states.
-LOGITS_MODES = ("all", "last", "argmax", "final")
+# What a runtime's one forward computes after the layers, and so what it returns beside the taps
+# (each public forward names one): "all" [B, S, V] fp32 logits; "last" [B, 1, V] each row's last
+# valid position; "argmax" [B, S] int64 greedy tokens (no fp32 logits made); "final" [B, S, H]
+# post-norm final hidden states (the native runtime's `forward_final`)
+Result = Literal["all", "last", "argmax", "final"]
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:
@@ -63,12 +64,25 @@ class Target(Protocol[StateT]):
     def new_state(self, batch: int = 1) -> StateT: ...
 
     def forward(
-        self, state: StateT, tokens: torch.Tensor, counts: torch.Tensor | None = None, logits: str = "all"
+        self, state: StateT, tokens: torch.Tensor, counts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B, S] (row b valid for its first counts[b]) at positions continuing each row ->
-        (the `logits` mode's output, taps [B, S, n_taps * H] or None), written past the committed
+        (fp32 logits [B, S, V], taps [B, S, n_taps * H] or None), written past the committed
         lengths, pending until `commit`. Raises RequestError past max_length and NonFiniteError
-        (naming the rows) where the states are NaN/inf."""
+        (naming the rows) where the states are NaN/inf. A new taps tensor every call (the engine
+        keeps the taps of steps that did not draft until the next drafting step)."""
+
+    def forward_last(
+        self, state: StateT, tokens: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` with the logits of each row's last valid position only, [B, 1, V]: a prompt's
+        forward (prefill), which needs no more and may run prefill's own numerics."""
+
+    def forward_argmax(
+        self, state: StateT, tokens: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` with each position's greedy token [B, S] int64 instead of logits (`ops.argmax`
+        of the logits, the choice greedy verification makes; a runtime may skip making them)."""
 
     def commit(self, state: StateT, keep: torch.Tensor) -> None:
         """Keep the first keep[b] pending positions of each row, drop the rest."""
@@ -81,14 +95,14 @@ class Target(Protocol[StateT]):
 def replay(target: Target, prompt: list[int], output: list[int], chunk: int) -> tuple[TargetState, torch.Tensor | None]:
     """A new one-row state holding prompt + output as the engine computed them, and their taps
     [1, len, n * H] (None without taps): the prompt in prefill chunks of `chunk` tokens (a prompt's
-    numbers: logits "last"), the output in one forward on the decode path (a verify's numbers:
+    numbers: `forward_last`), the output in one forward on the decode path (a verify's numbers:
     each position's result is what the step that committed it computed)."""
     dev, state = target.device, target.new_state(1)
     taps: list[torch.Tensor | None] = []
-    pieces = [(prompt[s : s + chunk], "last") for s in range(0, len(prompt), chunk)] + [(output, "argmax")]
-    for ids, mode in pieces:
+    pieces = [(prompt[s : s + chunk], target.forward_last) for s in range(0, len(prompt), chunk)]
+    for ids, run in [*pieces, (output, target.forward_argmax)]:
         if ids:
-            taps.append(target.forward(state, torch.tensor([ids], device=dev), logits=mode)[1])
+            taps.append(run(state, torch.tensor([ids], device=dev))[1])
             target.commit(state, torch.tensor([len(ids)], device=dev))
     have = [t for t in taps if t is not None]
     return state, torch.cat(have, 1) if have else None

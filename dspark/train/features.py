@@ -91,7 +91,7 @@ def run_native(target: NativeTarget, seqs: list[Sequence]) -> list[tuple[torch.T
     """run_target on dspark's native runtime (its taps are set to the draft's): one right-padded
     batch through a fresh cache, the final states post-norm as `last_hidden_state` is."""
     ids, counts = right_padded(seqs)
-    final, taps = target.forward(target.new_state(len(seqs)), ids, counts, logits="final")
+    final, taps = target.forward_final(target.new_state(len(seqs)), ids, counts)
     if taps is None:
         raise RuntimeError("run_native: the target taps no layer (set its taps to the draft's first)")
     return [(taps[b, : len(s.ids)], final[b, : len(s.ids)]) for b, s in enumerate(seqs)]
