@@ -53,7 +53,8 @@ class EngineConfig:
     runtime: str = "auto"  # target runtime: native where supported (auto), "native", or "hf" (transformers)
     # native weight format: auto (the model's own numbers; exact int4 where it is) | fp32 | bf16 | int8 | int4
     weights: str = "auto"
-    # the draft's matrices on dspark's CPU kernels: auto | q4 | q8 | bf16 (model/fast.py; auto: q4)
+    # the draft's matrices on dspark's CPU kernels: auto | q4 | q8 | bf16 (model/fast.py; auto: Q4_1
+    # matrices, Q8_0 head)
     draft_weights: str = "auto"
     # what dspark's int4 / Q8_0 matmuls (target and draft) do with their activations: auto (8-bit per
     # 32 inputs on AVX2, as llama.cpp runs the same file, and on Intel Xeon with AMX, where they are

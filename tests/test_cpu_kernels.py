@@ -788,8 +788,10 @@ def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):  # an fp32 draft (a CPU without native bf16) runs on them too
         assert (
             fast.describe(draft.to(dtype))
-            == f"draft phase: one call into dspark's CPU kernels (Q4_1 matrices, head Q4_1, {acts})"
+            == f"draft phase: one call into dspark's CPU kernels (Q4_1 matrices, head Q8_0, {acts})"
         )
+    fast.set_weights(draft, "q4")
+    assert fast.describe(draft) == f"draft phase: one call into dspark's CPU kernels (Q4_1 matrices, head Q4_1, {acts})"
     fast.set_weights(draft, "bf16")
     assert (
         fast.describe(draft)

@@ -17,7 +17,7 @@ from dspark.target.native import NativeTarget
 
 from tests.tiny import bigram_draft, q4_exact, tiny_draft, tiny_target
 
-FORMATS = ("bf16", "q8", "q4")
+FORMATS = ("bf16", "q8", "q4", "auto")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,7 +55,8 @@ def _rounded(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _reference(draft, fmt: str):
     """The model the one call computes: an fp32 copy of the draft with every matrix rounded as the
-    kernels hold it (the head and W2 Q8_0, Q4_1 in the q4 format)."""
+    kernels hold it (the head and W2 Q8_0, Q4_1 in the q4 format; auto: the q4 format's matrices
+    with the Q8_0 head)."""
     held, draft._fast = draft._fast, {}  # the kernels' copy holds the extension: not copied
     ref = copy.deepcopy(draft).float()
     draft._fast = held
@@ -74,7 +75,7 @@ def _reference(draft, fmt: str):
             )
         ]
         for m in mats:
-            m.weight.copy_(_rounded(m.weight, fmt))
+            m.weight.copy_(_rounded(m.weight, "q4" if fmt == "auto" else fmt))
         head_fmt = "q4" if fmt == "q4" else "q8"
         ref.lm_head.weight.copy_(_rounded(ref.lm_head.weight, head_fmt))
         w2 = ref.markov_head.markov_w2.weight

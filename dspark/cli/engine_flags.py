@@ -47,9 +47,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--draft-weights",
         default=d.draft_weights,
         choices=DRAFT_WEIGHTS,
-        help="the draft's matrices on dspark's CPU kernels: q4 (Q4_1, the default auto: about a quarter "
-        "cheaper a drafting phase than q8 for ~0.01 less first-slot acceptance on the bundled draft), "
-        "q8 (Q8_0), bf16 (the draft's own numbers), fp32 (the draft's own numbers in fp32 through its modules: "
+        help="the draft's matrices on dspark's CPU kernels: auto (Q4_1 matrices, the head in Q8_0, the "
+        "format the target runs its own head rows in), q4 (Q4_1 everywhere: the fewest bytes), q8 (Q8_0), "
+        "bf16 (the draft's own numbers), fp32 (the draft's own numbers in fp32 through its modules: "
         "what auto gives with an explicit --dtype fp32)",
     )
     g.add_argument(

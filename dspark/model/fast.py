@@ -33,6 +33,10 @@ import torch
 
 from dspark import hugepages, kernels, ops, packing
 
+# auto: Q4_1 matrices and a Q8_0 head. The head's rows are the target's own LM head rows, which the
+# target itself runs in Q8_0; rounded to Q4_1 they cost a draft 0.01-0.03 of mean acceptance
+# length (docs/TRAINING.md), while a draft vocabulary of 8 192 tokens (`dspark train vocab`) holds
+# a Q8_0 head in the bytes of a 16 384-token Q4_1 one. q4: Q4_1 everywhere, the fewest bytes.
 DRAFT_WEIGHTS = ("auto", "q4", "q8", "bf16", "fp32")
 # the formats of the kernels' own copy; "fp32" runs the draft's modules in fp32 (the kernels compute in bf16)
 KERNEL_WEIGHTS = ("q4", "q8", "bf16")
@@ -109,7 +113,8 @@ class FastDraft:
     def __init__(self, draft, weights: str = "auto"):
         if weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
-        self.weights = fmt = "q4" if weights == "auto" else weights
+        self.weights = weights
+        fmt = "q4" if weights == "auto" else weights
         if fmt not in KERNEL_WEIGHTS:
             raise ValueError(f"draft weights {fmt!r} run through the draft's modules, not dspark's kernels")
         b = draft.spec.backbone
@@ -127,7 +132,7 @@ class FastDraft:
             head = torch.cat([head.float(), mh.markov_w2.weight.detach().float()], 1)
         head = torch.nn.functional.pad(head, (0, -head.shape[1] % 32))  # inputs in groups of 32
         mats = [_pack(w, bias, fmt) for w, bias in _matrices(draft)] + [
-            _pack(head, None, "q4" if fmt == "q4" else "q8")
+            _pack(head, None, "q4" if weights == "q4" else "q8")
         ]
         # a drafting step reads these right after the target's step evicted them: in 2 MB pages
         streamed = iter(_in_huge_pages([t for m in mats for t in m[:3] if t.numel()]))
@@ -324,10 +329,9 @@ def context_dtype(draft) -> torch.dtype:
 
 
 def weights(draft) -> str:
-    """The format the kernels hold this draft's matrices in ("q4", "q8" or "bf16"; `set_weights`), or
-    "fp32": the draft's modules in fp32 instead."""
-    chosen = draft._fast.get("weights", "auto")
-    return "q4" if chosen == "auto" else chosen
+    """The format the kernels hold this draft's matrices in (DRAFT_WEIGHTS: "auto", "q4", "q8" or
+    "bf16"; `set_weights`), or "fp32": the draft's modules in fp32 instead."""
+    return draft._fast.get("weights", "auto")
 
 
 def set_weights(draft, fmt: str) -> None:
@@ -346,7 +350,7 @@ def describe(draft) -> str:
     if reason is not None:
         return f"draft decodes through its modules ({reason})"
     w = weights(draft)
-    fmt, head = {"q4": ("Q4_1", "Q4_1"), "q8": ("Q8_0", "Q8_0"), "bf16": ("bf16", "Q8_0")}[w]
+    fmt, head = {"auto": ("Q4_1", "Q8_0"), "q4": ("Q4_1", "Q4_1"), "q8": ("Q8_0", "Q8_0"), "bf16": ("bf16", "Q8_0")}[w]
     acts = (
         "8-bit activations in its matmuls" if w != "bf16" and kernels.q4_activations() == "int8" else "bf16 activations"
     )
