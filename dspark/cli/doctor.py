@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text as RText
 
 from dspark.api import build_engine, resolve_draft
-from dspark.cli.engine_flags import add_engine_flags, engine_config, print_notes
+from dspark.cli.engine_flags import add_engine_flags, engine_config, no_draft_flag, print_notes
 from dspark.doctor.check import diagnose
 from dspark.doctor.report import PRETTY_LAYOUT, Budget, Report
 from dspark.errors import DSparkError
@@ -66,8 +66,8 @@ def run(args) -> int:
         extra = [int(x) for x in args.mask_candidates.split(",") if x.strip()]
     except ValueError:
         raise DSparkError(f"--mask-candidates must be comma-separated integers, got {args.mask_candidates!r}") from None
-    if args.no_spec or args.no_draft:
-        raise DSparkError(f"the doctor examines a draft: drop --no-{'spec' if args.no_spec else 'draft'}")
+    if flag := no_draft_flag(args):
+        raise DSparkError(f"the doctor examines a draft: drop {flag}")
     prompts = list(args.prompt or []) + (read_prompt_file(args.prompts) if args.prompts else [])
     # The doctor builds the draft itself (from a spec it may find broken): the engine brings the
     # target, tokenizer and settings; --layout forces the declared reading the doctor starts from.

@@ -115,6 +115,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-check", action="store_true", help="skip the draft check at load time (a short doctor run)")
 
 
+def no_draft_flag(args: argparse.Namespace) -> str | None:
+    """The flag that loads no draft (--no-spec, --no-draft), for the commands that examine one."""
+    return "--no-spec" if args.no_spec else "--no-draft" if args.no_draft else None
+
+
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig the flags describe; `overrides` are settings the command fixes itself."""
     config = EngineConfig(

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from dspark.api import build_engine
-from dspark.cli.engine_flags import engine_config, print_notes
+from dspark.cli.engine_flags import engine_config, no_draft_flag, print_notes
 from dspark.cli.train_data import prompt_set
 from dspark.train.e2e import engine_eval
 from dspark.train.errors import TrainError
@@ -26,10 +26,8 @@ def print_eval(res: dict, as_json: bool) -> None:
 
 
 def eval_stage(args) -> int:
-    if args.no_spec or args.no_draft:
-        raise TrainError(
-            f"train eval compares a draft with plain decoding: drop --no-{'spec' if args.no_spec else 'draft'}"
-        )
+    if flag := no_draft_flag(args):
+        raise TrainError(f"train eval compares a draft with plain decoding: drop {flag}")
     # it measures the draft: every step drafts and verifies every slot unless --verify says otherwise
     # (adaptive would skip drafting a draft that does not pay, and report acceptance of nothing)
     engine = build_engine(replace(engine_config(args), verify=args.verify or "full"))

@@ -129,17 +129,16 @@ void columns(int64_t N, int64_t m0, const Tile& tile) {
   for (int64_t cb = tiles * NB; cb < blocks; ++cb) tile(Int<M>{}, Int<1>{}, m0, cb);
 }
 
-// M > 8 rows over column chunks of NBR blocks: each chunk runs every 8-row tile, then the rest (R
-// rows, NBR blocks a tile), so a chunk's weights come from memory once, for its first tile, and the
-// others read them from the caches; row tile after row tile over all the columns streamed the whole
-// weight once per tile.
+// 8 + R rows (9-15) over column chunks of NBR blocks: each chunk runs the 8-row tile, then the R
+// rows left (NBR blocks a tile), so a chunk's weights come from memory once, for its first tile,
+// and the other reads them from the caches; tile after tile over all the columns streamed the
+// whole weight once per tile.
 template <int UNIT, int R, int NBR, typename Tile>
-void row_chunks(int64_t M, int64_t N, const Tile& tile) {
-  const int64_t full = M - R, blocks = N / UNIT, chunks = blocks / NBR;
+void row_chunks(int64_t N, const Tile& tile) {
+  const int64_t blocks = N / UNIT, chunks = blocks / NBR;
   auto run = [&](int64_t cb, auto nb) {
-    for (int64_t m = 0; m < full; m += 8)
-      for (int j = 0; j < decltype(nb)::value; ++j) tile(Int<8>{}, Int<1>{}, m, cb + j);
-    if constexpr (R > 0) tile(Int<R>{}, nb, full, cb);
+    for (int j = 0; j < decltype(nb)::value; ++j) tile(Int<8>{}, Int<1>{}, 0, cb + j);
+    tile(Int<R>{}, nb, 8, cb);
   };
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) run(c * NBR, Int<NBR>{});
@@ -156,15 +155,14 @@ void row_chunks(int64_t M, int64_t N, const Tile& tile) {
 template <int UNIT, int NB1, int NB2, int NB3 = 2, int NB4 = 2, typename Tile>
 void row_tiles(int64_t M, int64_t N, const Tile& tile) {
   if (M > 8 && M <= CHUNK_ROWS_MAX) {
-    switch (M % 8) {
-      case 0: return row_chunks<UNIT, 0, 1>(M, N, tile);
-      case 7: return row_chunks<UNIT, 7, 1>(M, N, tile);
-      case 6: return row_chunks<UNIT, 6, 1>(M, N, tile);
-      case 5: return row_chunks<UNIT, 5, 1>(M, N, tile);
-      case 4: return row_chunks<UNIT, 4, NB4>(M, N, tile);
-      case 3: return row_chunks<UNIT, 3, NB3>(M, N, tile);
-      case 2: return row_chunks<UNIT, 2, NB2>(M, N, tile);
-      default: return row_chunks<UNIT, 1, NB1>(M, N, tile);
+    switch (M - 8) {
+      case 7: return row_chunks<UNIT, 7, 1>(N, tile);
+      case 6: return row_chunks<UNIT, 6, 1>(N, tile);
+      case 5: return row_chunks<UNIT, 5, 1>(N, tile);
+      case 4: return row_chunks<UNIT, 4, NB4>(N, tile);
+      case 3: return row_chunks<UNIT, 3, NB3>(N, tile);
+      case 2: return row_chunks<UNIT, 2, NB2>(N, tile);
+      default: return row_chunks<UNIT, 1, NB1>(N, tile);
     }
   }
   int64_t m = 0;

@@ -38,13 +38,20 @@ def convert(src, dst, to: str, *, layout: str | None = None, verifier=None) -> D
     spec = load_spec(src, layout, check_values=False)
     tensors = load_weights(spec)
     if to == "speculators":
-        if verifier is None and spec.format == "speculators":
-            # Keep the verifier's architectures too, which DraftSpec does not carry.
-            verifier = (read_config(src_config).get("speculators_config") or {}).get("verifier")
+        if verifier is None:
+            verifier = file_verifier(spec, src_config)
         write_speculators(spec, tensors, dst, verifier=verifier)
     else:
         write_deepspec(spec, tensors, dst)
     return load_spec(dst, check_values=False)
+
+
+def file_verifier(spec: DraftSpec, config_path: Path) -> dict | None:
+    """A speculators file's own verifier record (its architectures too, which DraftSpec does not
+    carry), to write again with the draft; None for another family."""
+    if spec.format != "speculators":
+        return None
+    return (read_config(config_path).get("speculators_config") or {}).get("verifier")
 
 
 # ---------------------------------------------------------------- speculators

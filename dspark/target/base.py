@@ -31,6 +31,34 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     )
 
 
+class Forwards:
+    """The Target protocol's forwards, each one result, over a runtime's one `_forward(state, tokens,
+    counts, result)` (both runtimes inherit them; the native one adds `forward_final`)."""
+
+    def _forward(
+        self, state: Any, tokens: torch.Tensor, counts: torch.Tensor | None, logits: Result
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def forward(
+        self, state: Any, tokens: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logits [B, S, V] and the taps (Target.forward)."""
+        return self._forward(state, tokens, counts, "all")
+
+    def forward_last(
+        self, state: Any, tokens: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's last valid position's logits [B, 1, V] (Target.forward_last: a prompt's forward)."""
+        return self._forward(state, tokens, counts, "last")
+
+    def forward_argmax(
+        self, state: Any, tokens: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each position's greedy token [B, S] int64 (Target.forward_argmax)."""
+        return self._forward(state, tokens, counts, "argmax")
+
+
 @runtime_checkable
 class TargetState(Protocol):
     """The KV cache of B requests: lengths[b] committed positions; `pending` positions of the

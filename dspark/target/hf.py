@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttent
 from dspark.errors import RequestError
 from dspark.ops import argmax
 from dspark.ragged import merge_rows, pack
-from dspark.target.base import Result, check_finite
+from dspark.target.base import Forwards, Result, check_finite
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -51,7 +51,7 @@ class TargetState:
         return int(self.lengths.shape[0])
 
 
-class HFTarget:
+class HFTarget(Forwards):
     def __init__(self, model, tap_indices: tuple[int, ...] = ()):
         self.model = model.eval()
         self.config = model.config
@@ -101,32 +101,16 @@ class HFTarget:
     def _cache_len(self, state: TargetState) -> int:
         return state.cache.get_seq_length() if state.cache.is_initialized else 0
 
-    def forward(
-        self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*Hidden]."""
-        return self._forward(state, tokens, counts, "all")
-
-    def forward_last(
-        self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Only each row's last valid position -> [B, 1, V] (the model's `logits_to_keep=1` where
-        every row is full: the LM head over a whole prompt is wasted work)."""
-        return self._forward(state, tokens, counts, "last")
-
-    def forward_argmax(
-        self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each position's greedy token [B, S] int64 (`ops.argmax` of the logits)."""
-        return self._forward(state, tokens, counts, "argmax")
-
     @torch.inference_mode()
     def _forward(
         self, state: TargetState, tokens: torch.Tensor, counts: torch.Tensor | None, logits: Result
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The three forwards (dspark.target.base.Target): positions continue each row's committed
-        length; padding rows/keys are masked out. taps is a new tensor on every call, never a reused
-        buffer: the engine keeps the taps of steps that did not draft until the next drafting step."""
+        """The three forwards (base.Forwards): tokens [B, S] (row b valid for counts[b] <= S) ->
+        logits [B, S, V] fp32 ("last": [B, 1, V], the model's `logits_to_keep=1` where every row is
+        full; "argmax": `ops.argmax` of them, [B, S] int64), taps [B, S, n*Hidden]. Positions
+        continue each row's committed length; padding rows/keys are masked out. taps is a new tensor
+        on every call, never a reused buffer: the engine keeps the taps of steps that did not draft
+        until the next drafting step."""
         if state.pending:
             raise RuntimeError("commit() the previous forward before running another")
         B, S = tokens.shape

@@ -34,7 +34,7 @@ from dspark import hugepages, kernels, ops, packing
 from dspark.errors import DSparkError, RequestError
 from dspark.ops import NO_TENSOR
 from dspark.target import dense, torch_layers
-from dspark.target.base import Result, check_finite
+from dspark.target.base import Forwards, Result, check_finite
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
 from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
 
@@ -135,7 +135,7 @@ class _LayerStack:
         return _LayerStack(target._ext, target.layers, target.head)  # a head on the tile runs in bf16, as the layers
 
 
-class NativeTarget:
+class NativeTarget(Forwards):
     """A Llama-family causal LM run natively; see the module docstring.
 
     model: the loaded HF model (weights are copied into the chosen format; the model itself
@@ -376,28 +376,6 @@ class NativeTarget:
     def _alloc(self, batch: int, capacity: int) -> torch.Tensor:
         return alloc_kv((self.num_layers, 2, batch, self.n_kv, capacity, self.head_dim), self.dtype, self.device)
 
-    def forward(
-        self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens [B, S] (row b valid for counts[b] <= S) -> logits [B, S, V] fp32, taps [B, S, n*H].
-        Padding positions (>= counts[b]) get zero logits: nothing reads them."""
-        return self._forward(state, tokens, counts, "all")
-
-    def forward_last(
-        self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Only each row's last valid position -> [B, 1, V]: a prompt's forward, on prefill's
-        paths (the dense AMX copies of the matmuls, where they apply)."""
-        return self._forward(state, tokens, counts, "last")
-
-    def forward_argmax(
-        self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each position's greedy token [B, S] int64 (torch's argmax of its logits, padding
-        positions included; on the extension's layer stack it comes out of the same call, with no
-        fp32 logits made): what a greedy plain step needs."""
-        return self._forward(state, tokens, counts, "argmax")
-
     def forward_final(
         self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -409,7 +387,12 @@ class NativeTarget:
     def _forward(
         self, state: NativeState, tokens: torch.Tensor, counts: torch.Tensor | None, logits: Result
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The four forwards; taps is a new tensor on every call, as HFTarget's (the engine keeps it)."""
+        """The four forwards (base.Forwards, and forward_final): tokens [B, S] (row b valid for
+        counts[b] <= S) -> logits [B, S, V] fp32, padding positions (>= counts[b]) zero: nothing
+        reads them; "last" (a prompt's positions) on prefill's paths, the dense AMX copies of the
+        matmuls where they apply; "argmax": torch's argmax of the logits, padding included, which on
+        the extension's layer stack comes out of the same call with no fp32 logits made. taps
+        [B, S, n*H] is a new tensor on every call, as HFTarget's (the engine keeps it)."""
         if state.pending:
             raise RuntimeError("commit() the previous forward before running another")
         B, S = tokens.shape

@@ -88,8 +88,12 @@ def keep_best(
     window = answer_tokens if measure == "walk_mal" else 0
     path = Path(run_dir) / (BEST + ".json")
     best = json.loads(path.read_text()) if path.exists() else None
-    same = best is not None and best.get("measure", "tau_greedy") == measure and best.get("answer_tokens", 0) == window
-    if same and best is not None and best[measure] >= ev[measure]:
+    if (
+        best is not None
+        and best.get("measure", "tau_greedy") == measure
+        and best.get("answer_tokens", 0) == window
+        and best[measure] >= ev[measure]
+    ):
         return best
     export(Path(run_dir) / BEST)
     best = {

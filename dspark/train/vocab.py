@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.formats.convert import write_speculators
-from dspark.formats.load import load_spec, load_weights, locate, read_config
+from dspark.formats.convert import file_verifier, write_speculators
+from dspark.formats.load import load_spec, load_weights, locate
 from dspark.formats.spec import DraftSpec
 from dspark.train.errors import TrainError
 
@@ -112,9 +112,7 @@ def shrink_draft_vocab(src, dst, seqs, size: int, target_head: Callable[[], torc
     dtype = torch.int64 if d2t is None else d2t.dtype
     tensors["d2t"] = d2t_offsets(new_ids).to(dtype)
     tensors["t2d"] = t2d_mask(new_ids, spec.vocab_size)
-    verifier = None
-    if spec.format == "speculators" and spec.path is not None:
-        verifier = (read_config(locate(spec.path)[1]).get("speculators_config") or {}).get("verifier")
+    verifier = file_verifier(spec, locate(src)[1])
     write_speculators(replace(spec, draft_vocab_size=size, has_d2t=True), tensors, dst, verifier=verifier)
     total = float(answer.sum()) or 1.0
     return Shrunk(
