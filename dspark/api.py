@@ -61,6 +61,10 @@ class EngineConfig:
     # faster; bf16 on other AVX-512 CPUs: kernels.int8_by_default) | int8 | bf16 (AVX2: closer
     # to the model's numbers, slower). Chosen once a process (kernels.choose_activations)
     activations: str = "auto"
+    # which of dspark's CPU kernels run: auto (the best build this CPU has, its AMX tiles where the CPU
+    # and the OS allow them) | amx | avx512 (that build without AMX tiles) | avx2 | torch (none: torch's
+    # ops). Each computes its own numbers; chosen once a process (kernels.choose_kernels)
+    kernels: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)
     layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)
     # verification policy: full | threshold | adaptive. None (default): adaptive with a draft (it verifies
@@ -109,6 +113,7 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, list[str]]:
     # a bad name or fp16 on CPU fails here, before anything loads
     given = None if config.dtype == "auto" else target_numerics(config.weights, parse_dtype(dtype, device))
     kernels.check_activations(config.activations)
+    kernels.check_kernels(config.kernels)
     draft_weights = config.draft_weights
     if draft_weights not in fast_draft.DRAFT_WEIGHTS:
         raise DSparkError(f"draft weights must be one of {', '.join(fast_draft.DRAFT_WEIGHTS)}, got {draft_weights!r}")
@@ -171,7 +176,10 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.threads:
         torch.set_num_threads(config.threads)
     if device.startswith("cpu"):
+        kernels.choose_kernels(config.kernels)
         kernels.choose_activations(config.activations)
+    elif config.kernels != "auto":
+        raise DSparkError(f"--kernels {config.kernels} names dspark's CPU kernels, and this engine runs on {device}")
     # the native runtime's packed weights (and the screens choosing their format), read back from
     # the dspark cache where an earlier start packed them for the same files, request and code
     request = {"weights": config.weights, "dtype": config.dtype, "dtype_given": given_dtype}

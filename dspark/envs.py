@@ -11,14 +11,12 @@ Settings a user may want:
   installed.
 - DSPARK_API_KEY: `dspark serve`'s API key when --api-key is not given.
 
-Switches for comparisons and tests (the defaults are what decoding runs):
-- DSPARK_Q4_KERNEL=0: no compiled extension at all; torch's ops everywhere.
-- DSPARK_KERNEL_ISA=avx2: build the AVX2 variant on an AVX-512 machine (to test it there).
-- DSPARK_PACK_BF16=0: bf16 linears stay plain F.linear instead of oneDNN's packed weights.
+A switch for comparisons (it changes where weights live, never a number):
 - DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages).
-- DSPARK_AMX=0: a prefill runs no AMX tiles: its attention on AVX-512 (read by the extension
-  itself, csrc/amx.h, once a process) and its matmuls on dspark's packed tiles, not on dense bf16
-  copies through torch (`dspark.target.dense`).
+
+What changes numbers is an engine setting, never the environment: which of dspark's CPU kernels
+run is `EngineConfig.kernels` (`--kernels auto|amx|avx512|avx2|torch`), their activations
+`EngineConfig.activations`.
 
 Set by launchers (torchrun), read by training: WORLD_SIZE, LOCAL_RANK, RANK (the process that
 holds a run's output lock).
@@ -52,24 +50,8 @@ def api_key() -> str | None:
     return os.environ.get("DSPARK_API_KEY")
 
 
-def q4_kernel() -> bool:
-    return _flag("DSPARK_Q4_KERNEL")
-
-
-def kernel_isa() -> str | None:
-    return os.environ.get("DSPARK_KERNEL_ISA")
-
-
-def pack_bf16() -> bool:
-    return _flag("DSPARK_PACK_BF16")
-
-
 def huge_pages() -> bool:
     return _flag("DSPARK_HUGE_PAGES")
-
-
-def amx() -> bool:
-    return _flag("DSPARK_AMX")
 
 
 def world_size() -> int:

@@ -32,7 +32,7 @@ log = logging.getLogger("dspark")
 
 
 # ---- dspark's compiled CPU extension: int4 / Q8_0 matmuls, norms, attention -----------------
-# switched off and forced to one ISA through dspark/envs.py (DSPARK_Q4_KERNEL, DSPARK_KERNEL_ISA)
+# which build runs (or none) is EngineConfig.kernels (choose_kernels), once a process
 # one extension of separate translation units (csrc/dspark.h declares what they share): the ISA's
 # matmul files (ISAS) and these, which compile for either ISA; bindings.cpp is the Python module
 CSRC = Path(__file__).parent / "csrc"
@@ -82,6 +82,13 @@ def sources(isa: str) -> list[Path]:
 
 
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
+# which of dspark's kernels run (EngineConfig.kernels): auto (the best this CPU has), amx (the AVX-512
+# build with its AMX tiles: a prefill's attention, and its matmuls of 64+ rows in bf16 through
+# torch's oneDNN), avx512 (the same build, no AMX tiles), avx2 (the 8-lane build), torch (none: torch's
+# ops everywhere). Each computes its own numbers, so it is chosen once a process, before the
+# extension loads (choose_kernels); the other names are there to compare and diagnose
+KERNELS = ("auto", "amx", "avx512", "avx2", "torch")
+_kernels = "auto"
 # the int4 / Q8_0 matmuls' activations (EngineConfig.activations): auto | int8 | bf16; a build's
 # choice, so it is made once a process, before the extension loads (choose_activations)
 ACTIVATIONS = ("auto", "int8", "bf16")
@@ -119,19 +126,61 @@ def cpu_flags() -> frozenset[str]:
 
 def _isa() -> tuple[str | None, str]:
     """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
-    flags, forced = cpu_flags(), envs.kernel_isa()
+    flags = cpu_flags()
+    forced = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2"}.get(_kernels)
     for isa, (need, _, _) in ISAS.items():
         if forced in (None, isa) and all(f in flags for f in need):
             lacking = [f for f in ISAS["avx512"][0] if f not in flags]
-            why = f"this CPU lacks {', '.join(lacking)}" if lacking else f"DSPARK_KERNEL_ISA={forced}"
+            why = f"this CPU lacks {', '.join(lacking)}" if lacking else f"kernels {_kernels}"
             return isa, "" if isa == "avx512" else why
     return None, f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in flags) or 'the asked-for ISA'}"
 
 
 def _planned_build() -> tuple[str | None, str]:
     """The build `extension` makes here and, when not the full one, why (`_isa`, or none at all
-    where DSPARK_Q4_KERNEL=0)."""
-    return _isa() if envs.q4_kernel() else (None, "DSPARK_Q4_KERNEL=0")
+    where the kernels asked for are torch's)."""
+    return (None, "kernels torch") if _kernels == "torch" else _isa()
+
+
+def check_kernels(mode: str) -> None:
+    """A name `choose_kernels` knows, or an error listing them."""
+    if mode not in KERNELS:
+        raise DSparkError(f"kernels must be one of {', '.join(KERNELS)}, got {mode!r}")
+
+
+def chosen_kernels() -> str:
+    """What runs here by `choose_kernels`' names: amx, avx512, avx2 or torch."""
+    isa = extension_isa()
+    if isa == "avx512" and amx_tiles():
+        return "amx"
+    return isa or "torch"
+
+
+def choose_kernels(mode: str) -> None:
+    """Which of dspark's kernels this process runs (KERNELS). The build and its AMX tiles are
+    settled when the extension first loads, so the choice is made before; asking for another one
+    after that, or for one this CPU cannot run, is an error naming what runs and why."""
+    global _kernels
+    check_kernels(mode)
+    if mode == "auto":
+        return
+    if "ext" in _build:
+        have = chosen_kernels()
+        if have != mode:
+            raise DSparkError(
+                f"kernels {mode} asked for, but this process already runs {have}"
+                + (f" ({_build['why']})" if _build["why"] else "")
+                + ": dspark's kernels are chosen once a process, when they first load "
+                "(start a new process for the other)"
+            )
+        return
+    flags = cpu_flags()
+    if mode in ISAS or mode == "amx":
+        need = ISAS["avx512" if mode == "amx" else mode][0] + (("amx_bf16", "amx_tile") if mode == "amx" else ())
+        lacking = [f for f in need if f not in flags]
+        if lacking:
+            raise DSparkError(f"kernels {mode} need {', '.join(lacking)}, which this CPU lacks: pass --kernels auto")
+    _kernels = mode
 
 
 def extension():
@@ -187,14 +236,27 @@ def extension():
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
+            if _kernels == "avx512" and isa == "avx512":  # the build without its tiles, before any kernel runs
+                _build["ext"].amx_off()
+                _build["amx_off"] = True
     return _build["ext"]
 
 
 def build_tag() -> str | None:
-    """The extension's build (its ISA and a hash of its sources), None where it does not run: a
-    measurement of a forward (the cost curve) made with other kernels is stale."""
+    """The extension's build (its ISA and a hash of its sources; "-noamx" where the AVX-512 build runs
+    without its AMX tiles), None where it does not run: a measurement of a forward (the cost curve)
+    made with other kernels is stale."""
     ext = extension()
-    return None if ext is None else ext.__name__
+    if ext is None:
+        return None
+    return ext.__name__ + ("-noamx" if _build.get("amx_off") else "")
+
+
+def amx_tiles() -> bool:
+    """Does this process run AMX tiles (the AVX-512 build on a CPU with AMX-BF16, not switched off by
+    `kernels avx512`)? The extension's own check (CPUID and the OS's permission) says whether they
+    actually run: `attn_prefill_kind`."""
+    return extension_isa() == "avx512" and "amx_bf16" in cpu_flags() and not _build.get("amx_off")
 
 
 def why_unavailable() -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark import envs, kernels
+from dspark import kernels
 
 # bf16 weights up to this many elements run on dspark's kernel (csrc/q4_avx*.cpp `bf16_mm`) where it is
 # built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
@@ -25,11 +25,10 @@ BF16_KERNEL_MAX = 1 << 22
 
 def pack_bf16(w: torch.Tensor):
     """w [N, K] on a CPU -> its packed bf16 weight for `packed_linear` (dspark's layout, or oneDNN's
-    prepacked one); None where neither applies (another device, packing turned off, a torch build
-    without oneDNN) or where plain F.linear is faster: fewer than 16 outputs (the draft's
-    confidence head, one output: oneDNN's packed call took 24 us warm, 85 us cold in a drafting
-    step, against F.linear's 5 us)."""
-    if not envs.pack_bf16() or w.device.type != "cpu" or w.shape[0] < 16:
+    prepacked one); None where neither applies (another device, a torch build without oneDNN) or
+    where plain F.linear is faster: fewer than 16 outputs (the draft's confidence head, one output:
+    oneDNN's packed call took 24 us warm, 85 us cold in a drafting step, against F.linear's 5 us)."""
+    if w.device.type != "cpu" or w.shape[0] < 16:
         return None
     N, K = w.shape
     if N * K <= BF16_KERNEL_MAX and tile_applies(N, K):

@@ -5,7 +5,6 @@ norms give torch's bits; where the extension cannot run, torch's ops run and the
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 from dspark import hugepages, kernels, ops, packing
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
+from dspark.errors import DSparkError
 from dspark.reference import kernel_loop
 from dspark.target import dense, torch_layers
 from dspark.target.native import NativeTarget
@@ -156,11 +156,14 @@ def test_native_int4_runs_on_the_kernel_and_speculation_is_lossless(q4):
 
 
 def test_torch_kernel_runs_where_dspark_cannot_and_says_why(monkeypatch):
-    monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
+    monkeypatch.setattr(kernels, "_build", {})
+    monkeypatch.setattr(kernels, "_kernels", "auto")
+    kernels.choose_kernels("torch")  # what --kernels torch asks for: no compiled extension at all
+    assert kernels.extension() is None and kernels.chosen_kernels() == "torch"
     model = q4_exact(tiny_target())
     target = NativeTarget(model, act_dtype=torch.bfloat16)
     assert target.weights == "int4" and all(ly.w13.q4 is None for ly in target.layers)
-    assert "int4 kernel: torch (DSPARK_Q4_KERNEL=0)" in target.describe()
+    assert "int4 kernel: torch (kernels torch)" in target.describe()
     ids = torch.tensor([[5, 17, 33, 8, 9]])
     lg, _ = target.forward(target.new_state(1), ids)
     with torch.no_grad():
@@ -388,17 +391,19 @@ def test_prefill_attention_is_softmax_attention_and_row_independent(ext):
 
 
 def test_prefill_attention_without_amx_tiles_computes_the_same(ext):
-    """DSPARK_AMX=0 runs the AVX-512 path where the tiles would run: the same attention, checked in
-    a process of its own (the choice is made once a process)."""
+    """--kernels avx512 runs the AVX-512 path where the tiles would run: the same attention, checked
+    in a process of its own (the choice is made once a process, before the kernels load)."""
     if "amx_bf16" not in kernels.cpu_flags():
         pytest.skip("no AMX-BF16 on this CPU: the default test already checks the AVX-512 path")
     code = (
-        "from dspark import kernels; from tests import test_cpu_kernels as t; m = kernels.extension(); "
-        "assert m.attn_prefill_kind() == 'avx512-bf16 (switched off (DSPARK_AMX=0))', m.attn_prefill_kind(); "
+        "from dspark import kernels; from dspark.target import dense; from tests import test_cpu_kernels as t; "
+        "kernels.choose_kernels('avx512'); m = kernels.extension(); "
+        "assert m.attn_prefill_kind() == 'avx512-bf16 (switched off (kernels avx512))', m.attn_prefill_kind(); "
+        "assert kernels.chosen_kernels() == 'avx512' and not dense.dense_prefill(); "
+        "assert kernels.build_tag().endswith('-noamx'); "
         "t._check_prefill_attention(m)"
     )
-    env = dict(os.environ, DSPARK_AMX="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -412,7 +417,8 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     from dspark.target.torch_layers import rms as _rms
 
     monkeypatch.setattr(kernels, "_build", {})
-    monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
+    monkeypatch.setattr(kernels, "_kernels", "auto")
+    kernels.choose_kernels("avx2")
     mod = kernels.extension()
     assert mod is not None and kernels.extension_isa() == "avx2"
     assert kernels.q4_status() == "dspark AVX2" and packing.tile_applies(64, 64)
@@ -797,8 +803,8 @@ def test_the_start_up_notes_say_how_the_draft_decodes(ext, monkeypatch):
         fast.describe(draft)
         == "draft phase: one call into dspark's CPU kernels (bf16 matrices, head Q8_0, bf16 activations)"
     )
-    monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "DSPARK_Q4_KERNEL=0"})
-    assert fast.describe(draft) == "draft decodes through its modules (DSPARK_Q4_KERNEL=0)"
+    monkeypatch.setattr(kernels, "_build", {"ext": None, "isa": None, "why": "kernels torch"})
+    assert fast.describe(draft) == "draft decodes through its modules (kernels torch)"
 
 
 def test_qwen3_q_k_norms_run_on_the_norm_kernel_with_torchs_bits(ext, monkeypatch):
@@ -1084,7 +1090,8 @@ def test_smollm2_int4_runtime_stays_near_its_fp32_model(ext, monkeypatch, build)
             pytest.skip("no AVX2 here")
         monkeypatch.setattr(kernels, "_build", {})
         monkeypatch.setattr(kernels, "_activations", "auto")
-        monkeypatch.setenv("DSPARK_KERNEL_ISA", "avx2")
+        monkeypatch.setattr(kernels, "_kernels", "auto")
+        kernels.choose_kernels("avx2")
         kernels.choose_activations("bf16" if build == "avx2-bf16" else "int8")
         mod = kernels.extension()
         assert mod is not None and kernels.q4_activations() == ("bf16" if build == "avx2-bf16" else "int8")
@@ -1267,3 +1274,34 @@ def test_the_activation_format_is_chosen_once_a_process_and_a_contradiction_is_r
         with pytest.raises(DSparkError, match="need avx512_vnni .vpdpbusd., which this CPU lacks"):
             kernels.choose_activations("int8")
         assert kernels._activations == "auto"
+
+
+def test_the_kernels_setting_is_chosen_once_and_refused_where_it_cannot_run(monkeypatch):
+    """--kernels (EngineConfig.kernels) names the kernels that run, since each computes its own
+    numbers: a name this CPU cannot run is refused naming what it lacks, another one than what
+    already runs in the process is refused naming both, and the flag reaches the config."""
+    import argparse
+
+    from dspark.api import EngineConfig, resolve
+    from dspark.cli.engine_flags import add_engine_flags, engine_config
+
+    with pytest.raises(DSparkError, match="kernels must be one of auto, amx, avx512, avx2, torch, got 'sse'"):
+        resolve(EngineConfig(kernels="sse", device="cpu"))
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_config(p.parse_args(["--kernels", "avx2"])).kernels == "avx2"
+    assert engine_config(p.parse_args([])).kernels == "auto"
+    monkeypatch.setattr(kernels, "_build", {})
+    monkeypatch.setattr(kernels, "_kernels", "auto")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))  # an AVX2-only CPU
+    with pytest.raises(DSparkError, match="kernels avx512 need avx512f, avx512bw, avx512_bf16, which this CPU lacks"):
+        kernels.choose_kernels("avx512")
+    with pytest.raises(DSparkError, match="kernels amx need .*amx_bf16, amx_tile, which this CPU lacks"):
+        kernels.choose_kernels("amx")
+    kernels.choose_kernels("torch")
+    assert kernels.extension() is None and kernels.why_unavailable() == "kernels torch"
+    kernels.choose_kernels("torch")  # the same again: nothing to change
+    with pytest.raises(
+        DSparkError, match="kernels avx2 asked for, but this process already runs torch .kernels torch."
+    ):
+        kernels.choose_kernels("avx2")

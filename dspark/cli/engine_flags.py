@@ -11,7 +11,7 @@ from dspark.api import EngineConfig
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, POLICIES
 from dspark.errors import DSparkError
 from dspark.formats.load import LAYOUTS
-from dspark.kernels import ACTIVATIONS
+from dspark.kernels import ACTIVATIONS, KERNELS
 from dspark.model.fast import DRAFT_WEIGHTS
 from dspark.target.load import DTYPE_CHOICES, RUNTIMES, SMOLLM2
 from dspark.target.quant import WEIGHTS
@@ -59,6 +59,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="activations of dspark's int4 / Q8_0 CPU matmuls: auto (default: 8-bit per 32 inputs on AVX2, "
         "as llama.cpp runs the file, and on Intel Xeon with AMX; bf16 on other AVX-512 CPUs), int8, bf16 "
         "(closer to the model; slower on AVX2 and Intel)",
+    )
+    g.add_argument(
+        "--kernels",
+        default=d.kernels,
+        choices=KERNELS,
+        help="dspark's CPU kernels: auto (default: the best build this CPU has, with its AMX tiles where "
+        "there are), amx, avx512 (without AMX tiles), avx2, torch (none: torch's ops); each computes its "
+        "own numbers (to compare and diagnose)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
@@ -133,6 +141,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         weights=args.weights,
         draft_weights=args.draft_weights,
         activations=args.activations,
+        kernels=args.kernels,
         threads=args.threads,
         layout=args.layout,
         verify=args.verify,

@@ -4,8 +4,6 @@
 // before its first tile instruction; anywhere else it runs its AVX-512 path, and `why` says why.
 #pragma once
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -18,6 +16,13 @@
 
 namespace amx {
 
+// whether this process may run tiles at all: dspark's `kernels` choice (kernels.py: "avx512" keeps the
+// AVX-512 paths on a CPU that has AMX), set through the module's amx_off() before any kernel runs
+inline bool& allowed() {
+  static bool a = true;
+  return a;
+}
+
 struct State {
   bool ok = false;
   std::string why;
@@ -26,9 +31,8 @@ struct State {
 #if defined(DSPARK_AMX)
 inline State probe() {
   State s;
-  const char* off = std::getenv("DSPARK_AMX");  // dspark/envs.py
-  if (off && std::strcmp(off, "0") == 0) {
-    s.why = "switched off (DSPARK_AMX=0)";
+  if (!allowed()) {
+    s.why = "switched off (kernels avx512)";
     return s;
   }
   unsigned a, b, c, d;

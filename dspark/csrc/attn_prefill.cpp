@@ -397,6 +397,13 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
 #endif
 }
 
+// no AMX tiles in this process (dspark's kernels choice "avx512"): called before any kernel runs, since
+// the tiles' state is settled at their first use; false where that already happened with tiles on
+bool amx_off() {
+  amx::allowed() = false;
+  return !amx::state().ok;
+}
+
 // which attention a prefill runs here: 'amx-bf16', 'avx512-bf16', or 'per query' (attn_bf16) and why
 std::string attn_prefill_kind() {
 #if defined(__AVX512BF16__)

@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   DSPARK_DEF(attn_bf16);
   DSPARK_DEF(attn_prefill_bf16);
   DSPARK_DEF(attn_prefill_kind);
+  DSPARK_DEF(amx_off);
   DSPARK_DEF(rope_cache_bf16);
   DSPARK_DEF(markov_walk);
   DSPARK_DEF(argmax_last);

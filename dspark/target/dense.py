@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from dspark import envs, kernels, packing
+from dspark import kernels, packing
 
 log = logging.getLogger("dspark")
 
@@ -37,8 +37,8 @@ DENSE_MEMORY_SHARE = 0.25
 
 def dense_prefill() -> bool:
     """Does a long prefill run on dense bf16 copies here: the AVX-512 build on a CPU with AMX-BF16,
-    not with DSPARK_AMX=0."""
-    return kernels.extension_isa() == "avx512" and "amx_bf16" in kernels.cpu_flags() and envs.amx()
+    its tiles not switched off (`kernels.amx_tiles`)."""
+    return kernels.amx_tiles()
 
 
 def available_memory() -> int | None:
