@@ -31,7 +31,7 @@ def _huge_buffer(nbytes: int) -> torch.Tensor | None:
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, in 2 MB pages where the OS gives them (a KV cache
-    that attention reads every step: -0.18 ms a step at 900 cached tokens, BENCHMARKS.md)."""
+    that attention reads every step: fewer TLB misses on a long context, docs/history/benchmarks.md)."""
     n = 1
     for d in shape:
         n *= d

@@ -104,9 +104,9 @@ INT8_CLASS = ("amx_int8", "avx512_vnni")
 def int8_by_default() -> bool:
     """Does `auto` give the AVX-512 build 8-bit activations on this CPU? Measured by class: on Intel
     Xeon with AMX (Sapphire / Emerald Rapids) vdpbf16ps is the slow path, and 8-bit activations on
-    vpdpbusd make a 1-token SmolLM2 step ~1.45x faster, a 2-token verify ~1.1x a step instead of
-    ~1.45x and prefill ~2.8x faster; on AMD Zen 4 they made the 1-token step 2-4 % slower, so bf16
-    stays there (and on any class not measured)."""
+    vpdpbusd make every forward faster there, the 1-token step, a verify and prefill alike; on AMD
+    Zen 4 they made the 1-token step slower, so bf16 stays there (and on any class not measured;
+    docs/BENCHMARKS.md, "Current results, per CPU class")."""
     flags = cpu_flags()
     return all(f in flags for f in INT8_CLASS)
 
@@ -279,19 +279,19 @@ def q4_activations() -> str | None:
     as they are) or 'int8' (quantise them per group of 32); None without the tile.
 
     By build (docs/history/benchmarks.md "8-bit activations for the AVX2 build's int4 and Q8_0
-    matmuls"). AVX2: each row's groups of 32 inputs quantised to
-    8 bits (s = max|x| / 127, xq = round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0
-    weights) and summed exactly in integers: the SmolLM2 layer stack 1.6x faster at 1 row and 1.7x
-    at 8 than on bf16 activations (FMAs, one broadcast each); `activations="bf16"` (`choose_activations`) builds it
-    with bf16 ones (its own cached build), closer to the Q4_1 model (KL 0.0011 against 0.003 a
-    token) at the speed the AVX2 tile had before. AVX-512: bf16 unless asked otherwise. There
-    `activations="int8"`, on a CPU with AVX512-VNNI, builds the same 8-bit scheme on vpdpbusd
-    (csrc/q4_avx512_vnni.cpp, 64 multiply-adds an instruction against vdpbf16ps's 32; its own cached
-    build, the AVX2 build's rule and steps): it makes verifies of 4-8 tokens cheaper, where the bf16 dot
-    products bound the tile, but not a 1- or 2-token step, which streams its weights (docs/BENCHMARKS.md,
-    Zen 4; docs/history/benchmarks.md "the floors, measured"), and 1 row is what plain decoding runs;
-    so `auto` keeps bf16 there, the model nearer the fp32 one. On Intel Xeon with AMX (Sapphire / Emerald
-    Rapids) the same 8-bit tile is faster at every row count, one included, so `auto` takes it there
+    matmuls"). AVX2: each row's groups of 32 inputs quantised to 8 bits (s = max|x| / 127, xq =
+    round(x / s), the rule llama.cpp uses against Q4_1 and Q8_0 weights) and summed exactly in
+    integers: faster at every row count than on bf16 activations (FMAs, one broadcast each);
+    `activations="bf16"` (`choose_activations`) builds it with bf16 ones (its own cached build),
+    closer to the Q4_1 model (a smaller KL a token) at the speed the AVX2 tile had before. AVX-512:
+    bf16 unless asked otherwise. There `activations="int8"`, on a CPU with AVX512-VNNI, builds the
+    same 8-bit scheme on vpdpbusd (csrc/q4_avx512_vnni.cpp, 64 multiply-adds an instruction against
+    vdpbf16ps's 32; its own cached build, the AVX2 build's rule and steps): it makes verifies of 4-8
+    tokens cheaper, where the bf16 dot products bound the tile, but not a 1- or 2-token step, which
+    streams its weights (docs/BENCHMARKS.md, Zen 4; docs/history/benchmarks.md "the floors,
+    measured"), and 1 row is what plain decoding runs; so `auto` keeps bf16 there, the model nearer
+    the fp32 one. On Intel Xeon with AMX (Sapphire / Emerald Rapids) the same 8-bit tile is faster
+    at every row count, one included, so `auto` takes it there
     (`int8_by_default`). Either is the target model of its build:
     verification is lossless against it, and its products are checked against the quantised model
     (tests/test_cpu_kernels.py). bf16 weights always take bf16 activations."""

@@ -42,7 +42,7 @@ def silu_mul(gu: torch.Tensor, ext) -> torch.Tensor:
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """x.argmax(dim), with half-precision logits compared as their fp32 values (module docstring);
     over the last dimension of fp32 or bf16 on dspark's AVX-512 build (csrc/markov.cpp
-    `argmax_last`: torch's choice, ~7x faster, bf16 widened in place), elsewhere torch's."""
+    `argmax_last`: torch's choice in vector passes, bf16 widened in place), elsewhere torch's."""
     if (
         dim in (-1, x.dim() - 1)
         and x.dim() >= 1

@@ -16,10 +16,10 @@ import torch
 from dspark import kernels
 
 # bf16 weights up to this many elements run on dspark's kernel (csrc/q4_avx*.cpp `bf16_mm`) where it is
-# built: 2-5x faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (Zen 4,
-# 2 threads: 576x576 at 7 rows 20 against 44 us). Larger ones (an LM head over the vocabulary) stay on
-# oneDNN: at 8 rows it is ahead there (49 152 x 576: 3.1 against 3.8 ms), while the tile is ahead at
-# 1-3 rows (2.4 against 2.7-3.3 ms); a bf16 head is rare (a float target head; the draft's is Q8_0).
+# built: faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (measured
+# on Zen 4, docs/history/benchmarks.md). Larger ones (an LM head over the vocabulary) stay on oneDNN:
+# at 8 rows it is ahead there, while the tile is ahead at 1-3 rows; a bf16 head is rare (a float
+# target head; the draft's is Q8_0).
 BF16_KERNEL_MAX = 1 << 22
 
 
@@ -27,7 +27,7 @@ def pack_bf16(w: torch.Tensor):
     """w [N, K] on a CPU -> its packed bf16 weight for `packed_linear` (dspark's layout, or oneDNN's
     prepacked one); None where neither applies (another device, a torch build without oneDNN) or
     where plain F.linear is faster: fewer than 16 outputs (the draft's confidence head, one output:
-    oneDNN's packed call took 24 us warm, 85 us cold in a drafting step, against F.linear's 5 us)."""
+    oneDNN's packed call costs several times F.linear's in a drafting step, most of it set-up)."""
     if w.device.type != "cpu" or w.shape[0] < 16:
         return None
     N, K = w.shape

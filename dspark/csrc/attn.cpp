@@ -1,8 +1,8 @@
 // Attention of a few new queries over the KV cache, bf16 (docs/history/benchmarks.md, "the rest of a forward in the
-// same extension"). torch's flash-attention kernel costs 45-90 us a layer for 1-8 queries over ~200 cached keys, mostly
-// set-up; this does the arithmetic directly. Each query row (batch row, position, head) is computed on its own, over
-// its keys 0..pos in a fixed order, so its result does not depend on which other rows or positions share the call: a
-// verify of 8 positions gives each position exactly what a 1-token step would (lossless greedy verification in bf16).
+// same extension"). For 1-8 queries over a few hundred cached keys torch's flash-attention kernel spends its
+// time on set-up; this does the arithmetic directly. Each query row (batch row, position, head) is computed on its own,
+// over its keys 0..pos in a fixed order, so its result does not depend on which other rows or positions share the call:
+// a verify of 8 positions gives each position exactly what a 1-token step would (lossless greedy verification in bf16).
 // Built for AVX-512 (16 lanes) or AVX2 + FMA (8 lanes); the algorithm is the same, except that
 // with AVX512-BF16 the q.k products of heads of 32k values are bf16 dot products (the two builds'
 // bits differ; each is batch invariant).

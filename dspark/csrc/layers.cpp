@@ -1,9 +1,9 @@
 // A decoder's layer stack in one call (docs/history/benchmarks.md, "... the layer loop in one call ..."): the same
-// kernels, in the same order, as the Python loop of dspark/reference/kernel_loop.py (`layers`), whose ~15
-// Python-level calls and views a layer cost ~0.6-1 ms of a ~7-9 ms SmolLM2 step. Bit for bit
+// kernels, in the same order, as the Python loop of dspark/reference/kernel_loop.py (`layers`), whose
+// Python-level calls and views a layer were a visible share of a SmolLM2 step. Bit for bit
 // the Python loop's result (tested). The embedding lookup, the positions and, for a greedy plain
 // step, the head and its argmax run in the same call ("a greedy plain step in one call"): after a step has streamed
-// ~100 MB of weights through the caches, each small torch op it calls from Python costs 50-150 us.
+// its weights through the caches, each small torch op it calls from Python runs cold.
 //
 // The weights are handed over once (`layers_register`) and kept here under a handle, since
 // passing ~600 tensors through pybind on every call would cost what it saves.
@@ -104,7 +104,7 @@ void layers_release(int64_t id) {
 // kv [L, 2, B, Hkv, C, D] (the cache the new keys and values are written to), cos / sin the RoPE
 // tables, final_w the final norm's weight. tap_width: 0, or the taps' width n*H: a new [B, S, n*H]
 // receives layer i's output in columns tap_cols[i] (-1: none; allocated here, since a tensor made
-// from Python right after a step costs ~20-30 us). argmax: also the head and each position's argmax
+// from Python right after a step runs cold). argmax: also the head and each position's argmax
 // (the registered head; torch's choice over its bf16 logits). -> (the embeddings, the last layer's
 // output, its final norm, the taps (empty: none)[, the argmax [B, S] int64]). prefill: the call runs a
 // prompt (no verification compares its bits with a decode step's): attention of 16+ positions a row runs

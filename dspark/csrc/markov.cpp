@@ -1,7 +1,7 @@
 // The vanilla Markov head's greedy walk over a drafted block in one call (docs/history/benchmarks.md,
-// "a cheaper draft phase"). In torch each slot is ~8 small ops (W1 lookup, the rank-r matmul over the draft
-// vocabulary, the add, the argmax, the d2t map): ~0.25-0.4 ms a slot on a 2-core CPU, 1.6-2.7 ms
-// of a ~5 ms draft phase for 7 slots. Rounding as in the torch path, in the draft's dtype (bf16 or
+// "a cheaper draft phase"). In torch each slot is several small ops (W1 lookup, the rank-r matmul over the
+// draft vocabulary, the add, the argmax, the d2t map), which dominated a many-slot draft phase on a 2-core
+// CPU. Rounding as in the torch path, in the draft's dtype (bf16 or
 // fp32): the bias W2 z is accumulated in fp32 and rounded to that dtype, added to the base logit
 // in fp32 and rounded again; the first largest logit wins, as torch's argmax. Only the fp32
 // summation order of the rank-r product differs from the matmul library's. Also here, with the
@@ -145,8 +145,8 @@ namespace markov {
 
 // torch.argmax's choice over x[0..V) (the first NaN, else the first largest), in two vector passes
 // (AVX-512 or AVX2): the maximum and whether any NaN is there, then the first entry equal to it.
-// torch's CPU argmax compares one element at a time (~1 ns each: ~50 us over SmolLM2's 49 152
-// logits, paid for every verified row of every step). T: fp32, or bf16 (widened exactly: the
+// torch's CPU argmax compares one element at a time, over the whole vocabulary for every verified row
+// of every step. T: fp32, or bf16 (widened exactly: the
 // same choice as over the fp32 copy, which a greedy plain step then need not make).
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }

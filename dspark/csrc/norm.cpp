@@ -1,6 +1,6 @@
 // Fused RMSNorm for bf16 activations (docs/history/benchmarks.md, "the rest of a forward in the same extension"): torch
-// spends ~25 us on each of a forward's 61 norms (a cast, the fused norm's own reductions and copies, a cast back, the
-// weight), 1.6 ms of a 13 ms SmolLM2 step. Same rounding steps as the HF modules: normalise in fp32, round to bf16,
+// runs each of a forward's norms as several passes (a cast, the fused norm's own reductions and copies, a cast back,
+// the weight). Same rounding steps as the HF modules: normalise in fp32, round to bf16,
 // multiply by the bf16 weight, round. Rows are independent, so a row's result does not depend on the batch.
 #include "dspark.h"
 #include "simd.h"
@@ -21,9 +21,8 @@ inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to 
 
 // rows split between threads in blocks of at least VALUES values (4 rows of SmolLM2's 576): a
 // decode step's one row, or a step's q/k norms over 64-value heads, run inline; a verify block's
-// or a batch's 8 rows of 576 on both cores (on one, add + norm cost ~15 us a call at 8 rows:
-// ~0.5 ms of an 8-row SmolLM2 forward; docs/history/benchmarks.md, "weights asked for ahead of the tile ...": norms
-// split rows)
+// or a batch's 8 rows of 576 on both cores (on one, add + norm were a visible share of an 8-row
+// SmolLM2 forward; docs/history/benchmarks.md, "weights asked for ahead of the tile ...": norms split rows)
 constexpr int64_t VALUES = 4 * 576;
 inline int64_t row_grain(int64_t H) { return std::max<int64_t>(1, VALUES / H); }
 

@@ -76,9 +76,9 @@ struct Scales {
 
 // Each unpack also asks for the weight bytes AHEAD bytes further on, into L2 (docs/history/benchmarks.md,
 // "weights asked for ahead of the tile"). Left to the hardware's prefetcher, a tile waited on memory and computed in
-// turn: 8 rows of a bf16 stack cost one row's streaming time plus their arithmetic (14.4 against 8.2 ms for SmolLM2's
-// 120 layer matrices); asked ahead, 10.1 ms. L1 (T0) hurt at every row count, as did distances of 2-8 KB. A tile's
-// column blocks are consecutive in memory, so AHEAD is ~a tile on.
+// turn: several rows cost one row's streaming time plus all their arithmetic; asked ahead, the two overlap. L1 (T0)
+// hurt at every row count, as did distances of a few KB. A tile's column blocks are consecutive in memory, so AHEAD
+// is ~a tile on.
 constexpr int64_t AHEAD = 16384;
 inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
 
@@ -147,8 +147,8 @@ void row_chunks(int64_t N, const Tile& tile) {
 }
 
 // rows in tiles of 8, then the rest (1-7) in one tile: each tile streams the whole weight, so a
-// verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, 7 rows cost 2.5x
-// one row on a cold cache); more than 8 rows run chunk by chunk of columns (`row_chunks`). Fewer
+// verify of 3 or 7 rows reads it once, not two or three times (taken 4 + 2 + 1, a 7-row verify streamed
+// the weights three times from a cold cache); more than 8 rows run chunk by chunk of columns (`row_chunks`). Fewer
 // rows take more column blocks a tile, so that the vector units have independent sums to
 // interleave (NB1 blocks for a single row); a row's own operations are the same whatever the
 // tile. NB2, NB3, NB4: blocks a tile for two, three and four rows.

@@ -106,12 +106,12 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
 // each row's group of 32 inputs becomes s * xq with s = max|x| / 127 and xq = round(x * 127 /
 // max|x|) in -127..127 (the rule llama.cpp uses against this file's Q4_1 and Q8_0 weights), so a
 // group's sum of q * x is an exact integer sum, four products a byte instruction (vpmaddubsw)
-// instead of one FMA each with its own broadcast: the SmolLM2 layer stack ran 1.6x faster at 1 row
-// and 1.7x at 8 than with bf16 activations. A row's bytes, scales and sums depend on that row
-// alone (batch invariance). Stored per row: xq [K] with each 8 inputs in the order (0, 4, 1, 5,
-// 2, 6, 3, 7), that of a column's dword in a step's weight bytes (`tile_a8`); s [G]; NaN or
-// infinity in a group makes its s NaN, so the result is NaN, never a finite number made of a
-// clamped value; sum [G] s x the sum of the group's xq (the Q4_1 minimum's term).
+// instead of one FMA each with its own broadcast, so fewer instructions per row whatever the row count
+// (docs/history/benchmarks.md, "8-bit activations for the AVX2 build's int4 and Q8_0 matmuls"). A row's bytes, scales
+// and sums depend on that row alone (batch invariance). Stored per row: xq [K] with each 8 inputs in the order (0, 4,
+// 1, 5, 2, 6, 3, 7), that of a column's dword in a step's weight bytes (`tile_a8`); s [G]; NaN or infinity in a group
+// makes its s NaN, so the result is NaN, never a finite number made of a clamped value; sum [G] s x the sum of the
+// group's xq (the Q4_1 minimum's term).
 struct Act8 {
   std::vector<int8_t> q;
   std::vector<float> s, sum;
@@ -120,8 +120,8 @@ struct Act8 {
 Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
   Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
-  // rows split in two halves between threads from 8 K values (8 rows of 1 536: 6.6 -> 5.4 us a
-  // call; 8 rows of 576 were slower split)
+  // rows split in two halves between threads from 8 K values (below that the split's overhead
+  // outweighs the work: 8 rows of 576 were slower split)
   at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {
     const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane order -> input order
@@ -148,7 +148,7 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
         for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));  // round to nearest even
         // the minimum's term takes the quantised values' sum, s x (sum of xq, exact), so that the
         // row meets w = q d + lo as a whole: w . (s xq). With x's own sum, d q (0..15 d, not
-        // centred) met the rounding alone and the model's logits strayed ~6x further (KL)
+        // centred) met the rounding alone and the model's logits strayed much further (KL)
         const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
         __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
         u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));

@@ -10,7 +10,7 @@
 // dspark/kernels.py.
 //
 // Why not torch's _weight_int4pack_mm_for_cpu: it vectorises along K, so every weight is
-// unpacked and scaled once per row and 8 rows cost 3.4x one row. Here a vector holds 16 output
+// unpacked and scaled once per row, so a verify's rows cost nearly a step each. Here a vector holds 16 output
 // columns x 2 inputs (one vdpbf16ps = 32 multiply-adds), each 4-bit weight is unpacked once per
 // call whatever M is, and the group scale is applied once per group and row.
 //
@@ -119,9 +119,8 @@ torch::Tensor matmul(const torch::Tensor& xc, int64_t M, int64_t K, int64_t N, c
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t G = K / 32;
   // registers: 3 x rows x blocks accumulators <= 24 of 32. With the weights asked for ahead
-  // (AHEAD), wide tiles stopped paying at 1-2 rows: one row takes 1 block a tile (was 2; a 1-token
-  // int4 forward -0.30 ms), two rows 2 (was 4; the Q8_0 head 1.57 -> 1.31 ms, the int4 layers
-  // 3.35 -> 3.10 ms at 2 rows, cold) (docs/history/benchmarks.md, "weights asked for ahead of the tile")
+  // (AHEAD), wide tiles stopped paying at 1-2 rows: one row takes 1 block a tile, two rows 2
+  // (docs/history/benchmarks.md, "weights asked for ahead of the tile")
   row_tiles<16, 1, 2>(M, N, [&](auto rows, auto nb, int64_t m0, int64_t cb) {
     tile<decltype(rows)::value, decltype(nb)::value>(xp + m0 * K, K, unpack, D, L, xsum ? xsum + m0 * G : nullptr,
                                                      yp + m0 * N, N, cb);
@@ -157,7 +156,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
 #endif
 
 // bf16 weights: the same scheme with nothing to unpack, for the small row counts of a draft (oneDNN's
-// packed bf16 matmul spent 75-170 us at 7 rows on a 576-wide layer of SmolLM2's draft). P16
+// packed bf16 matmul is made for many rows, and spent its time on set-up at a draft's few). P16
 // [N/16, K/32, 16, 32] bf16: column block, group, input pair p (k = 32g + 2p + 0..1); element 2c =
 // w[c, k0], 2c+1 = w[c, k1]. D [N/16, K/32, 16] fp32 ones (the scale step of the shared tile).
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {

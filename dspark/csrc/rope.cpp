@@ -1,6 +1,6 @@
 // RoPE and the K/V cache write in one call, bf16 (docs/history/benchmarks.md, "RoPE and the cache write"): in torch
 // they are ~20 small ops a layer (slices, a split, a negation, a concatenation, products, sums,
-// transposes, two cache copies), ~1-2 us each. Same rounding steps as torch's bf16 ops (each
+// transposes, two cache copies), each a call of its own. Same rounding steps as torch's bf16 ops (each
 // product and the sum rounded to bf16), so the bits are torch's. Rows are independent.
 #include "dspark.h"
 #include "simd.h"
@@ -20,8 +20,8 @@ inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to 
 
 // out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = (-x2, x1), D = 2 * half.
 // 8 lanes at a time where half is a multiple of 8 (csrc/simd.h's bf16x8_to_f32 / to_bf16x8: the
-// same products, roundings and sum; one by one it cost ~10 ns a value, 0.2-0.3 ms of a SmolLM2
-// step and 1.2 ms of an 8-token one on the AVX2 build), else one value at a time
+// same products, roundings and sum; one value at a time was a visible share of a step on the AVX2
+// build), else one value at a time
 inline void rotate(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
   const int64_t h = D / 2;
   if (h % 8 == 0) {

@@ -314,7 +314,7 @@ def decode_step(
     plan = lookup_plan(policy, lookup, batch, drafting) if lookup is not None else None
     if plan is not None:
         drafting = drafting and plan.draft
-    prop = None  # a step without drafts makes no proposal tensors (each small op costs ~10-40 us here)
+    prop = None  # a step without drafts makes no proposal tensors (each small op runs cold after a forward)
     caught_up = batch.catch_up if drafting else 0
     if drafting and draft is not None:
         prop = propose(draft, batch, policy.draft_depth(batch))
@@ -337,7 +337,7 @@ def decode_step(
     t2 = now(dev)
     if plain_greedy:
         # the target's argmax alone: no fp32 logits (one call on the native stack), and nothing to
-        # accept: every row keeps its anchor, so the step's small tensor ops (each ~30-50 us after a
+        # accept: every row keeps its anchor, so the step's small tensor ops (each dear right after a
         # forward has streamed the weights through the caches) are made before the forward
         keep = batch.anchors.new_ones(B)
         best, taps = target.forward_argmax(batch.target, tokens, None)
