@@ -6,7 +6,7 @@ import torch
 from dspark.engine.batch import join_taps
 from dspark.engine.costs import CostCurve
 from dspark.engine.engine import Engine
-from dspark.engine.lookup import LOOKUP_MAX, MATCH_MAX, LookupIndex, LookupProposer, LookupStats
+from dspark.engine.lookup import FIXED_MIN, LOOKUP_MAX, MATCH_MAX, LookupIndex, LookupProposer, LookupStats
 from dspark.engine.marks import step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
@@ -303,6 +303,12 @@ def test_a_lookup_steps_own_overhead_is_learned_and_priced():
 
     lookup = LookupProposer()
     ix = [LookupIndex(COPY)]
+    assert lookup.extra_seconds == 0.0 and lookup.plan(ix, FLAT.step_time, None).any
+    # one slow lookup step (a first call) among plain ones is not charged: it would price out every
+    # later proposal, and no lookup step would run again to correct it
+    for _ in range(FIXED_MIN):
+        lookup.observe(step("plain", 0.01))
+    lookup.observe(step("lookup", 9.0))
     assert lookup.extra_seconds == 0.0 and lookup.plan(ix, FLAT.step_time, None).any
     for _ in range(30):
         lookup.observe(step("plain", 0.01))

@@ -28,6 +28,10 @@ LOOKUP_MAX = 8  # tokens proposed at most
 # verified proposals; optimistic so that a proposal is tried before its acceptance is known
 PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0
 FIXED_WINDOW = 16  # recent steps of each kind whose least fixed time is that kind's
+# steps of each kind timed before a lookup step's extra fixed time is charged: the least of a
+# single one is whatever that step met (a first call, a page fault), and charged it could price
+# every later proposal out, so that no lookup step ever ran again to correct it
+FIXED_MIN = 3
 DRAFT_EMA = 0.05  # weight of the newest verified draft block in the draft's running gain
 DECAY = 0.98  # weight of the older verifications at each new one: the text's kind changes
 
@@ -147,9 +151,9 @@ class LookupProposer:
 
     @property
     def extra_seconds(self) -> float:
-        """A lookup step's fixed time over a plain step's, as measured (0 before both are)."""
+        """A lookup step's fixed time over a plain step's, as measured (0 before FIXED_MIN of each are)."""
         look, plain = self._fixed["lookup"], self._fixed["plain"]
-        if not look or not plain:
+        if len(look) < FIXED_MIN or len(plain) < FIXED_MIN:
             return 0.0
         return max(0.0, min(look) - min(plain))
 
