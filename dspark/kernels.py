@@ -181,6 +181,11 @@ def choose_kernels(mode: str) -> None:
         if lacking:
             raise DSparkError(f"kernels {mode} need {', '.join(lacking)}, which this CPU lacks: pass --kernels auto")
     _kernels = mode
+    if mode == "amx":  # the CPU has the tiles; whether the OS lets this process use them, the build says
+        ext = extension()
+        kind = ext.attn_prefill_kind() if ext is not None else f"no dspark kernel ({_build['why']})"
+        if kind != "amx-bf16":
+            raise DSparkError(f"kernels amx asked for, but this process cannot run AMX tiles: {kind}")
 
 
 def extension():

@@ -1305,3 +1305,20 @@ def test_the_kernels_setting_is_chosen_once_and_refused_where_it_cannot_run(monk
         DSparkError, match="kernels avx2 asked for, but this process already runs torch .kernels torch."
     ):
         kernels.choose_kernels("avx2")
+
+
+def test_kernels_amx_is_refused_where_the_os_refuses_the_tiles(monkeypatch):
+    """An AMX CPU whose OS refuses this process the tile state: --kernels amx is refused naming why,
+    never quietly run on the AVX-512 paths."""
+    from types import SimpleNamespace
+
+    why = "avx512-bf16 (the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16+ grants it))"
+    flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(kernels, "_build", {})
+    monkeypatch.setattr(kernels, "_kernels", "auto")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "extension", lambda: SimpleNamespace(attn_prefill_kind=lambda: why))
+    with pytest.raises(
+        DSparkError, match=r"kernels amx asked for, but this process cannot run AMX tiles: avx512-bf16 \(the OS refused"
+    ):
+        kernels.choose_kernels("amx")
