@@ -241,7 +241,8 @@ def extension():
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
-            if _kernels == "avx512" and isa == "avx512":  # the build without its tiles, before any kernel runs
+            if _kernels == "avx512" and isa == "avx512" and "amx_bf16" in cpu_flags():
+                # the build without its tiles, switched off before any kernel runs
                 _build["ext"].amx_off()
                 _build["amx_off"] = True
     return _build["ext"]
