@@ -88,6 +88,8 @@ _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why"
 # ops everywhere). Each computes its own numbers, so it is chosen once a process, before the
 # extension loads (choose_kernels); the other names are there to compare and diagnose
 KERNELS = ("auto", "amx", "avx512", "avx2", "torch")
+BUILD_OF = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2"}  # the ISAS build each named one runs
+AMX_FLAGS = ("amx_bf16", "amx_tile")  # what the tiles need beyond the AVX-512 build (csrc/amx.h)
 _kernels = "auto"
 # the int4 / Q8_0 matmuls' activations (EngineConfig.activations): auto | int8 | bf16; a build's
 # choice, so it is made once a process, before the extension loads (choose_activations)
@@ -127,7 +129,7 @@ def cpu_flags() -> frozenset[str]:
 def _isa() -> tuple[str | None, str]:
     """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
     flags = cpu_flags()
-    forced = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2"}.get(_kernels)
+    forced = BUILD_OF.get(_kernels)
     for isa, (need, _, _) in ISAS.items():
         if forced in (None, isa) and all(f in flags for f in need):
             lacking = [f for f in ISAS["avx512"][0] if f not in flags]
@@ -174,10 +176,9 @@ def choose_kernels(mode: str) -> None:
                 "(start a new process for the other)"
             )
         return
-    flags = cpu_flags()
-    if mode in ISAS or mode == "amx":
-        need = ISAS["avx512" if mode == "amx" else mode][0] + (("amx_bf16", "amx_tile") if mode == "amx" else ())
-        lacking = [f for f in need if f not in flags]
+    if mode in BUILD_OF:
+        need = ISAS[BUILD_OF[mode]][0] + (AMX_FLAGS if mode == "amx" else ())
+        lacking = [f for f in need if f not in cpu_flags()]
         if lacking:
             raise DSparkError(f"kernels {mode} need {', '.join(lacking)}, which this CPU lacks: pass --kernels auto")
     _kernels = mode
@@ -241,10 +242,8 @@ def extension():
         else:
             if fresh:
                 log.warning("dspark's CPU kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, root)
-            if _kernels == "avx512" and isa == "avx512" and "amx_bf16" in cpu_flags():
-                # the build without its tiles, switched off before any kernel runs
+            if isa == "avx512" and _amx_off():  # the build without its tiles, before any kernel runs
                 _build["ext"].amx_off()
-                _build["amx_off"] = True
     return _build["ext"]
 
 
@@ -255,14 +254,19 @@ def build_tag() -> str | None:
     ext = extension()
     if ext is None:
         return None
-    return ext.__name__ + ("-noamx" if _build.get("amx_off") else "")
+    return ext.__name__ + ("-noamx" if _amx_off() else "")
+
+
+def _amx_off() -> bool:
+    """Are the AVX-512 build's AMX tiles switched off here (`kernels avx512` on a CPU that has them)?"""
+    return _kernels == "avx512" and AMX_FLAGS[0] in cpu_flags()
 
 
 def amx_tiles() -> bool:
     """Does this process run AMX tiles (the AVX-512 build on a CPU with AMX-BF16, not switched off by
     `kernels avx512`)? The extension's own check (CPUID and the OS's permission) says whether they
     actually run: `attn_prefill_kind`."""
-    return extension_isa() == "avx512" and "amx_bf16" in cpu_flags() and not _build.get("amx_off")
+    return extension_isa() == "avx512" and AMX_FLAGS[0] in cpu_flags() and not _amx_off()
 
 
 def why_unavailable() -> str:

@@ -398,11 +398,8 @@ torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor 
 }
 
 // no AMX tiles in this process (dspark's kernels choice "avx512"): called before any kernel runs, since
-// the tiles' state is settled at their first use; false where that already happened with tiles on
-bool amx_off() {
-  amx::allowed() = false;
-  return !amx::state().ok;
-}
+// the tiles' state is settled at their first use
+void amx_off() { amx::allowed() = false; }
 
 // which attention a prefill runs here: 'amx-bf16', 'avx512-bf16', or 'per query' (attn_bf16) and why
 std::string attn_prefill_kind() {

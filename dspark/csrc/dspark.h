@@ -25,7 +25,7 @@ torch::Tensor attn_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 // the same over a prompt's many queries, faster, not attn_bf16's bits (attn_prefill.cpp); a prefill runs it
 // from this many positions a row (layers.cpp, dspark.reference.kernel_loop)
 constexpr int64_t PREFILL_ROWS = 16;
-bool amx_off();                   // no AMX tiles in this process (before any kernel runs): false where too late
+void amx_off();                   // no AMX tiles in this process (before any kernel runs)
 std::string attn_prefill_kind();  // 'amx-bf16' | 'avx512-bf16 (why not AMX)' | 'per query (why)'
 torch::Tensor attn_prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pos, double scale);
 torch::Tensor silu_mul_bf16(torch::Tensor gu);
