@@ -202,7 +202,7 @@ def build_engine(config: EngineConfig) -> Engine:
         )
         config = replace(config, dtype=actual)
     notes += more
-    model = target.model
+    model = target.checkpoint  # config and tensors: transformers' model is not built on this path
     draft = None
     if config.draft is not None:
         draft = load_draft(config.draft, model, layout=config.layout, dtype=target.dtype)

@@ -250,11 +250,11 @@ def diagnose(
     spec = load_spec(draft_path, layout=layout, check_values=False)  # values are checked below, and reported
     name = engine.config.target if engine.config is not None else ""
     report = Report(name, str(draft_path), spec)
-    checks, tensors = static_checks(spec, target.model, tokenizer, target.dtype)
+    checks, tensors = static_checks(spec, target.checkpoint, tokenizer, target.dtype)
     report.checks = checks
     if tensors is None or any(c.status == "fail" for c in checks if c.name in ("vocabulary", "dtype")):
         return report  # a draft that cannot be built for this target is not measured
-    draft = build_draft(spec, target.model, tensors, dtype=target.dtype)
+    draft = build_draft(spec, target.checkpoint, tensors, dtype=target.dtype)
     if engine.config is not None:  # the numbers asked for (--draft-weights, fp32 under --dtype fp32)
         fast.set_weights(draft, engine.config.draft_weights)
     with_draft = Engine(target, draft, tokenizer, engine.eos_token_ids)

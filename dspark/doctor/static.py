@@ -11,6 +11,7 @@ from dspark.errors import FormatError
 from dspark.formats.load import load_weights
 from dspark.formats.weights import FLOAT_STORAGE, WeightsMeta, iter_tensors
 from dspark.model.load import check_compatible
+from dspark.target.checkpoint import checkpoint_of
 
 # ---- static checks -----------------------------------------------------------------------------
 
@@ -19,7 +20,8 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
     """Vocabulary, dtype and finiteness of the stored weights. Returns (checks, tensors or None)."""
 
     checks: list[Check] = []
-    vocab = target_model.get_output_embeddings().weight.shape[0]
+    target_model = checkpoint_of(target_model)  # a transformers model or its Checkpoint
+    vocab = target_model.head().shape[0]
     try:
         check_compatible(spec, target_model)
         checks.append(
@@ -88,7 +90,7 @@ def static_checks(spec, target_model, tokenizer, run_dtype) -> tuple[list[Check]
         return checks, None
     checks.append(Check("finite weights", "ok", f"{len(tensors)} tensors, no NaN/inf"))
     emb = tensors.get("embed_tokens.weight")
-    tgt = target_model.get_input_embeddings().weight
+    tgt = target_model.embedding()
     table = emb if emb is not None else tgt.detach().cpu()
     if 0 <= spec.mask_token_id < table.shape[0] and float(table[spec.mask_token_id].float().abs().max()) == 0.0:
         # a padding row: every mask row then enters the draft as the same zero vector, and the

@@ -13,13 +13,12 @@ from typing import cast
 
 import torch
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dspark.errors import FormatError
 from dspark.formats.spec import DraftSpec, backbone_of
 from dspark.model import fast
 from dspark.model.heads import ConfidenceHead, MarkovHead
-from dspark.model.layers import DraftLayer, LayerKV, Rope
+from dspark.model.layers import DraftLayer, LayerKV, RMSNorm, Rope
 from dspark.ragged import merge_rows
 
 BORROWABLE = ("embed_tokens.weight", "lm_head.weight")
@@ -112,9 +111,9 @@ class DSparkDraft(nn.Module):
         n_taps = len(spec.hidden_state_indices)
         self.embed_tokens = nn.Embedding(V, H)
         self.layers = nn.ModuleList(DraftLayer(b) for _ in range(b.num_layers))
-        self.norm = Qwen3RMSNorm(H, eps=b.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=b.rms_norm_eps)
         self.fc = nn.Linear(n_taps * (spec.target_hidden_size or H), H, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(H, eps=b.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, eps=b.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.markov_head = (
             MarkovHead(V, Vd, spec.markov_rank, H, spec.markov_head_type) if spec.markov_rank > 0 else None

@@ -12,17 +12,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dspark.formats.spec import Backbone
 
 
-def hf_config(b: Backbone) -> Qwen3Config:
-    """A transformers config for the library pieces we reuse (MLP, RMSNorm, RoPE)."""
-    rope = {"rope_type": "default", "rope_theta": b.rope_theta}
-    if b.rope_scaling:
-        rope.update(b.rope_scaling)
+def hf_config(b: Backbone):
+    """A transformers Qwen3 config for the library's rotary module (scaled RoPE types, imported
+    only where a draft has one: the import costs seconds of every start)."""
+    from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
     return Qwen3Config(
         vocab_size=1,  # unused: embeddings are not built from this config
         hidden_size=b.hidden_size,
@@ -35,8 +33,76 @@ def hf_config(b: Backbone) -> Qwen3Config:
         rms_norm_eps=b.rms_norm_eps,
         max_position_embeddings=b.max_position_embeddings,
         attention_bias=b.attention_bias,
-        rope_parameters=rope,
+        rope_parameters=rope_parameters(b),
     )
+
+
+def rope_parameters(b: Backbone) -> dict:
+    rope = {"rope_type": "default", "rope_theta": b.rope_theta}
+    if b.rope_scaling:
+        rope.update(b.rope_scaling)
+    return rope
+
+
+class RMSNorm(nn.Module):
+    """transformers' Qwen3/Llama RMSNorm, the same arithmetic (fp32 statistics, the weight applied
+    in the input's dtype), without importing its modeling module on every start."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def activation(name: str):
+    """The MLP's activation: SiLU here, any other name from transformers' table (imported then)."""
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+class MLP(nn.Module):
+    """transformers' Qwen3/Llama gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, b: Backbone):
+        super().__init__()
+        H, inter = b.hidden_size, b.intermediate_size
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+        self.act_fn = activation(b.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """Unscaled RoPE as transformers' rotary module computes it (inv_freq in fp32; cos/sin in fp32,
+    then cast); a draft with a scaled RoPE type runs transformers' own module (Rope below)."""
+
+    def __init__(self, b: Backbone):
+        super().__init__()
+        dim = b.head_dim
+        inv_freq = 1.0 / (b.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.attention_scaling = 1.0
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +118,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Rope(nn.Module):
     def __init__(self, b: Backbone):
         super().__init__()
-        self.rotary = Qwen3RotaryEmbedding(hf_config(b))
+        if rope_parameters(b)["rope_type"] == "default":
+            self.rotary: nn.Module = Rotary(b)
+        else:
+            from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+            self.rotary = Qwen3RotaryEmbedding(hf_config(b))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [N, T] -> cos, sin [N, T, head_dim]
@@ -75,11 +146,11 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(H, self.num_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(H, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
-        self.q_norm: Qwen3RMSNorm | None
-        self.k_norm: Qwen3RMSNorm | None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if b.qk_norm:
-            self.q_norm = Qwen3RMSNorm(self.head_dim, eps=b.rms_norm_eps)
-            self.k_norm = Qwen3RMSNorm(self.head_dim, eps=b.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=b.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=b.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -116,11 +187,10 @@ class DraftAttention(nn.Module):
 class DraftLayer(nn.Module):
     def __init__(self, b: Backbone):
         super().__init__()
-        cfg = hf_config(b)
-        self.input_layernorm = Qwen3RMSNorm(b.hidden_size, eps=b.rms_norm_eps)
+        self.input_layernorm = RMSNorm(b.hidden_size, eps=b.rms_norm_eps)
         self.self_attn = DraftAttention(b)
-        self.post_attention_layernorm = Qwen3RMSNorm(b.hidden_size, eps=b.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(b.hidden_size, eps=b.rms_norm_eps)
+        self.mlp = MLP(b)
 
     def forward(self, x, ctx: LayerKV, mask, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), ctx, mask, cos, sin)

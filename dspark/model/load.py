@@ -9,14 +9,17 @@ from dspark.formats.load import load_spec, load_weights
 from dspark.formats.spec import DraftSpec
 from dspark.model.draft import DSparkDraft
 from dspark.model.packed import pack_linears
+from dspark.target.checkpoint import checkpoint_of
 
 log = logging.getLogger("dspark")
 
 
 def check_compatible(spec: DraftSpec, target_model) -> None:
-    """The draft must fit the target it will run against: vocab, taps, hidden width."""
-    cfg = target_model.config
-    vocab = target_model.get_output_embeddings().weight.shape[0]
+    """The draft must fit the target it will run against: vocab, taps, hidden width.
+    target_model: a transformers model or its dspark.target.checkpoint.Checkpoint."""
+    ck = checkpoint_of(target_model)
+    cfg = ck.config
+    vocab = ck.head().shape[0]
     if spec.vocab_size != vocab:
         raise FormatError(f"draft vocab_size {spec.vocab_size} != target vocabulary {vocab}")
     if not 0 <= spec.mask_token_id < vocab:
@@ -25,18 +28,19 @@ def check_compatible(spec: DraftSpec, target_model) -> None:
     bad = [i for i in spec.hidden_state_indices if not 0 <= i <= n_layers]
     if bad:
         raise FormatError(f"hidden_state_indices {bad} outside 0..{n_layers} for this {n_layers}-layer target")
-    hidden = target_model.get_input_embeddings().weight.shape[1]
+    hidden = ck.embedding().shape[1]
     if spec.target_hidden_size and spec.target_hidden_size != hidden:
         raise FormatError(f"draft target_hidden_size {spec.target_hidden_size} != target hidden size {hidden}")
 
 
 def build_draft(spec: DraftSpec, target_model, tensors: dict | None = None, dtype=None) -> DSparkDraft:
-    """A draft on the target's device; `tensors` None means random init (training, tests)."""
-    check_compatible(spec, target_model)
-    dtype = dtype or next(target_model.parameters()).dtype
+    """A draft on the target's device; `tensors` None means random init (training, tests).
+    target_model: a transformers model or its dspark.target.checkpoint.Checkpoint."""
+    ck = checkpoint_of(target_model)
+    check_compatible(spec, ck)
+    dtype = dtype or ck.dtype
     draft = DSparkDraft(spec)
-    embed = target_model.get_input_embeddings().weight
-    head = target_model.get_output_embeddings().weight
+    embed, head = ck.embedding(), ck.head()
     if tensors is None:
         own = {k: v for k, v in draft.state_dict().items() if not k.startswith("rope.")}
         tensors = {k: v for k, v in own.items() if k not in ("embed_tokens.weight", "lm_head.weight")}

@@ -75,7 +75,11 @@ StateT = TypeVar("StateT", bound=TargetState)
 
 @runtime_checkable
 class Target(Protocol[StateT]):
-    model: Any  # the Hugging Face model whose weights it runs (the reference path)
+    @property
+    def model(self) -> Any:
+        """The Hugging Face model whose weights it runs (the reference path; built where asked)."""
+
+    checkpoint: Any  # its config and tensors (dspark.target.checkpoint.Checkpoint): what the draft borrows
     device: torch.device
     dtype: torch.dtype
     vocab_size: int

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from dspark import kernels, packing
+from dspark import kernels
 
 log = logging.getLogger("dspark")
 
@@ -53,31 +53,36 @@ def available_memory() -> int | None:
     return None
 
 
-def fused_parts(layer, name: str) -> list[torch.nn.Linear]:
-    """The linears of an HF decoder layer that FUSED matrix `name` stacks, in order."""
+def part_names(i: int, name: str) -> list[str]:
+    """The transformers names of decoder layer i's linears that FUSED matrix `name` stacks, in order."""
     block, names = PARTS[name]
-    sub = getattr(layer, block)
-    return [getattr(sub, n) for n in names]
+    return [f"model.layers.{i}.{block}.{n}" for n in names]
 
 
-def fused_weight(layer, name: str) -> torch.Tensor:
-    """One of an HF decoder layer's FUSED matrices: q | k | v stacked, o, gate | up stacked, down."""
-    parts = fused_parts(layer, name)
-    return parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts])
+def fused_weight(ck, i: int, name: str) -> torch.Tensor:
+    """One of decoder layer i's FUSED matrices (checkpoint `ck`): q | k | v stacked, o, gate | up
+    stacked, down."""
+    ws = [ck.tensor(f"{n}.weight") for n in part_names(i, name)]
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def fused_bias(layer, name: str) -> torch.Tensor | None:
-    """The bias of `fused_weight(layer, name)` (None: none), its parts' end to end."""
-    parts = fused_parts(layer, name)
-    return parts[0].bias if len(parts) == 1 else packing.fused_bias(*parts)
+def fused_bias(ck, i: int, name: str) -> torch.Tensor | None:
+    """The bias of `fused_weight(ck, i, name)` (None: none), its parts' end to end (zeros for a part
+    without one)."""
+    parts = part_names(i, name)
+    if not any(ck.has(f"{n}.bias") for n in parts):
+        return None
+    return torch.cat(
+        [ck.tensor(f"{n}.bias") if ck.has(f"{n}.bias") else torch.zeros(ck.shape(f"{n}.weight")[0]) for n in parts]
+    )
 
 
-def make(model, stack) -> list[tuple[torch.Tensor, ...]]:
-    """Each decoder layer's FUSED matrices as dense bf16 [N, K] from `model`'s own weights, handed to
-    the layer stack `stack` (None: none); an empty list, with a warning, where the copy would take
-    more than DENSE_MEMORY_SHARE of the memory available."""
-    layers = model.model.layers
-    need = 2 * sum(w.numel() for ly in layers for w in ly.parameters() if w.dim() == 2)
+def make(ck, num_layers: int, stack) -> list[tuple[torch.Tensor, ...]]:
+    """Each of the `num_layers` decoder layers' FUSED matrices as dense bf16 [N, K] from checkpoint
+    `ck`'s own weights, handed to the layer stack `stack` (None: none); an empty list, with a
+    warning, where the copy would take more than DENSE_MEMORY_SHARE of the memory available."""
+    shapes = [ck.shape(f"{n}.weight") for i in range(num_layers) for f in FUSED for n in part_names(i, f)]
+    need = 2 * sum(s[0] * s[1] for s in shapes)
     avail = available_memory()
     if avail is not None and need > DENSE_MEMORY_SHARE * avail:
         log.warning(
@@ -89,7 +94,7 @@ def make(model, stack) -> list[tuple[torch.Tensor, ...]]:
         )
         return []
     with torch.no_grad():
-        out = [tuple(fused_weight(ly, n).detach().to(torch.bfloat16).contiguous() for n in FUSED) for ly in layers]
+        out = [tuple(fused_weight(ck, i, n).to(torch.bfloat16).contiguous() for n in FUSED) for i in range(num_layers)]
     if stack is not None:
         stack.ext.layers_set_dense(stack.id, [w for ly in out for w in ly])
     return out

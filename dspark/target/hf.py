@@ -18,6 +18,7 @@ from dspark.errors import RequestError
 from dspark.ops import argmax
 from dspark.ragged import merge_rows, pack
 from dspark.target.base import Forwards, Result, check_finite
+from dspark.target.checkpoint import Checkpoint
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -54,6 +55,7 @@ class TargetState:
 class HFTarget(Forwards):
     def __init__(self, model, tap_indices: tuple[int, ...] = ()):
         self.model = model.eval()
+        self.checkpoint = Checkpoint.from_model(model)
         self.config = model.config
         self.layers = decoder_layers(model)
         self.num_layers = len(self.layers)

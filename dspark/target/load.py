@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark import envs, kernels
 from dspark.errors import DSparkError
 from dspark.progress import step
 from dspark.target.base import Target
+from dspark.target.checkpoint import Checkpoint
 from dspark.target.hf import HFTarget
 from dspark.target.native import NativeTarget, supports
 from dspark.target.quant import FLOAT_NAMES, FLOATS, WEIGHTS, resolve_weights
@@ -129,6 +129,8 @@ def smollm2_dir() -> Path:
             return out
         gguf = smollm2_gguf()
         with step(f"converting {gguf.name} to a transformers copy (once per cache folder)", f"converted it to {out}"):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             del model.config.quantization_config  # save_pretrained refuses GGUF-quantised configs
@@ -174,13 +176,38 @@ def load_target(name_or_path: str, dtype="bf16", device: str | None = None):
     """-> (model, tokenizer or None)."""
     device = device or default_device()
     path = resolve_target(name_or_path)
+    return load_model(path, dtype, device), load_tokenizer(path)
+
+
+def load_model(path: Path, dtype="bf16", device: str = "cpu"):
+    """transformers' model of the directory `path` (its modeling code imported here)."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device))
     # transformers wraps PreTrainedModel.to in functools.wraps, whose stub mypy does not bind to the instance
-    model = model.to(device).eval()  # type: ignore[arg-type]
-    tokenizer = None
-    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
+# tokenizer classes that are transformers' tokenizers-library backend itself: loaded by that class
+# directly, without the auto classes' import (seconds of a start); any other through AutoTokenizer
+BACKEND_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of the directory `path`, or None where it has none."""
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in BACKEND_TOKENIZERS and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def float_weights_conflict(weights: str, dtype: str) -> str:
@@ -282,13 +309,20 @@ def _open_native(
     """open_target's native runtime (or its fallback to hf where runtime "auto" meets a model the
     native runtime does not implement); `done["detail"]` gets what reading and packing took."""
     t0 = time.perf_counter()
-    # the native runtime copies the weights into its own format: load them exactly once, in fp32
-    model, tokenizer = load_target(name_or_path, "fp32", device)
+    # the native runtime copies the weights into its own formats: read them once, in fp32, from
+    # the files where that is exact (dspark.target.checkpoint), else through transformers' model
+    path = resolve_target(name_or_path)
+    tokenizer = load_tokenizer(path)
+    ck = Checkpoint.from_dir(path, lambda: load_model(path, "fp32", device)) if str(device).startswith("cpu") else None
+    if ck is not None and not supports(ck)[0]:
+        ck = None  # what the files alone do not say (other names, other layers): transformers reads them
+    model = ck if ck is not None else load_model(path, "fp32", device)
     read = time.perf_counter() - t0
     ok, why = supports(model)
     if not ok and runtime == "auto":
         done["detail"] = "transformers runtime"
-        return HFTarget(model.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
+        hf = model.model() if isinstance(model, Checkpoint) else model
+        return HFTarget(hf.to(act)), tokenizer, [f"runtime auto -> hf ({why})"]
     notes = []
     if weights == "auto":
         own = (

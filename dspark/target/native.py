@@ -35,6 +35,7 @@ from dspark.errors import DSparkError, RequestError
 from dspark.ops import NO_TENSOR
 from dspark.target import dense, torch_layers
 from dspark.target.base import Forwards, Result, check_finite
+from dspark.target.checkpoint import EMBED, NORM, Checkpoint, checkpoint_of
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
 from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
 
@@ -50,20 +51,22 @@ def _rope_type(cfg) -> str:
 
 
 def supports(model) -> tuple[bool, str]:
-    """(True, "") when this runtime reproduces `model`; else (False, why)."""
-    cfg = getattr(model, "config", None)
+    """(True, "") when this runtime reproduces `model` (a transformers model or a Checkpoint); else
+    (False, why)."""
+    ck = checkpoint_of(model)
+    cfg = ck.config
+    name = type(model).__name__ if not isinstance(model, Checkpoint) else str(getattr(cfg, "model_type", "model"))
     mt = getattr(cfg, "model_type", None)
     if mt not in FAMILIES:
-        return False, f"architecture {type(model).__name__} (model_type {mt!r}) is not one of {', '.join(FAMILIES)}"
+        return False, f"architecture {name} (model_type {mt!r}) is not one of {', '.join(FAMILIES)}"
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
-        return False, f"{type(model).__name__}: activation {act!r} (only silu is implemented)"
+        return False, f"{name}: activation {act!r} (only silu is implemented)"
     rope = _rope_type(cfg)
     if rope not in STATIC_ROPE:
         return (
             False,
-            f"{type(model).__name__}: rope type {rope!r} depends on the sequence length "
-            f"(static variants: {', '.join(STATIC_ROPE)})",
+            f"{name}: rope type {rope!r} depends on the sequence length (static variants: {', '.join(STATIC_ROPE)})",
         )
     layer_types = getattr(cfg, "layer_types", None) or []
     window = getattr(cfg, "sliding_window", None)
@@ -71,13 +74,11 @@ def supports(model) -> tuple[bool, str]:
         mt == "mistral" and window is not None and window < getattr(cfg, "max_position_embeddings", 1 << 30)
     )
     if sliding:
-        return False, f"{type(model).__name__}: sliding-window attention layers are not implemented"
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
-        return False, f"{type(model).__name__}: no .model.layers/.rotary_emb (not a standard causal-LM layout)"
-    attn = base.layers[0].self_attn
-    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return False, f"{type(model).__name__}: attention without q/k/v/o projections"
+        return False, f"{name}: sliding-window attention layers are not implemented"
+    if not ck.has(EMBED) or not ck.has(NORM):
+        return False, f"{name}: no model.embed_tokens / model.norm (not a standard causal-LM layout)"
+    if not all(ck.has(f"model.layers.0.self_attn.{p}.weight") for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return False, f"{name}: attention without q/k/v/o projections"
     return True, ""
 
 
@@ -138,8 +139,10 @@ class _LayerStack:
 class NativeTarget(Forwards):
     """A Llama-family causal LM run natively; see the module docstring.
 
-    model: the loaded HF model (weights are copied into the chosen format; the model itself
-      is kept as `.model` for code that wants the reference path).
+    model: the target's Checkpoint (dspark.target.checkpoint: its config and tensors), or a loaded
+      transformers model (its Checkpoint taken); the weights are copied into the chosen format, and
+      transformers' model is `.model`, built from the checkpoint's files where code wants the
+      reference path.
     weights: 'auto' | 'fp32' | 'bf16' | 'fp16' | 'int8' | 'int4' (see `resolve_weights`).
     head: format of the LM head; None = the decoder's format, except under 'auto' int4, where
       a head that is not itself 4-bit (SmolLM2's is Q8_0 in the GGUF) stays in float (the
@@ -166,77 +169,77 @@ class NativeTarget(Forwards):
         if ops not in ("auto", "torch"):
             raise DSparkError(f"unknown ops {ops!r} (choose auto or torch)")
         self.ops = ops
-        ok, why = supports(model)
+        ck = checkpoint_of(model)
+        ok, why = supports(ck)
         if not ok:
             raise DSparkError(f"the native runtime does not support this model: {why}")
-        self.model = model.eval()
-        self.config = cfg = model.config
-        self.device = next(model.parameters()).device
+        if not isinstance(model, Checkpoint):
+            model.eval()
+        self.checkpoint = ck
+        self.config = cfg = ck.config
+        self.device = ck.device
         requested = weights
         self._packs = packs
-        self.weights = self._fact(f"weights {weights}", lambda: resolve_weights(model, weights, self.device))
+        self.weights = self._fact(f"weights {weights}", lambda: resolve_weights(ck, weights, self.device))
         self.dtype = act_dtype or FLOATS.get(self.weights, torch.bfloat16)
         if self.weights in FLOATS and self.dtype != FLOATS[self.weights]:
             raise DSparkError(f"weights {self.weights!r} run with {self.weights} activations, not {self.dtype}")
         act = self.dtype
-        base = model.model
-        self.num_layers = len(base.layers)
+        self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.max_length = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-        lm_head = model.get_output_embeddings()
-        self.vocab_size = lm_head.weight.shape[0]
+        head_w = ck.head()
+        self.vocab_size = head_w.shape[0]
         with torch.no_grad():
-            self.embed = base.embed_tokens.weight.detach().to(act)  # [V, H]: a gather, any format is cheap
-            self.layers = self._build(base, self.weights, act)
+            self.embed = ck.embedding().to(act)  # [V, H]: a gather, any format is cheap
+            self.layers = self._build(ck, self.weights, act)
             if requested == "auto" and not all(
                 lin.exact for ly in self.layers for lin in (ly.wqkv, ly.wo, ly.w13, ly.w2)
             ):
                 # the 64-row screen passed but a later row is not 4-bit: keep the model's own numbers
                 self.weights, self.dtype = "fp32", torch.float32
                 act = self.dtype
-                self.embed = base.embed_tokens.weight.detach().to(act)
-                self.layers = self._build(base, self.weights, act)
-            self.norm = base.norm.weight.detach().to(act)
+                self.embed = ck.embedding().to(act)
+                self.layers = self._build(ck, self.weights, act)
+            self.norm = ck.tensor(NORM).to(act)
             # dspark's extension runs the layer stack (bf16 only; torch's ops otherwise: _LayerStack.of)
             self._ext = (
                 kernels.extension() if ops == "auto" and act == torch.bfloat16 and self.device.type == "cpu" else None
             )
             auto_int4_head = head is None and requested == "auto" and self.weights == "int4"
-            if auto_int4_head and not self._fact("head int4", lambda: is_int4_exact(lm_head.weight, rows=64)):
+            if auto_int4_head and not self._fact("head int4", lambda: is_int4_exact(head_w, rows=64)):
                 # not 4-bit: an exact Q8_0 head (the GGUF's, for SmolLM2) runs on dspark's int8
                 # kernel where it can, else the head stays in float; it is never re-quantised
                 q8 = (
                     ops == "auto"
                     and act == torch.bfloat16
-                    and packing.tile_applies(*lm_head.weight.shape)
-                    and self._fact("head q8_0", lambda: is_q8_exact(lm_head.weight, rows=64))
+                    and packing.tile_applies(*head_w.shape)
+                    and self._fact("head q8_0", lambda: is_q8_exact(head_w, rows=64))
                 )
                 head = "q8_0" if q8 else "fp32" if act == torch.float32 else "bf16"
             head = head or self.weights
             if (
-                head == "int4" and lm_head.weight.shape[0] % 16
+                head == "int4" and head_w.shape[0] % 16
             ):  # no int4 kernel holds it: the head stays float (describe() says so)
                 head = "fp32" if act == torch.float32 else "bf16"
-            self.head = self._linear("head", lambda: lm_head.weight, lambda: lm_head.bias, head, FLOATS.get(head, act))
+            self.head = self._linear("head", lambda: head_w, ck.head_bias, head, FLOATS.get(head, act))
             if auto_int4_head and not self.head.exact:
                 head = "fp32" if act == torch.float32 else "bf16"
-                self.head = self._linear(
-                    "head", lambda: lm_head.weight, lambda: lm_head.bias, head, FLOATS[head], "auto"
-                )
+                self.head = self._linear("head", lambda: head_w, ck.head_bias, head, FLOATS[head], "auto")
             self.head_format = head
             self._head_act = FLOATS.get(head, act)  # a float head runs in its own dtype
-            # RoPE table [P, D] from the model's own rotary module (inv_freq + attention scaling),
-            # computed in fp32 as HF does, then cast to the activation dtype as HF does
-            rot = base.rotary_emb
-            inv = rot.inv_freq.float().to(self.device)
+            # RoPE table [P, D] from the model's inv_freq and attention scaling (as its rotary module
+            # holds them: Checkpoint.rope), computed in fp32 as HF does, then cast to the activation
+            # dtype as HF does
+            inv, scale = ck.rope()
+            inv = inv.float().to(self.device)
             t = torch.arange(self.max_length + CACHE_CHUNK, device=self.device, dtype=torch.float32)
             freqs = torch.outer(t, inv)
             emb = torch.cat([freqs, freqs], -1)
-            scale = float(getattr(rot, "attention_scaling", 1.0))
             self.cos = (emb.cos() * scale).to(act)
             self.sin = (emb.sin() * scale).to(act)
             # every weight a step streams in 2 MB pages, where the OS gives them (before the
@@ -257,7 +260,7 @@ class NativeTarget(Forwards):
         shared by this target's views; empty where refused for memory."""
         out = self._dense_box[0]
         if out is None:
-            out = self._dense_box[0] = dense.make(self.model, self._stack)
+            out = self._dense_box[0] = dense.make(self.checkpoint, self.num_layers, self._stack)
         return out
 
     def _fact(self, key: str, compute):
@@ -273,33 +276,40 @@ class NativeTarget(Forwards):
 
         return compute() if self._packs is None else self._packs.linear(name, fmt, act, ops, compute)
 
-    def _build(self, base, fmt: str, act: torch.dtype) -> list[Layer]:
+    @property
+    def model(self):
+        """transformers' model of this target, for reference paths (built from its files at the
+        first use where the target was read from them: dspark.target.checkpoint)."""
+        return self.checkpoint.model()
+
+    def _build(self, ck: Checkpoint, fmt: str, act: torch.dtype) -> list[Layer]:
         layers = []
-        for i, layer in enumerate(base.layers):
-            a = layer.self_attn
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
             # the FUSED matrices (q|k|v, o, gate|up, down), each packed or read from the pack store
             linears = {
                 name: self._linear(
                     f"layers.{i}.{name}",
-                    lambda layer=layer, name=name: dense.fused_weight(layer, name),
-                    lambda layer=layer, name=name: dense.fused_bias(layer, name),
+                    lambda i=i, name=name: dense.fused_weight(ck, i, name),
+                    lambda i=i, name=name: dense.fused_bias(ck, i, name),
                     fmt,
                     act,
                 )
                 for name in dense.FUSED
             }
+            qk = ck.has(pre + "self_attn.q_norm.weight")
             layers.append(
                 Layer(
-                    ln1=layer.input_layernorm.weight.detach().to(act),
+                    ln1=ck.tensor(pre + "input_layernorm.weight").to(act),
                     qk_norm=torch.cat(
                         [
-                            a.q_norm.weight.detach().expand(self.n_heads, -1),
-                            a.k_norm.weight.detach().expand(self.n_kv, -1),
+                            ck.tensor(pre + "self_attn.q_norm.weight").expand(self.n_heads, -1),
+                            ck.tensor(pre + "self_attn.k_norm.weight").expand(self.n_kv, -1),
                         ]
                     ).to(act)
-                    if hasattr(a, "q_norm")
+                    if qk
                     else None,
-                    ln2=layer.post_attention_layernorm.weight.detach().to(act),
+                    ln2=ck.tensor(pre + "post_attention_layernorm.weight").to(act),
                     **linears,
                 )
             )

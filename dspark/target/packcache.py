@@ -43,7 +43,7 @@ import dspark
 from dspark import envs, kernels, packing
 from dspark.doctor.cache import cpu_class, directory_digests
 from dspark.errors import DSparkError
-from dspark.target import native, quant
+from dspark.target import checkpoint, dense, native, quant
 from dspark.target.load import resolve_target
 from dspark.target.quant import Linear
 
@@ -53,8 +53,9 @@ PACK_FORMAT = "dspark-packed-weights"
 PACK_VERSION = 1  # what a file holds and how it is keyed; a change makes every file stale
 STORED = ("int4", "int8", "q8_0")  # the formats whose Linear is computed; float ones are converted
 # the code whose output is stored: the formats (quant.py), the layers they are fused into and the
-# head's choice (NativeTarget's construction), the tile's layouts (dspark/packing.py's functions,
-# not the whole file: its kernels are named by their build) and this file's layout
+# head's choice (NativeTarget's construction), the weights it reads (dense.py, checkpoint.py), the
+# tile's layouts (dspark/packing.py's functions, not the whole file: its kernels are named by their
+# build) and this file's layout
 CODE = (
     Path(__file__).resolve(),
     Path(quant.__file__).resolve(),
@@ -62,8 +63,10 @@ CODE = (
     native.NativeTarget._build,
     native.NativeTarget._linear,
     native.NativeTarget._fact,
+    dense.fused_weight,
+    dense.fused_bias,
+    checkpoint.Checkpoint.head,
     packing.pack_bf16,
-    packing.fused_bias,
     packing._group_scales,
     packing.pack_q4,
     packing._octets,

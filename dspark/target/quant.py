@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from dspark import kernels, ops, packing
 from dspark.errors import DSparkError
 from dspark.packing import q8_groups
+from dspark.target.checkpoint import checkpoint_of
 
 WEIGHTS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,7 +145,8 @@ def on_tile(lin: Linear) -> bool:
 
 
 def resolve_weights(model, weights: str, device) -> str:
-    """'auto': keep the model's own numbers, only repacking them where that is exact and faster.
+    """'auto': keep the model's own numbers, only repacking them where that is exact and faster
+    (model: a transformers model or its dspark.target.checkpoint.Checkpoint).
 
     A model whose decoder weights are exactly 4-bit groups of 32 (dequantised from a Q4 GGUF,
     like the shipped SmolLM2) runs as int4 on CPU: the same values, a quarter of the bytes of
@@ -157,14 +159,16 @@ def resolve_weights(model, weights: str, device) -> str:
         if weights in ("int8", "int4") and torch.device(device).type != "cpu":
             raise DSparkError(f"weights {weights!r} use torch's CPU kernels; the model is on {device}")
         return weights
-    dtype = next(model.parameters()).dtype
+    ck = checkpoint_of(model)
+    dtype = ck.dtype
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         # a screen of 64 rows per matrix; NativeTarget falls back to fp32 if packing finds otherwise
-        if all(is_int4_exact(m.weight, rows=64) for layer in model.model.layers for m in hf_linears(layer)):
+        names = [f"model.layers.{i}.{n}.weight" for i in range(ck.config.num_hidden_layers) for n in HF_LINEARS]
+        if all(is_int4_exact(ck.tensor(n), rows=64) for n in names):
             return "int4"
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def hf_linears(layer):
-    a, m = layer.self_attn, layer.mlp
-    return (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+HF_LINEARS = tuple(f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
+    f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")
+)
