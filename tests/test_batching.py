@@ -188,7 +188,7 @@ def test_verifying_nothing_reports_zero_acceptance(models):
 # ---- benchmark -----------------------------------------------------------------------------------
 
 
-def test_bench_batching_function(models):
+def test_bench_batching_function(models, monkeypatch):
     from dspark.bench.batching import ARMS, bench_batching
 
     model, draft = models
@@ -210,6 +210,10 @@ def test_bench_batching_function(models):
     with pytest.raises(DSparkError, match="repeats"):
         bench_batching(engine_for(model, draft), PROMPTS[:1], repeats=0)
     assert rows[0]["vs_plain"] == 1.0
+    # an arm whose policy never drafts verified nothing: no acceptance length to report (not 0)
+    monkeypatch.setattr(AdaptiveScheduler, "should_draft", lambda self, batch: False)
+    never = bench_batching(engine_for(model, draft), PROMPTS[:1], concurrency=(1,), arms=("plain", "adaptive"))
+    assert never[1]["drafting_steps"] == 0.0 and never[1]["mean_accept_length"] is None
     full = next(r for r in rows if r["arm"] == "full")
     assert full["verified_per_step"] == full["drafted_per_step"] == draft.spec.gamma
 

@@ -134,7 +134,10 @@ def bench_batching(
                 "seconds": round(dt, 4),
                 "tokens_per_s": round(out / dt, 2),
                 "repeats": repeats,
-                "mean_accept_length": round(m.mean_accept_length, 3) if draft is not None and arm != "plain" else 1.0,
+                # tokens a verify step commits; an arm that never verified has no such figure (None)
+                "mean_accept_length": 1.0
+                if arm == "plain" or draft is None
+                else (round(m.mean_accept_length, 3) if m.steps else None),
                 "verified_per_step": round(m.verified / m.steps, 3) if m.steps else 0.0,
                 "drafted_per_step": round(m.drafted / m.steps, 3) if m.steps else 0.0,
                 # share of decode steps that drafted at all (adaptive skips drafting when it does not pay)

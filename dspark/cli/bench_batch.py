@@ -95,7 +95,7 @@ def print_table(rows: list[dict]) -> None:
             r["arm"],
             f"{r['tokens_per_s']:.1f}",
             "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}",
-            f"{r['mean_accept_length']:.2f}",
+            "-" if r["mean_accept_length"] is None else f"{r['mean_accept_length']:.2f}",
             f"{r['verified_per_step']:.2f}",
             f"{r.get('drafting_steps', 0.0):.0%}",
             str(r["output_tokens"]),
