@@ -49,6 +49,7 @@ def train_config(args, data: str, heldout: str | None, features: str, out: str):
         grad_clip=args.grad_clip,
         max_anchors=args.max_anchors,
         anchor_window=args.anchor_window,
+        quant_aware=args.quant_aware,
         decay=args.decay,
         ce_weight=args.ce_weight,
         l1_weight=args.l1_weight,

@@ -89,6 +89,13 @@ def _fit_args(p) -> None:
         help="draw training anchors only among each answer's first N tokens, the part a reply of N "
         "tokens decodes (0: the whole answer)",
     )
+    g.add_argument(
+        "--quant-aware",
+        default="none",
+        choices=("none", "q4"),
+        help="q4: compute the draft's matrices (fc, the layers') with the Q4_1 values the engine's default "
+        "draft format holds, gradients straight through (none: float)",
+    )
     g.add_argument("--decay", type=float, default=4.0, help="slot weight exp(-slot/decay)")
     g.add_argument(
         "--no-tap-scale",

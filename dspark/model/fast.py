@@ -55,12 +55,26 @@ def _q8(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return packing.pack_q8(q.reshape(w.shape).to(torch.int8), d)
 
 
-def _q4(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q4_1 of w [N, K] (GGUF's rule: w = q d + lo, q in 0..15 per group of 32; fp16 d and lo) -> (P, D, L)."""
+def q4_1_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 of w [N, K] (GGUF's rule: w = q d + lo, q in 0..15 per group of 32 inputs; fp16 d and
+    lo) -> q [N, K/32, 32], d and lo [N, K/32], all fp32."""
     g = w.detach().float().reshape(w.shape[0], -1, 32)
     lo = g.amin(-1).half().float()
     d = ((g.amax(-1) - lo) / 15).half().float()
     q = ((g - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
+    return q, d, lo
+
+
+def q4_1_values(w: torch.Tensor) -> torch.Tensor:
+    """The values dspark's Q4_1 matrices hold for w [N, K] (fp32, w's shape): what a draft trained
+    against its shipping format computes with (dspark.train.quant_aware)."""
+    q, d, lo = q4_1_groups(w)
+    return (q * d[..., None] + lo[..., None]).reshape(w.shape)
+
+
+def _q4(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_1 of w [N, K] (q4_1_groups) -> (P, D, L)."""
+    q, d, lo = q4_1_groups(w)
     return packing.pack_q4(q.reshape(w.shape), d, lo)
 
 

@@ -104,6 +104,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_anchors: int | None = 64  # per sequence and step (DeepSpec samples up to 512; CPU budgets need fewer)
     anchor_window: int = 0  # > 0: training anchors only among each answer's first N tokens
+    quant_aware: str = "none"  # "q4": the draft's matrices computed as the engine's Q4_1 ones (train/quant_aware.py)
     ce_weight: float = 0.1
     l1_weight: float = 0.9
     conf_weight: float = 1.0
@@ -147,6 +148,8 @@ class TrainConfig:
         for name, v in positive.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+        if self.quant_aware not in ("none", "q4"):
+            raise TrainError(f"--quant-aware must be none or q4, got {self.quant_aware!r}")
         if not (isinstance(self.anchor_window, int) and self.anchor_window >= 0):
             raise TrainError(f"--anchor-window must be 0 (the whole answer) or more, got {self.anchor_window!r}")
         if not (isinstance(self.eval_answer_tokens, int) and self.eval_answer_tokens >= 0):

@@ -49,6 +49,7 @@ from dspark.train.features import (
     tap_scale,
 )
 from dspark.train.loss import LossWeights, TargetHead, draft_rows, loss_sums, make_blocks, pack_blocks, sample_anchors
+from dspark.train.quant_aware import make_quant_aware
 from dspark.train.rundir import CONFIG, DRAFT, METRICS, STATE, load_state, read_run_config
 from dspark.train.warmstart import init_layers_from_target, init_output_norm, init_weights, load_init, reduce_vocab
 
@@ -177,6 +178,9 @@ class Run:
             # the file's fc reads raw taps (the scale is folded in at export): unfold it for scaled taps
             with torch.no_grad():
                 self.draft.fc.weight.mul_(self.tap_scale.to(self.draft.fc.weight.device)[None, :])
+        n = make_quant_aware(self.draft, cfg.quant_aware, self.tap_scale)
+        if n and ctx.main:
+            self.echo(f"quant-aware: {n} matrices computed as the engine's Q4_1 ones (gradients straight through)")
 
     # ---- pieces --------------------------------------------------------------------------
     def _load_init(self, path: str) -> dict:
