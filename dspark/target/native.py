@@ -1,11 +1,13 @@
 """A native runtime for Llama-family targets (Llama/SmolLM2, Qwen2, Qwen3, Mistral), gpt-fast style.
 
-The Hugging Face model stays the source of the weights (every loading path keeps working);
-this runtime re-runs its forward pass with less machinery, because at batch 1 on a CPU a decode
+The weights are a Hugging Face causal LM's, by transformers' names (target/checkpoint.py: read
+from the model directory's safetensors, or taken from a loaded transformers model); this runtime
+re-runs its forward pass with less machinery, because at batch 1 on a CPU a decode
 step is bound by reading the weights and by per-op overhead, not by FLOPs:
 - q/k/v and gate/up are fused into one matmul each (fewer, larger weight reads);
-- RoPE cos/sin come from a table precomputed once from the model's own rotary module (so every
-  static rope variant it implements is honoured; length-dependent ones are refused);
+- RoPE cos/sin come from a table precomputed once from the model's inverse frequencies (its own
+  rotary module's, so every static rope variant it implements is honoured; unscaled RoPE computed
+  as that module computes it; length-dependent variants are refused);
 - the KV cache (target/kvcache.py) is one preallocated tensor with a length per row;
 - the hidden-state taps are written in-line into the buffer the draft reads (tap i = the input
   of decoder layer i = HF hidden_states[i]; tap num_layers = the last layer's output BEFORE the
