@@ -31,18 +31,9 @@ from transformers import (
 )
 
 from tests.test_train_fixtures import char_tokenizer
-from tests.tiny import hf_greedy, q4_exact, tiny_draft, tiny_target
+from tests.tiny import FAMILY_SIZES, hf_greedy, q4_exact, tiny_draft, tiny_target
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-)
+COMMON = dict(FAMILY_SIZES, rms_norm_eps=1e-5)
 
 
 def _llama_tied():

@@ -26,17 +26,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from tests.tiny import bigram_draft, engine_for, hf_greedy, q4_exact, tiny_target
+from tests.tiny import FAMILY_SIZES, bigram_draft, engine_for, hf_greedy, q4_exact, tiny_target
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+COMMON = FAMILY_SIZES
 
 
 def _llama(tied=False, kv=2, rope=None):

@@ -5,18 +5,9 @@ import torch
 from dspark.engine.sampling import SamplingParams
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from tests.tiny import engine_for, hf_greedy, tiny_draft
+from tests.tiny import FAMILY_SIZES, engine_for, hf_greedy, tiny_draft
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+COMMON = dict(FAMILY_SIZES, tie_word_embeddings=False)
 
 
 def _qwen2():

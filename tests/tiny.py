@@ -7,6 +7,17 @@ from dspark.model.factory import make_spec
 from dspark.model.load import build_draft
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# a tiny decoder of any family (LlamaConfig, Qwen2Config, ...: their shared fields)
+FAMILY_SIZES = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
 
 def tiny_target(seed: int = 0, vocab: int = 96, layers: int = 4, hidden: int = 64, dtype=torch.float32):
     torch.manual_seed(seed)
