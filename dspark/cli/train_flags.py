@@ -7,7 +7,7 @@ import argparse
 from dspark.cli.engine_flags import add_engine_flags
 from dspark.formats.load import LAYOUTS
 from dspark.target.load import RUNTIMES
-from dspark.train.config import FEATURE_RUNTIMES, INIT_LAYERS
+from dspark.train.config import FEATURE_RUNTIMES, INIT_LAYERS, QUANT_AWARE
 
 DATA_HELP = "a shard (.jsonl) or packed data set; several, comma-separated, train as one"
 
@@ -92,7 +92,7 @@ def _fit_args(p) -> None:
     g.add_argument(
         "--quant-aware",
         default="none",
-        choices=("none", "q4"),
+        choices=QUANT_AWARE,
         help="q4: compute the draft's matrices (fc, the layers') with the Q4_1 values the engine's default "
         "draft format holds, gradients straight through (none: float)",
     )

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.formats.spec import Backbone
+from dspark.target.checkpoint import rope_inv_freq
 
 
 def hf_config(b: Backbone):
@@ -90,8 +91,7 @@ class Rotary(nn.Module):
 
     def __init__(self, b: Backbone):
         super().__init__()
-        dim = b.head_dim
-        inv_freq = 1.0 / (b.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = rope_inv_freq(b.rope_theta, b.head_dim)
         self.attention_scaling = 1.0
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)

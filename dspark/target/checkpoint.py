@@ -19,7 +19,7 @@ model (`dspark.target.load`), as before.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from dspark.errors import DSparkError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the native runtime's (dspark.target.native)
 # what the native runtime reads of a config, stated in config.json for from_dir to apply
 STATED = (
     "model_type",
@@ -49,14 +49,27 @@ def _rope_params(cfg) -> dict:
     return dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
 
 
+def _type_of(params: dict) -> str:
+    return str(params.get("rope_type", params.get("type", "default")) or "default")
+
+
+def rope_type(cfg) -> str:
+    """A config's RoPE type (transformers 5's rope_parameters or the legacy rope_scaling)."""
+    return _type_of(_rope_params(cfg))
+
+
+def rope_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """Unscaled RoPE's inverse frequencies, computed as transformers' rotary modules compute them
+    (the target's here, the draft's in dspark.model.layers)."""
+    return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
 def default_inv_freq(cfg) -> torch.Tensor:
-    """Unscaled RoPE's inverse frequencies, computed as transformers' rotary modules compute them."""
-    params = _rope_params(cfg)
-    base = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    """rope_inv_freq of a config's rope_theta and head width."""
+    base = _rope_params(cfg).get("rope_theta", getattr(cfg, "rope_theta", None))
     if base is None:
         raise DSparkError("the target's config names no rope_theta")
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return rope_inv_freq(base, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 class Checkpoint:
@@ -70,21 +83,23 @@ class Checkpoint:
     def __init__(
         self,
         config,
-        tensors: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
+        read: Callable[[str], torch.Tensor],
+        shape: Callable[[str], tuple[int, ...]],
         names: set[str],
         build: Callable[[], object],
         *,
         device: torch.device,
         dtype: torch.dtype,
+        tied: bool = False,
         generation_config=None,
         model=None,
     ):
-        self.config, self._tensors, self.names, self._build = config, tensors, names, build
-        self.device, self.dtype = device, dtype
+        """read(name) / shape(name): a tensor held under `name` and its shape; tied: the head is the
+        embedding (files whose config ties them)."""
+        self.config, self._read, self._shape, self.names, self._build = config, read, shape, names, build
+        self.device, self.dtype, self._tied = device, dtype, tied
         self.generation_config = generation_config
         self._model = model
-        self._shape: Callable[[str], tuple[int, ...]] | None = None
-        self._tied = False
 
     @classmethod
     def from_model(cls, model) -> Checkpoint:
@@ -93,7 +108,8 @@ class Checkpoint:
         first = next(model.parameters())
         return cls(
             model.config,
-            params,
+            params.__getitem__,
+            lambda name: tuple(params[name].shape),
             set(params),
             lambda: model,
             device=first.device,
@@ -120,7 +136,7 @@ class Checkpoint:
         if raw["model_type"] == "qwen3" and "head_dim" not in raw:
             return None  # Qwen3's config class defaults it to 128, not hidden / heads
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default" or "rope_theta" not in {**raw, **rope}:
+        if _type_of(rope) != "default" or "rope_theta" not in {**raw, **rope}:
             return None
         files = _safetensors_files(path)
         if files is None:
@@ -154,9 +170,17 @@ class Checkpoint:
         def shape(name: str) -> tuple[int, ...]:
             return tuple(handle(name).get_slice(name).get_shape())  # type: ignore[attr-defined]
 
-        ck = cls(cfg, tensor, set(where), build, device=torch.device("cpu"), dtype=torch.float32, generation_config=gen)
-        ck._shape, ck._tied = shape, bool(raw["tie_word_embeddings"])
-        return ck
+        return cls(
+            cfg,
+            tensor,
+            shape,
+            set(where),
+            build,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            tied=bool(raw["tie_word_embeddings"]),
+            generation_config=gen,
+        )
 
     def has(self, name: str) -> bool:
         return name in self.names
@@ -164,14 +188,12 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.names:
             raise DSparkError(f"the target's checkpoint has no tensor {name!r}")
-        src = self._tensors
-        t = src[name] if isinstance(src, Mapping) else src(name)
-        return t.detach()
+        return self._read(name).detach()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if self._shape is not None and name in self.names:
-            return self._shape(name)
-        return tuple(self.tensor(name).shape)
+        if name not in self.names:
+            raise DSparkError(f"the target's checkpoint has no tensor {name!r}")
+        return self._shape(name)
 
     def embedding(self) -> torch.Tensor:
         if self._model is not None:
@@ -192,8 +214,7 @@ class Checkpoint:
     def rope(self) -> tuple[torch.Tensor, float]:
         """(inv_freq, attention scaling): the model's own rotary module's where the model is built
         or the RoPE is scaled; unscaled RoPE computed as that module computes it."""
-        rope = _rope_params(self.config)
-        if self._model is None and rope.get("rope_type", rope.get("type", "default")) == "default":
+        if self._model is None and rope_type(self.config) == "default":
             return default_inv_freq(self.config), 1.0
         rot = self.model().model.rotary_emb
         return rot.inv_freq.float(), float(getattr(rot, "attention_scaling", 1.0))

@@ -37,19 +37,13 @@ from dspark.errors import DSparkError, RequestError
 from dspark.ops import NO_TENSOR
 from dspark.target import dense, torch_layers
 from dspark.target.base import Forwards, Result, check_finite
-from dspark.target.checkpoint import EMBED, NORM, Checkpoint, checkpoint_of
+from dspark.target.checkpoint import EMBED, FAMILIES, NORM, Checkpoint, checkpoint_of, rope_type
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
 from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # rope variants whose inv_freq does not depend on the sequence length: a table computed once
 # from the model's rotary module is exact for them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
-def _rope_type(cfg) -> str:
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    return str(params.get("rope_type", params.get("type", "default")) or "default")
 
 
 def supports(model) -> tuple[bool, str]:
@@ -64,7 +58,7 @@ def supports(model) -> tuple[bool, str]:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         return False, f"{name}: activation {act!r} (only silu is implemented)"
-    rope = _rope_type(cfg)
+    rope = rope_type(cfg)
     if rope not in STATIC_ROPE:
         return (
             False,

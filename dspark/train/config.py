@@ -23,6 +23,7 @@ FEATURE_RUNTIMES = ("auto", "native", "engine", "hf")
 INIT_LAYERS = ("random", "target")
 
 # May differ between a run and its resume: they do not change what is computed.
+QUANT_AWARE = ("none", "q4")  # --quant-aware: float, or the engine's Q4_1 values (train/quant_aware.py)
 RESUMABLE_CHANGES = {
     "eval_every",
     "ckpt_every",
@@ -148,8 +149,8 @@ class TrainConfig:
         for name, v in positive.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
-        if self.quant_aware not in ("none", "q4"):
-            raise TrainError(f"--quant-aware must be none or q4, got {self.quant_aware!r}")
+        if self.quant_aware not in QUANT_AWARE:
+            raise TrainError(f"--quant-aware must be {' or '.join(QUANT_AWARE)}, got {self.quant_aware!r}")
         if not (isinstance(self.anchor_window, int) and self.anchor_window >= 0):
             raise TrainError(f"--anchor-window must be 0 (the whole answer) or more, got {self.anchor_window!r}")
         if not (isinstance(self.eval_answer_tokens, int) and self.eval_answer_tokens >= 0):

@@ -16,15 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.model import fast
-
-FORMATS = ("none", "q4")
+from dspark.train.config import QUANT_AWARE
+from dspark.train.features import fold_tap_scale
 
 
 def _straight_through(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """w's forward as the engine's Q4_1 matrix (scale: the tap scale fc is trained with; the file's
     fc is w / scale), its gradient w's own."""
     with torch.no_grad():
-        file = (w if scale is None else w / scale[None, :]).to(torch.bfloat16)
+        file = (w if scale is None else fold_tap_scale(w, scale)).to(torch.bfloat16)
         held = fast.q4_1_values(file)
         if scale is not None:
             held = held * scale[None, :]
@@ -50,8 +50,8 @@ def matrices(draft) -> list[nn.Linear]:
 def make_quant_aware(draft, fmt: str, tap_scale: torch.Tensor | None = None) -> int:
     """Route the forward of the draft's Q4_1 matrices through their Q4_1 values (fmt "q4"); "none"
     leaves them. -> how many matrices. The weights, the state dict and the export are unchanged."""
-    if fmt not in FORMATS:
-        raise ValueError(f"quant-aware format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt not in QUANT_AWARE:
+        raise ValueError(f"quant-aware format must be one of {', '.join(QUANT_AWARE)}, got {fmt!r}")
     if fmt == "none":
         return 0
     lins = matrices(draft)
