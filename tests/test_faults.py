@@ -15,7 +15,7 @@ import torch
 from dspark.engine.sampling import SamplingParams
 from dspark.errors import DSparkError, NonFiniteError
 
-from tests.tiny import engine_for, tiny_draft, tiny_target
+from tests.tiny import engine_for, q4_exact, tiny_draft, tiny_target
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 PARAMS = [
@@ -153,20 +153,36 @@ def test_generate_raises_naming_why_a_request_failed(weights):
     assert eng.generate(PROMPTS[0], PARAMS[0]).finish_reason == "length"
 
 
-def test_the_native_target_names_the_rows_whose_states_are_not_finite():
-    from dspark.target.load import make_target
+@pytest.mark.parametrize("runtime", ["torch", "kernels"])
+def test_the_native_target_names_the_rows_whose_states_are_not_finite(runtime):
+    """A NaN or an infinity reaching some rows' final states (here through a token's embedding)
+    raises NonFiniteError naming those rows, on torch's layers (fp32) and on the compiled layer
+    stack (bf16, which scans its own final states), for a plain step and a verify block alike."""
+    from dspark import kernels
+    from dspark.target.native import NativeTarget
 
     torch.set_num_threads(1)
-    model = tiny_target()
-    target = make_target(model, "native")
-    state = target.new_state(2)
-    target.forward(state, torch.tensor([[5, 6, 7], [8, 9, 10]]))
-    target.commit(state, torch.tensor([3, 3]))
-    # a NaN reaches one row only: through its token's embedding
+    if runtime == "kernels":
+        if kernels.extension() is None:
+            pytest.skip(f"dspark's kernels do not run here ({kernels.why_unavailable()})")
+        model = q4_exact(tiny_target())
+        target = NativeTarget(model, (), act_dtype=torch.bfloat16)
+        assert target._stack is not None
+    else:
+        target = NativeTarget(tiny_target(), ())
+        assert target._stack is None
+    state = target.new_state(3)
+    target.forward(state, torch.tensor([[5, 6, 7], [8, 9, 10], [1, 2, 3]]))
+    target.commit(state, torch.tensor([3, 3, 3]))
+    best, _ = target.forward_argmax(state, torch.tensor([[12], [13], [14]]))  # all finite: no error
+    target.commit(state, torch.tensor([0, 0, 0]))
     target.embed[11] = float("nan")
-    with pytest.raises(NonFiniteError) as e:
-        target.forward_argmax(state, torch.tensor([[12], [11]]))
-    assert e.value.rows == [1]
+    target.embed[13] = float("inf")
+    for tokens, rows in (([[12], [11], [14]], [1]), ([[13, 12], [12, 12], [12, 11]], [0, 2])):
+        with pytest.raises(NonFiniteError) as e:
+            target.forward_argmax(state, torch.tensor(tokens))
+        assert e.value.rows == rows, tokens
+        target.commit(state, torch.zeros(3, dtype=torch.long))
 
 
 def test_through_the_server_a_failing_request_gets_its_error_and_the_others_their_answers():

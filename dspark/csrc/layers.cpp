@@ -110,6 +110,23 @@ void layers_release(int64_t id) {
 // prompt (no verification compares its bits with a decode step's): attention of 16+ positions a row runs
 // attn_prefill_bf16, not attn_bf16, and a call of PREFILL_MM_ROWS+ rows the layers' dense bf16 matrices
 // where layers_set_dense gave them.
+// the batch rows of h [B, S, H] bf16 holding a NaN or infinity (an exponent of all ones), as an int64
+// tensor, empty where every value is finite: the check every forward makes on its final states, here
+// where they are still in the caches; torch's isfinite and all right after a forward cost more than a
+// 1-token step's whole bookkeeping
+torch::Tensor nonfinite_rows(const torch::Tensor& h) {
+  const int64_t B = h.size(0), n = h.numel() / std::max<int64_t>(B, 1);
+  const auto hc = h.contiguous();
+  const auto* p = reinterpret_cast<const uint16_t*>(hc.data_ptr<at::BFloat16>());
+  std::vector<int64_t> bad;
+  for (int64_t b = 0; b < B; ++b) {
+    uint16_t any = 0;
+    for (int64_t i = 0; i < n; ++i) any |= static_cast<uint16_t>((p[b * n + i] & 0x7F80) == 0x7F80);
+    if (any) bad.push_back(b);
+  }
+  return torch::tensor(bad, torch::kLong);
+}
+
 std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torch::Tensor embed, torch::Tensor kv,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor lengths,
                                           torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,
@@ -179,6 +196,6 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
     x = xh[0];
     h = xh[1];
   }
-  if (argmax) return {embedded, x, h, taps, markov::argmax_rows(lin(stack->head, h))};
-  return {embedded, x, h, taps};
+  auto ids = argmax ? markov::argmax_rows(lin(stack->head, h)) : none;
+  return {embedded, x, h, taps, ids, nonfinite_rows(h)};
 }

@@ -26,9 +26,12 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     if bool(torch.isfinite(x).all()):
         return
     ok = torch.isfinite(x).flatten(1).all(dim=1)
-    raise NonFiniteError(
-        f"the target computed non-finite values (NaN/inf) in its {what}", (~ok).nonzero().flatten().tolist()
-    )
+    raise non_finite(what, (~ok).nonzero().flatten().tolist())
+
+
+def non_finite(what: str, rows: list[int]) -> NonFiniteError:
+    """The error for batch rows whose `what` (a forward's final states, logits) hold NaN or inf."""
+    return NonFiniteError(f"the target computed non-finite values (NaN/inf) in its {what}", rows)
 
 
 class Forwards:

@@ -36,7 +36,7 @@ from dspark import hugepages, kernels, ops, packing
 from dspark.errors import DSparkError, RequestError
 from dspark.ops import NO_TENSOR
 from dspark.target import dense, torch_layers
-from dspark.target.base import Forwards, Result, check_finite
+from dspark.target.base import Forwards, Result, check_finite, non_finite
 from dspark.target.checkpoint import EMBED, FAMILIES, NORM, Checkpoint, checkpoint_of, rope_type
 from dspark.target.kvcache import CACHE_CHUNK, NativeState, alloc_kv
 from dspark.target.quant import FLOATS, Linear, is_int4_exact, is_q8_exact, on_tile, resolve_weights
@@ -440,6 +440,7 @@ class NativeTarget(Forwards):
             embedded, x, h = out[:3]
             tapped = out[3] if width else None
             ids = out[4] if argmax else None
+            bad = out[5]  # the rows holding NaN / inf in their final states (the kernel's own scan)
         else:
             # taps [B, S, n*H]: each tap written in place as its layer runs (a new buffer each call)
             tapped = torch.empty(B, S, width, dtype=self.embed.dtype, device=dev) if width else None
@@ -452,7 +453,10 @@ class NativeTarget(Forwards):
         state.pending = S
         # a NaN / inf row must end its own request, not become tokens (engine.Engine._recover); on the
         # final states, which every logits mode derives from: [B, S, H], far cheaper than the logits
-        check_finite(h, "final hidden states")
+        if stack is None:
+            check_finite(h, "final hidden states")
+        elif bad.numel():
+            raise non_finite("final hidden states", bad.tolist())
         # h: the final norm of every position (a per-row op: selecting rows first changes nothing)
         if logits == "final":
             return h, tapped
