@@ -512,6 +512,98 @@ def test_the_built_extension_compiled_each_file_alone():
         assert f"{f.stem}.o" in ninja and (folder / f"{f.stem}.o").exists(), f.name
 
 
+# kernel files that still hold an ISA's own code: the prefill's attention tiles (AMX-BF16, and their
+# vdpbf16ps form on other AVX512-BF16 CPUs), built into every build and run where the CPU has them
+ISA_KERNELS = {"attn_prefill.cpp"}
+
+
+def test_kernels_other_than_an_isas_own_are_written_against_the_shared_headers():
+    """Outside each ISA's matmul files (kernels.ISAS) and ISA_KERNELS, a kernel file holds no
+    intrinsics and no branch on the ISA: its vector code goes through csrc/simd.h (8 lanes) and
+    csrc/vec.h (the build's width), where each ISA's instructions are, once."""
+    from dspark import kernels
+
+    own = {f for isa in kernels.ISAS.values() for f in isa[2]} | ISA_KERNELS
+    for path in CSRC.glob("*.cpp"):
+        if path.name in own:
+            continue
+        text = path.read_text()
+        assert not re.search(r"\b_mm\d*_\w+|\b__m\d+[a-z]*\b", text), f"{path.name}: intrinsics outside simd.h / vec.h"
+        assert not re.search(r"#\s*if.*__(AVX|AMX|FMA|F16C)", text), f"{path.name}: a branch on the ISA"
+
+
+SIMD_PROBE = r"""
+#include "simd.h"
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+// every F8 operation on values that reach each rounding case, printed as bits
+int main() {
+  const float base[16] = {1.0f, -2.5f, 3.14159f, 1e-30f, -0.0f, 65504.f, 1.00390625f, 1.01171875f,
+                          std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -7.75f,
+                          0.333333f, 1e30f, -1e-3f, 2.0f, 0.5f};
+  uint16_t h[16];
+  for (int i = 0; i < 16; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &base[i], 4);
+    h[i] = static_cast<uint16_t>(u >> 16);
+  }
+  using namespace simd;
+  for (int r = 0; r < 2; ++r) {
+    const float* a = base + 8 * r;
+    float f[8], g[8];
+    for (int i = 0; i < 8; ++i) f[i] = a[i], g[i] = a[7 - i] == 0.f ? 0.625f : 1.0f / a[7 - i];
+    F8 x, y;
+    std::memcpy(&x, f, sizeof f);
+    std::memcpy(&y, g, sizeof g);
+    const F8 outs[] = {add8(x, y), mul8(x, y), fma8(x, y, set8(0.3f)), neg8(x), round_bf16(x), load_bf16(h + 8 * r),
+                       zero8()};
+    for (const F8& o : outs) {
+      float v[8];
+      store8(v, o);
+      for (float z : v) {
+        uint32_t u;
+        std::memcpy(&u, &z, 4);
+        std::printf("%08x ", u);
+      }
+    }
+    uint16_t st[8];
+    store_bf16(st, x);
+    for (uint16_t z : st) std::printf("%04x ", z);
+  }
+  std::printf("\n");
+}
+"""
+
+
+def test_the_8_lane_header_gives_the_same_bits_with_and_without_avx2(tmp_path):
+    """csrc/simd.h's F8 is AVX2 + FMA registers on x86 builds and an array of 8 floats anywhere else:
+    both run every operation (add, multiply, fused multiply-add, negation, bf16 rounding, loads
+    and stores) to the same bits, NaN and infinity included."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler here")
+    from dspark import kernels
+
+    if not all(f in kernels.cpu_flags() for f in ("avx2", "fma")):
+        pytest.skip("this CPU cannot run the AVX2 side of the comparison")
+    src = tmp_path / "probe.cpp"
+    src.write_text(SIMD_PROBE)
+    outs = []
+    for flags in ([], ["-mavx2", "-mfma"]):
+        exe = tmp_path / ("probe" + "".join(flags))
+        cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", *flags, f"-I{CSRC}", str(src), "-o", str(exe)]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr[-3000:]
+        outs.append(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
+    assert outs[0] == outs[1] and len(outs[0].split()) == 2 * (7 * 8 + 8)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("header", sorted(p.name for p in CSRC.glob("*.h")))
 def test_each_kernel_header_compiles_alone(header, isa, tmp_path):

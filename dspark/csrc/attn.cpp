@@ -9,35 +9,11 @@
 #include "dspark.h"
 #include "vec.h"
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 namespace attn {
-
-// lane k of the result = the sum of the 8 lanes of h[k], k < 8, by one fixed tree: a key's score
-// reads its own vector only, whichever keys share the chunk
-inline __m256 sum8(const __m256* h) {
-  const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
-  const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// lane k = the sum of the W lanes of a[k]
-#if defined(__AVX512F__)
-inline V sum_lanes(const V* a) {
-  __m256 h[16];
-  for (int k = 0; k < 16; ++k)
-    h[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
-  const __m256 lo = sum8(h), hi = sum8(h + 8);
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
-#else
-inline V sum_lanes(const V* a) { return sum8(a); }
-#endif
 
 // G query heads of one position that share a KV head, over keys 0..n-1: each key's row is
 // loaded once for all G, and W keys' dot products are summed across lanes together. Every
@@ -49,14 +25,11 @@ template <int GT, int DWT>
 void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, const at::BFloat16* kb,
             const at::BFloat16* vb, int64_t n, float sc, at::BFloat16* o, std::vector<float>& buf,
             std::vector<V>& vbuf) {
-#if defined(__AVX512BF16__)
-  // heads of a multiple of 32 values (fixed at compile time): q.k by the bf16 dot product, pairs
-  // of values a lane, and the score scaled after the sum: no widening of the keys, half the
-  // instructions a key (docs/history/benchmarks.md, "... the bf16 dot product in attention ...")
-  constexpr bool BDOT = DWT > 0 && DWT % 2 == 0;
-#else
-  constexpr bool BDOT = false;
-#endif
+  // where the ISA has a bf16 dot product (vec.h BF16_DOT), heads of a multiple of 2W values (fixed at
+  // compile time): q.k by it, pairs of values a lane, and the score scaled after the sum: no
+  // widening of the keys, half the instructions a key (docs/history/benchmarks.md, "... the bf16
+  // dot product in attention ...")
+  constexpr bool BDOT = BF16_DOT && DWT > 0 && DWT % 2 == 0;
   const int64_t G = GT ? GT : g_, DW = DWT ? DWT : dw_, D = DW * W, np = (n + W - 1) / W * W;
   buf.resize(G * np + G);
   float* inv = buf.data() + G * np;  // [G] 1 / sum of each query's softmax weights
@@ -66,14 +39,12 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
   V* qv = fixed ? qv_f : vbuf.data();                   // [G][DW] queries, scaled
   V* acc = fixed ? acc_f : vbuf.data() + G * DW;        // [G][DW] sums of p * v
   V* part = fixed ? part_f : vbuf.data() + 2 * G * DW;  // [G][W] one chunk's dot products, before the lane sums
-#if defined(__AVX512BF16__)
-  constexpr int DB = BDOT ? DWT / 2 : 1;  // 32 bf16 values a register
-  __m512bh qb[BDOT ? GT * DB : 1];
+  constexpr int DB = BDOT ? DWT / 2 : 1;                // 2W bf16 values a register
+  Pairs qb[BDOT ? GT * DB : 1];
   if constexpr (BDOT)
     for (int64_t g = 0; g < G; ++g)
-      for (int c = 0; c < DB; ++c) qb[g * DB + c] = (__m512bh)_mm512_loadu_si512(q + g * qstride + 32 * c);
+      for (int c = 0; c < DB; ++c) qb[g * DB + c] = load_pairs(q + g * qstride + 2 * W * c);
   else
-#endif
     for (int64_t g = 0; g < G; ++g)
       for (int64_t c = 0; c < DW; ++c) qv[g * DW + c] = mul(load_bf16(q + g * qstride + W * c), set1(sc));
   for (int64_t j0 = 0; j0 < n; j0 += W) {
@@ -84,18 +55,16 @@ void attend(int64_t g_, int64_t dw_, const at::BFloat16* q, int64_t qstride, con
         continue;
       }
       const at::BFloat16* kr = kb + (j0 + k) * D;
-#if defined(__AVX512BF16__)
       if constexpr (BDOT) {
-        __m512bh kv2[DB];
-        for (int c = 0; c < DB; ++c) kv2[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+        Pairs kv2[DB];
+        for (int c = 0; c < DB; ++c) kv2[c] = load_pairs(kr + 2 * W * c);
         for (int64_t g = 0; g < G; ++g) {
-          V a = _mm512_dpbf16_ps(zero(), qb[g * DB], kv2[0]);
-          for (int c = 1; c < DB; ++c) a = _mm512_dpbf16_ps(a, qb[g * DB + c], kv2[c]);
+          V a = dot_pairs(zero(), qb[g * DB], kv2[0]);
+          for (int c = 1; c < DB; ++c) a = dot_pairs(a, qb[g * DB + c], kv2[c]);
           part[g * W + k] = a;
         }
         continue;
       }
-#endif
       V kv[DWT ? DWT : 32];
       for (int64_t c = 0; c < DW; ++c) kv[c] = load_bf16(kr + W * c);
       for (int64_t g = 0; g < G; ++g) {

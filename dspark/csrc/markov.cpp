@@ -7,11 +7,12 @@
 // summation order of the rank-r product differs from the matmul library's. Also here, with the
 // same choice rule: `argmax_last`, greedy verification's argmax over the target's logits.
 #include "dspark.h"
+#include "vec.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <immintrin.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -33,23 +34,18 @@ void best_in(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, 
   for (int64_t v = v0; v < v1; v += L) {
     float acc[L] = {0};
     if (v + L <= v1) {
-#ifdef __AVX512F__
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // four independent registers of 16 (one alone waits on its add's latency every k); bf16 is
-        // widened to fp32 by a 16-bit shift; multiply then add, as the generic loop rounds
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        // L / W independent registers (one alone waits on its add's latency every k); bf16 widened
+        // exactly (vec.h); multiply then add, as the generic loop rounds
+        using namespace attn;
+        attn::V a[L / W];
+        for (auto& x : a) x = zero();
         for (int64_t k = 0; k < r; ++k) {
-          const __m512 zk = _mm512_set1_ps(z[k]);
-          for (int q = 0; q < 4; ++q) {
-            const __m256i w16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w2t + k * V + v + 16 * q));
-            const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
-            a[q] = _mm512_add_ps(a[q], _mm512_mul_ps(zk, w));
-          }
+          const attn::V zk = set1(z[k]);
+          for (int q = 0; q < L / W; ++q) a[q] = add(a[q], mul(zk, load_bf16(w2t + k * V + v + W * q)));
         }
-        for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + 16 * q, a[q]);
-      } else
-#endif
-      {  // a fixed trip count the compiler vectorises (ISO C++: no fused multiply-add)
+        for (int q = 0; q < L / W; ++q) std::memcpy(acc + W * q, &a[q], sizeof(a[q]));
+      } else {  // a fixed trip count the compiler vectorises (ISO C++: no fused multiply-add)
         for (int64_t k = 0; k < r; ++k) {
           const float zk = z[k];
           const T* w = w2t + k * V + v;
@@ -150,53 +146,23 @@ namespace markov {
 // same choice as over the fp32 copy, which a greedy plain step then need not make).
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-#ifdef __AVX512F__
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const c10::BFloat16* x) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
-#endif
 
 template <typename T>
 inline int64_t first_max(const T* x, int64_t V) {
+  using namespace attn;
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
-#ifdef __AVX512F__
-  if (V >= 16) {
-    __m512 m = _mm512_set1_ps(best);
-    __mmask16 unordered = 0;
-    for (; i + 16 <= V; i += 16) {
-      const __m512 v = load16(x + i);
-      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      m = _mm512_max_ps(m, v);
+  if (V >= W) {
+    attn::V m = set1(best), nans = zero();
+    for (; i + W <= V; i += W) {
+      const attn::V v = load_w(x + i);
+      nans = keep_nan(nans, v);
+      m = vmax(m, v);
     }
-    nan = unordered != 0;
-    best = _mm512_reduce_max_ps(m);
+    nan = any_nan(nans);
+    best = hmax(m);
   }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if (V >= 8) {
-    __m256 m = _mm256_set1_ps(best), unordered = _mm256_setzero_ps();
-    for (; i + 8 <= V; i += 8) {
-      const __m256 v = load8(x + i);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      m = _mm256_max_ps(m, v);
-    }
-    nan = _mm256_movemask_ps(unordered) != 0;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, m);
-    for (float l : lanes) best = l > best ? l : best;
-  }
-#endif
   for (; i < V; ++i) {
     const float v = widen(x[i]);
     nan = nan || std::isnan(v);
@@ -207,20 +173,10 @@ inline int64_t first_max(const T* x, int64_t V) {
       if (std::isnan(widen(x[j]))) return j;
   }
   int64_t j = 0;
-#ifdef __AVX512F__
-  const __m512 b = _mm512_set1_ps(best);
-  for (; j + 16 <= V; j += 16) {
-    const __mmask16 eq = _mm512_cmp_ps_mask(load16(x + j), b, _CMP_EQ_OQ);
-    if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
+  for (; j + W <= V; j += W) {
+    const int lane = first_equal(load_w(x + j), best);
+    if (lane >= 0) return j + lane;
   }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  const __m256 b8 = _mm256_set1_ps(best);
-  for (; j + 8 <= V; j += 8) {
-    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + j), b8, _CMP_EQ_OQ));
-    if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
-  }
-#endif
   for (; j < V; ++j)
     if (widen(x[j]) == best) return j;
   return 0;  // every entry -inf: the first, as torch

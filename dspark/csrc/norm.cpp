@@ -6,15 +6,12 @@
 #include "simd.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 
 namespace {
 
-using simd::bf16x8_to_f32;
-using simd::to_bf16x8;
-using simd::widen_bf16x8;
+using namespace simd;
 using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as torch's casts do
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
@@ -27,8 +24,8 @@ constexpr int64_t VALUES = 4 * 576;
 inline int64_t row_grain(int64_t H) { return std::max<int64_t>(1, VALUES / H); }
 
 // w holds `heads` rows of H weights: row r of x is scaled by weight row (first + r) % heads (1:
-// one weight for every row; Qwen3's q/k norms: one per head). 8 lanes at a time (bf16x8_to_f32 /
-// to_bf16x8, the rounding of torch's casts), the rest of a row one by one with the same steps.
+// one weight for every row; Qwen3's q/k norms: one per head). 8 lanes at a time (simd.h's F8:
+// the rounding of torch's casts), the rest of a row one by one with the same steps.
 void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, float eps, int64_t heads = 1,
                int64_t first = 0) {
   for (int64_t r = 0; r < R; ++r) {
@@ -36,16 +33,16 @@ void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, flo
     const bf16* w = w0 + ((first + r) % heads) * H;
     bf16* yr = y + r * H;
     // 16 partial sums in a fixed order, the same for every row
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    F8 a0 = zero8(), a1 = zero8();
     int64_t i = 0;
     for (; i + 16 <= H; i += 16) {
-      const __m256 v0 = bf16x8_to_f32(xr + i), v1 = bf16x8_to_f32(xr + i + 8);
-      a0 = _mm256_fmadd_ps(v0, v0, a0);
-      a1 = _mm256_fmadd_ps(v1, v1, a1);
+      const F8 v0 = load_bf16(xr + i), v1 = load_bf16(xr + i + 8);
+      a0 = fma8(v0, v0, a0);
+      a1 = fma8(v1, v1, a1);
     }
     float ss[16];
-    _mm256_storeu_ps(ss, a0);
-    _mm256_storeu_ps(ss + 8, a1);
+    store8(ss, a0);
+    store8(ss + 8, a1);
     for (; i < H; ++i) {
       const float v = xr[i];
       ss[0] = std::fma(v, v, ss[0]);
@@ -53,12 +50,11 @@ void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, flo
     float s = 0.f;
     for (int j = 0; j < 16; ++j) s += ss[j];
     const float inv = 1.0f / std::sqrt(s / static_cast<float>(H) + eps);
-    const __m256 iv = _mm256_set1_ps(inv);
+    const F8 iv = set8(inv);
     int64_t k = 0;
     for (; k + 8 <= H; k += 8) {
-      const __m256 t =
-          widen_bf16x8(to_bf16x8(_mm256_mul_ps(bf16x8_to_f32(xr + k), iv)));  // rounded to bf16 first, as torch
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(yr + k), to_bf16x8(_mm256_mul_ps(t, bf16x8_to_f32(w + k))));
+      const F8 t = round_bf16(mul8(load_bf16(xr + k), iv));  // rounded to bf16 first, as torch
+      store_bf16(yr + k, mul8(t, load_bf16(w + k)));
     }
     for (; k < H; ++k) yr[k] = bf16(rb(xr[k] * inv) * static_cast<float>(w[k]));
   }
@@ -67,9 +63,7 @@ void norm_rows(const bf16* x, const bf16* w0, bf16* y, int64_t R, int64_t H, flo
 // s = x + r rounded to bf16, n elements
 void add_bf16(const bf16* x, const bf16* r, bf16* s, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(s + i),
-                     to_bf16x8(_mm256_add_ps(bf16x8_to_f32(x + i), bf16x8_to_f32(r + i))));
+  for (; i + 8 <= n; i += 8) store_bf16(s + i, add8(load_bf16(x + i), load_bf16(r + i)));
   for (; i < n; ++i) s[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(r[i]));
 }
 

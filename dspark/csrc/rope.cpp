@@ -5,32 +5,28 @@
 #include "dspark.h"
 #include "simd.h"
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cstring>
 
 namespace rope {
 
-using simd::bf16x8_to_f32;
-using simd::to_bf16x8;
-using simd::widen_bf16x8;
+using namespace simd;
 using bf16 = c10::BFloat16;  // its float conversion rounds to nearest even, as torch's casts do
 
 inline float rb(float f) { return static_cast<float>(bf16(f)); }  // rounded to bf16, back to fp32
 
 // out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = (-x2, x1), D = 2 * half.
-// 8 lanes at a time where half is a multiple of 8 (csrc/simd.h's bf16x8_to_f32 / to_bf16x8: the
+// 8 lanes at a time where half is a multiple of 8 (csrc/simd.h's F8: the
 // same products, roundings and sum; one value at a time was a visible share of a step on the AVX2
 // build), else one value at a time
 inline void rotate(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
   const int64_t h = D / 2;
   if (h % 8 == 0) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < D; i += 8) {
-      const __m256 r = i < h ? _mm256_xor_ps(bf16x8_to_f32(x + i + h), sign) : bf16x8_to_f32(x + i - h);
-      const __m256 a = widen_bf16x8(to_bf16x8(_mm256_mul_ps(bf16x8_to_f32(x + i), bf16x8_to_f32(c + i))));
-      const __m256 b = widen_bf16x8(to_bf16x8(_mm256_mul_ps(r, bf16x8_to_f32(s + i))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), to_bf16x8(_mm256_add_ps(a, b)));
+      const F8 r = i < h ? neg8(load_bf16(x + i + h)) : load_bf16(x + i - h);
+      const F8 a = round_bf16(mul8(load_bf16(x + i), load_bf16(c + i)));
+      const F8 b = round_bf16(mul8(r, load_bf16(s + i)));
+      store_bf16(out + i, add8(a, b));
     }
     return;
   }

@@ -1,5 +1,6 @@
 // W-lane fp32 vectors (AVX-512: 16, AVX2: 8) with bf16 loads and stores and a fixed exp: what the
-// attention kernels (attn.cpp, attn_prefill.cpp) and the gated MLP's activation share.
+// attention kernels (attn.cpp, attn_prefill.cpp), the gated MLP's activation and the argmax over a
+// vocabulary (markov.cpp) share.
 #pragma once
 #include <immintrin.h>
 
@@ -48,6 +49,16 @@ inline __m256i to_bf16_bits(V x) {  // round to nearest even, as torch's float -
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 inline void store_bf16(at::BFloat16* p, V x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(x)); }
+inline V load_w(const float* p) { return _mm512_loadu_ps(p); }  // W values of either dtype, widened exactly
+inline V load_w(const at::BFloat16* p) { return load_bf16(p); }
+inline V keep_nan(V acc, V x) {
+  return _mm512_mask_mov_ps(acc, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}  // x's NaN lanes
+inline bool any_nan(V a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+inline int first_equal(V a, float b) {  // the first lane equal to b, -1 if none
+  const __mmask16 eq = _mm512_cmp_ps_mask(a, _mm512_set1_ps(b), _CMP_EQ_OQ);
+  return eq ? __builtin_ctz(static_cast<unsigned>(eq)) : -1;
+}
 #else
 constexpr int W = 8;
 using V = __m256;
@@ -102,6 +113,52 @@ inline void store_bf16(at::BFloat16* p, V x) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+inline V load_w(const float* p) { return _mm256_loadu_ps(p); }  // W values of either dtype, widened exactly
+inline V load_w(const at::BFloat16* p) { return load_bf16(p); }
+inline V keep_nan(V acc, V x) { return _mm256_blendv_ps(acc, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }  // x's NaN lanes
+inline bool any_nan(V a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+inline int first_equal(V a, float b) {  // the first lane equal to b, -1 if none
+  const int eq = _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(b), _CMP_EQ_OQ));
+  return eq ? __builtin_ctz(static_cast<unsigned>(eq)) : -1;
+}
+#endif
+
+// the bf16 dot product where the ISA has one (AVX512-BF16's vdpbf16ps): Pairs holds 2W bf16 values,
+// dot_pairs(acc, a, b) adds to lane i a[2i] b[2i] + a[2i+1] b[2i+1]; elsewhere BF16_DOT is false and
+// no kernel calls them
+#if defined(__AVX512BF16__)
+constexpr bool BF16_DOT = true;
+using Pairs = __m512bh;
+inline Pairs load_pairs(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline V dot_pairs(V acc, Pairs a, Pairs b) { return _mm512_dpbf16_ps(acc, a, b); }
+#else
+constexpr bool BF16_DOT = false;
+struct Pairs {};
+inline Pairs load_pairs(const at::BFloat16*) { return {}; }
+inline V dot_pairs(V acc, Pairs, Pairs) { return acc; }
+#endif
+
+// lane k of the result = the sum of the 8 lanes of h[k], k < 8, by one fixed tree: a key's score
+// reads its own vector only, whichever keys share the chunk
+inline __m256 sum8(const __m256* h) {
+  const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// lane k = the sum of the W lanes of a[k]
+#if defined(__AVX512F__)
+inline V sum_lanes(const V* a) {
+  __m256 h[16];
+  for (int k = 0; k < 16; ++k)
+    h[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
+  const __m256 lo = sum8(h), hi = sum8(h + 8);
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+#else
+inline V sum_lanes(const V* a) { return sum8(a); }
 #endif
 
 // exp(x) for x <= 0: 2^n e^r with |r| <= ln2/2, a Taylor polynomial of degree DEG (6: ~1 ulp of fp32;
