@@ -62,8 +62,8 @@ class EngineConfig:
     # to the model's numbers, slower). Chosen once a process (kernels.choose_activations)
     activations: str = "auto"
     # which of dspark's CPU kernels run: auto (the best build this CPU has, its AMX tiles where the CPU
-    # and the OS allow them) | amx | avx512 (that build without AMX tiles) | avx2 | torch (none: torch's
-    # ops). Each computes its own numbers; chosen once a process (kernels.choose_kernels)
+    # and the OS allow them) | amx | avx512 (that build without AMX tiles) | avx2 | generic (plain C++) |
+    # torch (none: torch's ops). Each computes its own numbers; chosen once a process (kernels.choose_kernels)
     kernels: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)
     layout: str | None = None  # force the draft's block layout against its file (experts; warned loudly)

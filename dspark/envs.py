@@ -15,7 +15,7 @@ A switch for comparisons (it changes where weights live, never a number):
 - DSPARK_HUGE_PAGES=0: weights stay where torch allocated them (4 KB pages).
 
 What changes numbers is an engine setting, never the environment: which of dspark's CPU kernels
-run is `EngineConfig.kernels` (`--kernels auto|amx|avx512|avx2|torch`), their activations
+run is `EngineConfig.kernels` (`--kernels auto|amx|avx512|avx2|generic|torch`), their activations
 `EngineConfig.activations`.
 
 Set by launchers (torchrun), read by training: WORLD_SIZE, LOCAL_RANK, RANK (the process that

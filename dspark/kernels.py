@@ -3,15 +3,15 @@ format of its matmuls' activations. The weights' layouts are in `dspark.packing`
 runtimes call in `dspark.ops`, huge pages in `dspark.hugepages`.
 
 int4 weights on a CPU with AVX512-BF16 or AVX2 run through dspark's own kernel (`csrc/q4_avx512.cpp`,
-`csrc/q4_avx2.cpp`), compiled on first use (~1-2 min, once per machine and source version, cached
+`csrc/q4_avx2.cpp`; any other CPU: the generic build's plain C++, `csrc/q4_generic.cpp`), compiled
+on first use (~1-2 min, once per machine and source version, cached
 under `~/.cache/dspark`): torch's `_weight_int4pack_mm_for_cpu` unpacks every weight once per row;
 the dspark kernel unpacks once per call (docs/history/benchmarks.md "dspark's own int4 kernel"; its
 AVX2 variant, 8 fp32 lanes and FMAs: "a matmul tile for AVX2 CPUs"; there int4 and Q8_0 weights
 take 8-bit activations, `q4_activations`, "8-bit activations for the AVX2 build's int4 and Q8_0
 matmuls"). The same extension fuses the native runtime's RMSNorms (and the residual add before
 each) for bf16 activations, with torch's bits (`csrc/norm.cpp`), and runs attention by position
-(`csrc/attn.cpp`). Anywhere else, or if it cannot be compiled, torch's ops run and `q4_status()`
-says why.
+(`csrc/attn.cpp`). Where it cannot be compiled, torch's ops run and `q4_status()` says why.
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ ISAS = {
         ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
         ("q4_avx2.cpp",),
     ),  # 8-lane matmuls, norms, attention
+    # plain C++ (csrc/simd.h's and vec.h's arrays of 8 floats, the matmuls one value at a time): any
+    # CPU the others do not cover, with the AVX2 build's layouts and bits
+    "generic": ((), ("-O3", "-fopenmp"), ("q4_generic.cpp",)),
 }
 # what the AVX-512 build's 8-bit activations need beyond the build (csrc/q4_avx512_vnni.cpp: vpdpbusd),
 # and the flags they add to it
@@ -84,11 +87,12 @@ def sources(isa: str) -> list[Path]:
 _build: dict = {}  # "ext": the compiled module or None, "isa": its build, "why": what runs instead and why
 # which of dspark's kernels run (EngineConfig.kernels): auto (the best this CPU has), amx (the AVX-512
 # build with its AMX tiles: a prefill's attention, and its matmuls of 64+ rows in bf16 through
-# torch's oneDNN), avx512 (the same build, no AMX tiles), avx2 (the 8-lane build), torch (none: torch's
-# ops everywhere). Each computes its own numbers, so it is chosen once a process, before the
-# extension loads (choose_kernels); the other names are there to compare and diagnose
-KERNELS = ("auto", "amx", "avx512", "avx2", "torch")
-BUILD_OF = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2"}  # the ISAS build each named one runs
+# torch's oneDNN), avx512 (the same build, no AMX tiles), avx2 (the 8-lane build), generic (plain C++,
+# any CPU), torch (none: torch's ops everywhere). Each computes its own numbers, so it is chosen once a
+# process, before the extension loads (choose_kernels); the other names are there to compare and diagnose
+KERNELS = ("auto", "amx", "avx512", "avx2", "generic", "torch")
+# the ISAS build each named one runs
+BUILD_OF = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "generic": "generic"}
 AMX_FLAGS = ("amx_bf16", "amx_tile")  # what the tiles need beyond the AVX-512 build (csrc/amx.h)
 _kernels = "auto"
 # the int4 / Q8_0 matmuls' activations (EngineConfig.activations): auto | int8 | bf16; a build's
@@ -127,12 +131,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def _isa() -> tuple[str | None, str]:
-    """The build this CPU takes ('avx512' | 'avx2' | None) and, when not the full one, why."""
+    """The build this CPU takes ('avx512' | 'avx2' | 'generic' | None) and, when not the full one, why."""
     flags = cpu_flags()
     forced = BUILD_OF.get(_kernels)
     for isa, (need, _, _) in ISAS.items():
         if forced in (None, isa) and all(f in flags for f in need):
-            lacking = [f for f in ISAS["avx512"][0] if f not in flags]
+            wanted = ISAS["avx512"][0] + (ISAS["avx2"][0] if isa == "generic" else ())
+            lacking = [f for f in wanted if f not in flags]
             why = f"this CPU lacks {', '.join(lacking)}" if lacking else f"kernels {_kernels}"
             return isa, "" if isa == "avx512" else why
     return None, f"this CPU lacks {', '.join(f for f in ISAS['avx2'][0] if f not in flags) or 'the asked-for ISA'}"
@@ -201,7 +206,9 @@ def extension():
         # the int4 and Q8_0 matmuls' activations (q4_activations): the AVX2 build's are 8-bit unless
         # asked not to, the AVX-512 build's 8-bit where asked for (choose_activations checked the CPU)
         # or, left to auto, on the CPU class where they are the faster ones (`int8_by_default`)
-        if isa == "avx2":
+        if isa == "generic":  # 8-bit activations only (its matmuls are the AVX2 build's default ones)
+            int8 = True
+        elif isa == "avx2":
             int8 = _activations != "bf16"
         else:
             int8 = _activations == "int8" or (_activations == "auto" and int8_by_default())
@@ -275,7 +282,7 @@ def why_unavailable() -> str:
     return _build["why"]
 
 
-TILES = {"avx512": "dspark AVX512-BF16", "avx2": "dspark AVX2"}  # the matmul tile of each build
+TILES = {"avx512": "dspark AVX512-BF16", "avx2": "dspark AVX2", "generic": "dspark generic C++"}  # each build's matmuls
 
 
 def tile_name() -> str | None:
@@ -346,6 +353,11 @@ def choose_activations(mode: str) -> None:
         )
     if mode == "bf16" and isa is None:
         raise DSparkError(f"activations bf16 name dspark's int4 / Q8_0 kernels, and none runs here ({why})")
+    if mode == "bf16" and isa == "generic":
+        raise DSparkError(
+            "activations bf16: the generic build's int4 / Q8_0 matmuls take 8-bit activations only "
+            f"({why or 'kernels generic'}); leave --activations at auto or int8"
+        )
     _activations = mode
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dspark import kernels
+from dspark.errors import DSparkError
 
 # bf16 weights up to this many elements run on dspark's kernel (csrc/q4_avx*.cpp `bf16_mm`) where it is
 # built: faster than oneDNN's packed matmul at 1-8 rows on SmolLM2's layer and draft shapes (measured
@@ -90,12 +91,30 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor):
     return (P.reshape(N // 16, G, 8, 32).to(torch.uint8).contiguous(), *_group_scales(d, lo, N, G))
 
 
+# the layouts each build's matmuls read, by `_build_key` (an ISA, with "-int8" where its int4 /
+# Q8_0 matmuls take 8-bit activations and that changes the layout): int4 "steps" (q4_avx512.cpp's
+# header) or "octets" (8-input octets, each column's dword in the order (0, 4, 1, 5) / (2, 6, 3, 7)),
+# Q8_0 "pairs" (input pairs, 16 columns x 2 bytes) or "vnni" (4 inputs a column's dword, q + 128).
+# A new build adds one row.
+LAYOUTS = {
+    "avx512": ("steps", "pairs"),
+    "avx512-int8": ("octets", "vnni"),
+    "avx2": ("octets", "pairs"),
+    "avx2-int8": ("octets", "pairs"),
+    "generic-int8": ("octets", "pairs"),
+}
+
+
+def _build_key() -> str:
+    isa = kernels.extension_isa()
+    if isa is None:
+        raise DSparkError(f"weights are packed for dspark's kernels, and none runs here ({kernels.why_unavailable()})")
+    return f"{isa}-int8" if kernels.q4_activations() == "int8" else isa
+
+
 def _octets() -> bool:
-    """Does this build's int4 tile read the octet layout (`pack_q4`)? The AVX2 build's, either
-    activations, and the AVX-512 build's 8-bit one (csrc/q4_avx512_vnni.cpp)."""
-    return kernels.extension_isa() == "avx2" or (
-        kernels.extension_isa() == "avx512" and kernels.q4_activations() == "int8"
-    )
+    """Does this build's int4 tile read the octet layout (`pack_q4`, `LAYOUTS`)?"""
+    return LAYOUTS[_build_key()][0] == "octets"
 
 
 def q8_groups(w: torch.Tensor, group: int = 32):
@@ -114,7 +133,7 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor):
     dword in the rows' byte order, q + 128: vpdpbusd's unsigned operand); D: `_group_scales`."""
     N, K = q.shape
     G = K // 32
-    if kernels.extension_isa() == "avx512" and kernels.q4_activations() == "int8":
+    if LAYOUTS[_build_key()][1] == "vnni":
         order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # each octet's inputs in the rows' byte order
         qo = q.to(torch.int16).reshape(N // 16, 16, G, 4, 8)[..., order] + 128  # [N/16, column, G, octet, 8]
         qs = qo.reshape(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4)  # [N/16, G, step, column, 4]

@@ -414,14 +414,61 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     that build already) and checked here on this machine's AVX2 units, the matmul tests included."""
     if "avx2" not in kernels.cpu_flags():
         pytest.skip("no AVX2 here")
+    _check_an_8_lane_build("avx2", "dspark AVX2", monkeypatch)
+
+
+_BUILD_OUTPUTS: dict = {}  # per build, what `_cross_build_outputs` computed
+
+
+def _cross_build_outputs(mod) -> dict:
+    """Every op of the extension on fixed inputs (NaN and infinity among them), and a tiny int4
+    target's logits through the layer stack: what two builds of the same numbers must agree on."""
+    from dspark.target.native import NativeTarget
+
+    g = torch.Generator().manual_seed(11)
+    N, K = 96, 576
+    q, d, lo, _ = _q4(N, K, seed=3)
+    q8 = torch.randint(-128, 128, (N, K), generator=g)
+    d8 = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-4
+    x = torch.randn(9, K, generator=g).to(torch.bfloat16)
+    x[4, 3], x[6, 100] = float("nan"), float("inf")
+    out = {
+        "q4": mod.q4_mm(x, *packing.pack_q4(q, d, lo)),
+        "q8": mod.q8_mm(x, *packing.pack_q8(q8, d8)),
+        "bf16": mod.bf16_mm(x, *packing.pack_bf16(torch.randn(N, K, generator=g))),
+        "rms": mod.rms_bf16(x[:3].nan_to_num(0, 0, 0) * 3, (torch.rand(K, generator=g) + 0.5).to(torch.bfloat16), 1e-5),
+        "silu": mod.silu_mul_bf16((torch.randn(5, 2 * 1536, generator=g) * 4).to(torch.bfloat16)),
+        "argmax": mod.argmax_last(torch.randn(4, 1000, generator=g).to(torch.bfloat16)),
+    }
+    B, S, Hq, Hkv, D, C = 2, 3, 9, 3, 64, 40
+    qq = torch.randn(B, S, Hq, D, generator=g).to(torch.bfloat16)
+    kc, vc = (torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    out["attn"] = mod.attn_bf16(qq, kc, vc, torch.tensor([[10, 11, 12], [30, 31, 32]]), 0.125)
+    base, w1, w2t = (torch.randn(*sh, generator=g).to(torch.bfloat16) for sh in ((2, 4, 300), (300, 16), (16, 300)))
+    out["walk"] = mod.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long), torch.tensor([3, 299]))
+    target = NativeTarget(q4_exact(tiny_target()), (1, 2), act_dtype=torch.bfloat16)
+    assert target._stack is not None
+    st = target.new_state(2)
+    out["prefill"], out["taps"] = target.forward(st, torch.tensor([[5, 17, 33, 8, 9], [40, 41, 42, 43, 44]]))
+    target.commit(st, torch.tensor([5, 5]))
+    out["verify"], _ = target.forward(st, torch.tensor([[11, 12, 3], [4, 77, 6]]))
+    return out
+
+
+def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
+    """Build `isa` (an 8-lane build: avx2, generic) as this process's kernels and hold it to the
+    matmul, norm, attention, walk, argmax and draft tests; record its outputs for the cross-build
+    comparison."""
     from dspark.target.torch_layers import rms as _rms
 
     monkeypatch.setattr(kernels, "_build", {})
     monkeypatch.setattr(kernels, "_kernels", "auto")
-    kernels.choose_kernels("avx2")
+    monkeypatch.setattr(kernels, "_activations", "auto")
+    kernels.choose_kernels(isa)
     mod = kernels.extension()
-    assert mod is not None and kernels.extension_isa() == "avx2"
-    assert kernels.q4_status() == "dspark AVX2" and packing.tile_applies(64, 64)
+    assert mod is not None and kernels.extension_isa() == isa, kernels.why_unavailable()
+    assert kernels.q4_status() == tile and packing.tile_applies(64, 64)
+    _BUILD_OUTPUTS[isa] = _cross_build_outputs(mod)
     for N, K in ((16, 32), (48, 96), (96, 576)):
         test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
     test_rows_get_the_same_bits_in_any_batch(mod)
@@ -470,6 +517,28 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
         for b, n in enumerate(fctx.lengths.tolist()):
             assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
     assert (fh.float() - th.float()).abs().max() <= 2**-5 * th.float().abs().max()
+
+
+@pytest.mark.slow
+def test_the_generic_build_computes_what_the_avx2_build_does(ext, monkeypatch):
+    """The generic build (plain C++: simd.h's and vec.h's arrays of 8 floats, q4_generic.cpp's
+    matmuls one value at a time; for CPUs the x86 builds do not cover) passes the same tests as the
+    AVX2 build and computes its bits: every op on fixed inputs, NaN and infinity included, and a
+    tiny int4 target's prefill, taps and verify through the layer stack. Built here with no ISA
+    flags (about a minute each, hence slow)."""
+    if not all(f in kernels.cpu_flags() for f in ("avx2", "fma", "f16c")):
+        pytest.skip("no AVX2 build here to compare with")
+    _check_an_8_lane_build("generic", "dspark generic C++", monkeypatch)
+    if "avx2" not in _BUILD_OUTPUTS:
+        _check_an_8_lane_build("avx2", "dspark AVX2", monkeypatch)
+    a, b = _BUILD_OUTPUTS["avx2"], _BUILD_OUTPUTS["generic"]
+    for name in a:
+        assert _same(a[name], b[name]), name
+    with pytest.raises(DSparkError, match="generic build's int4 / Q8_0 matmuls take 8-bit activations only"):
+        monkeypatch.setattr(kernels, "_build", {})
+        monkeypatch.setattr(kernels, "_activations", "auto")
+        kernels.choose_kernels("generic")
+        kernels.choose_activations("bf16")
 
 
 def test_q8_kernel_is_the_q8_0_model_and_row_invariant(q4):
@@ -1285,7 +1354,7 @@ def test_the_kernels_setting_is_chosen_once_and_refused_where_it_cannot_run(monk
     from dspark.api import EngineConfig, resolve
     from dspark.cli.engine_flags import add_engine_flags, engine_config
 
-    with pytest.raises(DSparkError, match="kernels must be one of auto, amx, avx512, avx2, torch, got 'sse'"):
+    with pytest.raises(DSparkError, match="kernels must be one of auto, amx, avx512, avx2, generic, torch, got 'sse'"):
         resolve(EngineConfig(kernels="sse", device="cpu"))
     p = argparse.ArgumentParser()
     add_engine_flags(p)

@@ -65,7 +65,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=d.kernels,
         choices=KERNELS,
         help="dspark's CPU kernels: auto (default: the best build this CPU has, with its AMX tiles where "
-        "there are), amx, avx512 (without AMX tiles), avx2, torch (none: torch's ops); each computes its "
+        "there are), amx, avx512 (without AMX tiles), avx2, generic (plain C++, any CPU), torch (none: "
+        "torch's ops); each computes its "
         "own numbers (to compare and diagnose)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")

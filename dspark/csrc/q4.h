@@ -11,9 +11,11 @@
 
 namespace q4 {
 
+#if defined(DSPARK_SIMD_AVX2)
 using simd::bf16x8_to_f32;
 using simd::to_bf16x8;
 using simd::widen_bf16x8;
+#endif
 
 template <int V>
 using Int = std::integral_constant<int, V>;
@@ -57,6 +59,11 @@ struct Scales {
   bool half = false;
   Scales() = default;
   explicit Scales(const torch::Tensor& t) : p(t.data_ptr()), half(t.scalar_type() == torch::kHalf) {}
+  // value i widened to fp32 (exact): the generic build's one at a time
+  float at(int64_t i) const {
+    return half ? static_cast<float>(c10::Half(static_cast<const uint16_t*>(p)[i], c10::Half::from_bits()))
+                : static_cast<const float*>(p)[i];
+  }
 #ifdef __F16C__
   // 8 values from index i, widened to fp32 (exact); both builds have F16C
   __m256 load8(int64_t i) const {
@@ -80,8 +87,9 @@ struct Scales {
 // hurt at every row count, as did distances of a few KB. A tile's column blocks are consecutive in memory, so AHEAD
 // is ~a tile on.
 constexpr int64_t AHEAD = 16384;
-inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T1); }
+inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + AHEAD, 0, 2); }
 
+#if defined(DSPARK_SIMD_AVX2)
 // the sum of a group's 32 values (4 vectors of 8, fp32) by one fixed tree: the vectors added in
 // pairs, then across the 8 lanes. The AVX-512 build's Q4_1 minimum's term (lo x the group's sum
 // of x); summed one input after the other, the sums of 8 rows cost more than the rest of their group ("8-bit
@@ -105,6 +113,8 @@ inline std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
     }
   return s;
 }
+
+#endif
 
 // x's shape with the last dimension N: the matmul's result
 inline std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {

@@ -2,7 +2,9 @@
 // attention kernels (attn.cpp, attn_prefill.cpp), the gated MLP's activation and the argmax over a
 // vocabulary (markov.cpp) share.
 #pragma once
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -59,7 +61,7 @@ inline int first_equal(V a, float b) {  // the first lane equal to b, -1 if none
   const __mmask16 eq = _mm512_cmp_ps_mask(a, _mm512_set1_ps(b), _CMP_EQ_OQ);
   return eq ? __builtin_ctz(static_cast<unsigned>(eq)) : -1;
 }
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
 constexpr int W = 8;
 using V = __m256;
 inline V zero() { return _mm256_setzero_ps(); }
@@ -121,6 +123,116 @@ inline int first_equal(V a, float b) {  // the first lane equal to b, -1 if none
   const int eq = _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(b), _CMP_EQ_OQ));
   return eq ? __builtin_ctz(static_cast<unsigned>(eq)) : -1;
 }
+#else
+// anywhere else: 8 lanes as an array, each operation the AVX2 branch's lane by lane and every
+// reduction in its order, so a kernel computes the same bits as on the AVX2 build
+constexpr int W = 8;
+struct V {
+  float v[8];
+};
+inline V zero() { return V{}; }
+inline V set1(float f) {
+  V r;
+  for (float& x : r.v) x = f;
+  return r;
+}
+template <typename F>
+inline V lanes(V a, V b, F f) {
+  for (int i = 0; i < 8; ++i) a.v[i] = f(a.v[i], b.v[i]);
+  return a;
+}
+inline V add(V a, V b) {
+  return lanes(a, b, [](float x, float y) { return x + y; });
+}
+inline V sub(V a, V b) {
+  return lanes(a, b, [](float x, float y) { return x - y; });
+}
+inline V mul(V a, V b) {
+  return lanes(a, b, [](float x, float y) { return x * y; });
+}
+inline V div(V a, V b) {
+  return lanes(a, b, [](float x, float y) { return x / y; });
+}
+inline float max1(float x, float y) { return x > y ? x : y; }  // maxps: y where either is NaN
+inline V vmax(V a, V b) { return lanes(a, b, max1); }
+inline V fma(V a, V b, V c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline float sum(V a) {  // the AVX2 branch's order: halves, then pairs, then the last two
+  return ((a.v[0] + a.v[4]) + (a.v[2] + a.v[6])) + ((a.v[1] + a.v[5]) + (a.v[3] + a.v[7]));
+}
+inline float hmax(V a) {
+  return max1(max1(max1(a.v[0], a.v[4]), max1(a.v[2], a.v[6])), max1(max1(a.v[1], a.v[5]), max1(a.v[3], a.v[7])));
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline V load_bf16(const at::BFloat16* p) {
+  V r;
+  for (int i = 0; i < 8; ++i) r.v[i] = bits_float(static_cast<uint32_t>(p[i].x) << 16);
+  return r;
+}
+inline V load_n(const float* p, int n) {  // the first n of 8 (zeros after)
+  V r{};
+  for (int i = 0; i < n; ++i) r.v[i] = p[i];
+  return r;
+}
+inline V keep_n(V x, int n) {  // lanes >= n: 0
+  for (int i = n; i < 8; ++i) x.v[i] = 0.f;
+  return x;
+}
+inline V where_first(V x, int n) {  // lanes >= n: -inf
+  for (int i = n; i < 8; ++i) x.v[i] = -INFINITY;
+  return x;
+}
+inline V round_int(V x) {
+  for (float& f : x.v) f = std::nearbyint(f);
+  return x;
+}
+inline V neg_abs(V x) {
+  for (float& f : x.v) f = bits_float(float_bits(f) | 0x80000000u);
+  return x;
+}
+inline V where_neg(V x, V a, V b) {  // x < 0 ? a : b
+  for (int i = 0; i < 8; ++i) a.v[i] = x.v[i] < 0.f ? a.v[i] : b.v[i];
+  return a;
+}
+inline V pow2(V p, V n) {  // n in [-126, 0] here
+  for (int i = 0; i < 8; ++i)
+    p.v[i] *= bits_float(static_cast<uint32_t>(static_cast<int32_t>(std::nearbyint(n.v[i])) + 127) << 23);
+  return p;
+}
+inline void store_bf16(at::BFloat16* p, V x) {  // round to nearest even (finite x), as the AVX2 branch
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t u = float_bits(x.v[i]);
+    p[i].x = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+}
+inline V load_w(const float* p) { return load_n(p, 8); }  // W values of either dtype, widened exactly
+inline V load_w(const at::BFloat16* p) { return load_bf16(p); }
+inline V keep_nan(V acc, V x) {  // x's NaN lanes
+  for (int i = 0; i < 8; ++i)
+    if (std::isnan(x.v[i])) acc.v[i] = x.v[i];
+  return acc;
+}
+inline bool any_nan(V a) {
+  for (float f : a.v)
+    if (std::isnan(f)) return true;
+  return false;
+}
+inline int first_equal(V a, float b) {  // the first lane equal to b, -1 if none
+  for (int i = 0; i < 8; ++i)
+    if (a.v[i] == b) return i;
+  return -1;
+}
 #endif
 
 // the bf16 dot product where the ISA has one (AVX512-BF16's vdpbf16ps): Pairs holds 2W bf16 values,
@@ -138,6 +250,7 @@ inline Pairs load_pairs(const at::BFloat16*) { return {}; }
 inline V dot_pairs(V acc, Pairs, Pairs) { return acc; }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
 // lane k of the result = the sum of the 8 lanes of h[k], k < 8, by one fixed tree: a key's score
 // reads its own vector only, whichever keys share the chunk
 inline __m256 sum8(const __m256* h) {
@@ -146,6 +259,7 @@ inline __m256 sum8(const __m256* h) {
   const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
+#endif
 
 // lane k = the sum of the W lanes of a[k]
 #if defined(__AVX512F__)
@@ -157,8 +271,17 @@ inline V sum_lanes(const V* a) {
   const __m256 lo = sum8(h), hi = sum8(h + 8);
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
 inline V sum_lanes(const V* a) { return sum8(a); }
+#else
+inline V sum_lanes(const V* a) {  // sum8's tree, lane by lane
+  V r;
+  for (int k = 0; k < 8; ++k) {
+    const float* h = a[k].v;
+    r.v[k] = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
+  }
+  return r;
+}
 #endif
 
 // exp(x) for x <= 0: 2^n e^r with |r| <= ln2/2, a Taylor polynomial of degree DEG (6: ~1 ulp of fp32;
