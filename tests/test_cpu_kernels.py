@@ -519,6 +519,21 @@ def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
     assert (fh.float() - th.float()).abs().max() <= 2**-5 * th.float().abs().max()
 
 
+def test_the_generic_build_runs_where_asked_for_by_name(monkeypatch):
+    """Without AVX2 `auto` keeps torch's ops (the generic build is not measured against them there);
+    `--kernels generic` takes the plain C++ build on any CPU, saying what the CPU lacks."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())
+    monkeypatch.setattr(kernels, "_kernels", "auto")
+    isa, why = kernels._isa()
+    assert isa is None and why == "this CPU lacks avx2, fma, f16c"
+    monkeypatch.setattr(kernels, "_kernels", "generic")
+    isa, why = kernels._isa()
+    assert isa == "generic" and "avx2" in why and "avx512f" in why
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(kernels, "_kernels", "auto")
+    assert kernels._isa()[0] == "avx2"
+
+
 @pytest.mark.slow
 def test_the_generic_build_computes_what_the_avx2_build_does(ext, monkeypatch):
     """The generic build (plain C++: simd.h's and vec.h's arrays of 8 floats, q4_generic.cpp's
