@@ -94,6 +94,56 @@ def test_the_choice_prices_proposals_against_plain_decoding_and_the_draft():
     assert not flat.plan(ix, FLAT.step_time, (0.5, 0.1)).draft
 
 
+def test_a_batch_whose_plans_choose_nothing_skips_planning_for_a_while(monkeypatch):
+    """Batches of 2+ requests rarely take a lookup step: after IDLE_PLANS empty plans the next ones
+    are skipped (1, 2, 4, ... up to SKIP_MAX between two plans), and the first plan that chooses a
+    proposal, or a change of batch size, plans every step again. A request alone is planned every
+    step. The index is brought up to date when a plan reads it, whatever was skipped."""
+    from dspark.engine import lookup as lk
+
+    calls = []
+    real = lk.LookupProposer._plan
+
+    def counted(self, indices, step_seconds, draft_rate):
+        calls.append(len(indices))
+        return real(self, indices, step_seconds, draft_rate)
+
+    monkeypatch.setattr(lk.LookupProposer, "_plan", counted)
+    prop = LookupProposer()
+    rows = [LookupIndex([1, 2, 3]), LookupIndex([4, 5, 6])]  # nothing to copy
+    made = []
+    for step in range(40):
+        before = len(calls)
+        plan = prop.plan(rows, FLAT.step_time, None)
+        made.append(len(calls) > before)
+        assert not plan.any and not plan.draft
+        for i, ix in enumerate(rows):
+            ix.extend([100 + 2 * step + i])
+    gaps = [i for i, m in enumerate(made) if m]
+    assert gaps[: lk.IDLE_PLANS] == list(range(lk.IDLE_PLANS))  # the first plans all ran
+    spaced = [b - a - 1 for a, b in zip(gaps[lk.IDLE_PLANS - 1 :], gaps[lk.IDLE_PLANS :])]
+    assert spaced[:4] == [1, 2, 4, 8] and max(spaced) == lk.SKIP_MAX and sum(made) < 12
+    # the text turns copyable: planned again within SKIP_MAX + 1 steps, then every step
+    for ix in rows:
+        ix.extend(COPY)
+    waited = next(w for w in range(lk.SKIP_MAX + 2) if prop.plan(rows, FLAT.step_time, None).any)
+    assert waited <= lk.SKIP_MAX
+    n = len(calls)
+    prop.plan(rows, FLAT.step_time, None)
+    assert len(calls) == n + 1
+    # a request alone: every step planned, however many plans chose nothing
+    alone, n = LookupProposer(), len(calls)
+    for step in range(20):
+        alone.plan([LookupIndex([7, 8, 9 + step])], FLAT.step_time, None)
+    assert len(calls) == n + 20
+    # the lazily built index equals one built at once
+    ix = LookupIndex([1, 2])
+    for t in COPY:
+        ix.extend([t])
+    whole = LookupIndex([1, 2, *COPY])
+    assert ix.propose() == whole.propose() and ix.after == whole.after
+
+
 def test_waiting_taps_join_per_row():
     a = torch.arange(2 * 3 * 1.0).view(2, 3, 1)
     b = 100 + torch.arange(2 * 2 * 1.0).view(2, 2, 1)

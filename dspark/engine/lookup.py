@@ -34,30 +34,43 @@ FIXED_WINDOW = 16  # recent steps of each kind whose least fixed time is that ki
 FIXED_MIN = 3
 DRAFT_EMA = 0.05  # weight of the newest verified draft block in the draft's running gain
 DECAY = 0.98  # weight of the older verifications at each new one: the text's kind changes
+# a batch of requests rarely takes a lookup step (its rows verify to one depth, so a proposal pays
+# only where most rows have one): after IDLE_PLANS plans in a row chose nothing for a batch of 2+
+# requests, the next plans are skipped (the step proposes nothing from the text), 1, 2, 4, ... up
+# to SKIP_MAX of them between two plans, until a plan chooses a proposal again or the batch changes;
+# a request decoding alone is planned every step (it loses copies when it skips, and its plan is
+# a small share of its step)
+IDLE_PLANS, SKIP_MAX = 4, 8
 
 
 class LookupIndex:
     """The tokens of one request (prompt, then output) and where each n-gram last occurred."""
 
     def __init__(self, tokens: list[int] | None = None):
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(tokens or [])
         # n-gram ending just before position p -> p, the latest such p. The n-grams ending at the
         # last token are registered only when the next token arrives, so a lookup of the current
         # suffix finds an earlier occurrence, never itself.
         self.after: dict[tuple[int, ...], int] = {}
-        self.extend(tokens or [])
+        self._indexed = 0  # positions whose n-grams are in `after`: the rest wait for the next proposal
 
     def extend(self, new: list[int]) -> None:
+        """Committed tokens: appended now, indexed when the next proposal reads the index (a step
+        that proposes nothing from the text pays nothing for it)."""
+        self.tokens.extend(new)
+
+    def _index(self) -> None:
         toks, after = self.tokens, self.after
-        for t in new:
-            i = len(toks)
+        for i in range(max(self._indexed, 1), len(toks)):
             for n in range(1, min(MATCH_MAX, i) + 1):
                 after[tuple(toks[i - n : i])] = i
-            toks.append(t)
+        self._indexed = len(toks)
 
     def propose(self, limit: int = LOOKUP_MAX) -> tuple[list[int], int]:
         """(the continuation after the latest earlier occurrence of the longest matching suffix, at
         most `limit` tokens; the match length), or ([], 0) when no suffix occurred before."""
+        if self._indexed < len(self.tokens):
+            self._index()
         toks = self.tokens
         for n in range(min(MATCH_MAX, len(toks)), 0, -1):
             p = self.after.get(tuple(toks[-n:]))
@@ -148,6 +161,9 @@ class LookupProposer:
             "lookup": deque(maxlen=FIXED_WINDOW),
             "plain": deque(maxlen=FIXED_WINDOW),
         }
+        # batches of 2+ requests: empty plans in a row, plans left to skip, the last skip's length,
+        # and the batch size they were counted at
+        self._idle, self._skip, self._wait, self._rows = 0, 0, 0, 0
 
     @property
     def extra_seconds(self) -> float:
@@ -173,7 +189,26 @@ class LookupProposer:
         [B, 1 + d] block) and is valued at (B + its expected accepted tokens) / step_seconds(B(1+d)).
         It wins the step when that beats plain decoding and, when the policy drafts, drafting; otherwise the rows
         whose lookup proposal expects more accepted tokens than the draft's block take it in the
-        same verify. Every choice reads the context and earlier steps only: exact."""
+        same verify. Every choice reads the context and earlier steps only: exact. A batch of 2+
+        requests whose plans keep choosing nothing skips planning for a while (IDLE_PLANS)."""
+        B = len(indices)
+        if B != self._rows:
+            self._idle, self._skip, self._wait, self._rows = 0, 0, 0, B
+        if self._skip > 0:  # a batch whose plans keep choosing nothing: this step proposes nothing
+            self._skip -= 1
+            return Plan([[] for _ in range(B)], [0] * B, draft=draft_rate is not None)
+        plan = self._plan(indices, step_seconds, draft_rate)
+        if B >= 2:
+            if plan.any:
+                self._idle, self._wait = 0, 0
+            else:
+                self._idle += 1
+                if self._idle >= IDLE_PLANS:
+                    self._wait = min(SKIP_MAX, 2 * self._wait or 1)
+                    self._skip = self._wait
+        return plan
+
+    def _plan(self, indices: list[LookupIndex], step_seconds, draft_rate) -> Plan:
         B = len(indices)
         props = [ix.propose(self.limit) for ix in indices]
         survs = [self.stats.survival(m, len(t)) if m else [] for t, m in props]
