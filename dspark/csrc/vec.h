@@ -1,4 +1,5 @@
-// W-lane fp32 vectors (AVX-512: 16, AVX2: 8) with bf16 loads and stores and a fixed exp: what the
+// W-lane fp32 vectors (AVX-512: 16, AVX2: 8, the generic build: an array of 8 with the AVX2 branch's
+// operations and orders) with bf16 loads and stores and a fixed exp: what the
 // attention kernels (attn.cpp, attn_prefill.cpp), the gated MLP's activation and the argmax over a
 // vocabulary (markov.cpp) share.
 #pragma once
