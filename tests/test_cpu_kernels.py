@@ -417,9 +417,6 @@ def test_the_avx2_build_computes_the_same(ext, monkeypatch):
     _check_an_8_lane_build("avx2", "dspark AVX2", monkeypatch)
 
 
-_BUILD_OUTPUTS: dict = {}  # per build, what `_cross_build_outputs` computed
-
-
 def _cross_build_outputs(mod) -> dict:
     """Every op of the extension on fixed inputs (NaN and infinity among them), and a tiny int4
     target's logits through the layer stack: what two builds of the same numbers must agree on."""
@@ -455,12 +452,8 @@ def _cross_build_outputs(mod) -> dict:
     return out
 
 
-def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
-    """Build `isa` (an 8-lane build: avx2, generic) as this process's kernels and hold it to the
-    matmul, norm, attention, walk, argmax and draft tests; record its outputs for the cross-build
-    comparison."""
-    from dspark.target.torch_layers import rms as _rms
-
+def _use_build(isa: str, tile: str, monkeypatch):
+    """Build `isa` and make it this process's kernels for the test -> its module."""
     monkeypatch.setattr(kernels, "_build", {})
     monkeypatch.setattr(kernels, "_kernels", "auto")
     monkeypatch.setattr(kernels, "_activations", "auto")
@@ -468,7 +461,15 @@ def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
     mod = kernels.extension()
     assert mod is not None and kernels.extension_isa() == isa, kernels.why_unavailable()
     assert kernels.q4_status() == tile and packing.tile_applies(64, 64)
-    _BUILD_OUTPUTS[isa] = _cross_build_outputs(mod)
+    return mod
+
+
+def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
+    """Build `isa` (an 8-lane build: avx2, generic) as this process's kernels and hold it to the
+    matmul, norm, attention, walk, argmax and draft tests -> its module."""
+    from dspark.target.torch_layers import rms as _rms
+
+    mod = _use_build(isa, tile, monkeypatch)
     for N, K in ((16, 32), (48, 96), (96, 576)):
         test_kernel_is_the_q4_model_up_to_bf16_rounding(mod, N, K)
     test_rows_get_the_same_bits_in_any_batch(mod)
@@ -517,6 +518,7 @@ def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
         for b, n in enumerate(fctx.lengths.tolist()):
             assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
     assert (fh.float() - th.float()).abs().max() <= 2**-5 * th.float().abs().max()
+    return mod
 
 
 def test_the_generic_build_runs_where_asked_for_by_name(monkeypatch):
@@ -543,10 +545,8 @@ def test_the_generic_build_computes_what_the_avx2_build_does(ext, monkeypatch):
     flags (about a minute each, hence slow)."""
     if not all(f in kernels.cpu_flags() for f in ("avx2", "fma", "f16c")):
         pytest.skip("no AVX2 build here to compare with")
-    _check_an_8_lane_build("generic", "dspark generic C++", monkeypatch)
-    if "avx2" not in _BUILD_OUTPUTS:
-        _check_an_8_lane_build("avx2", "dspark AVX2", monkeypatch)
-    a, b = _BUILD_OUTPUTS["avx2"], _BUILD_OUTPUTS["generic"]
+    b = _cross_build_outputs(_check_an_8_lane_build("generic", "dspark generic C++", monkeypatch))
+    a = _cross_build_outputs(_use_build("avx2", "dspark AVX2", monkeypatch))  # its own checks: the test above
     for name in a:
         assert _same(a[name], b[name]), name
     with pytest.raises(DSparkError, match="generic build's int4 / Q8_0 matmuls take 8-bit activations only"):

@@ -116,6 +116,23 @@ inline std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
 
 #endif
 
+// a build's 8-bit matmul: x (bf16, M rows of K) against a packed int4 (D, L) or Q8_0 (D) weight of N
+// outputs -> y bf16 (q4_avx2.cpp, q4_avx512_vnni.cpp, q4_generic.cpp: `matmul_a8<Q4>`)
+using Matmul8 = torch::Tensor (*)(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const uint8_t* p,
+                                  const Scales& D, const Scales& L);
+
+// q4_mm / q8_mm of such a build: the packed weight's checks, then its matmul
+inline torch::Tensor q4_mm_a8(const torch::Tensor& x, const torch::Tensor& P, const torch::Tensor& D,
+                              const torch::Tensor& L, Matmul8 mm) {
+  const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
+  return mm(x, shape[0], shape[1], shape[2], P.data_ptr<uint8_t>(), Scales(D), Scales(L));
+}
+inline torch::Tensor q8_mm_a8(const torch::Tensor& x, const torch::Tensor& P, const torch::Tensor& D, Matmul8 mm) {
+  const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
+  return mm(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()), Scales(D),
+            Scales());
+}
+
 // x's shape with the last dimension N: the matmul's result
 inline std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();

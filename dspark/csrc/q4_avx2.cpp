@@ -265,15 +265,10 @@ using namespace q4;  // the exported functions below use the tiles above
 
 #if DSPARK_ACT8
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
-  const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
-  return matmul_a8<true>(x, shape[0], shape[1], shape[2], P.data_ptr<uint8_t>(), Scales(D), Scales(L));
+  return q4_mm_a8(x, P, D, L, matmul_a8<true>);
 }
 
-torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
-  const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
-  return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()),
-                          Scales(D));
-}
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) { return q8_mm_a8(x, P, D, matmul_a8<false>); }
 #else  // bf16 activations (--activations bf16: closer to the model, slower here)
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
   const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});

@@ -24,13 +24,6 @@ struct Act8 {
   std::vector<float> s, sum;
 };
 
-inline float bf16_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
   Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
@@ -41,7 +34,7 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
         float v[32], mx = 0.f;
         bool bad = false;
         for (int i = 0; i < 32; ++i) {
-          v[i] = bf16_float(p[i]);
+          v[i] = simd::bf16_value(p[i]);
           bad = bad || std::isnan(v[i]);
           mx = std::max(mx, std::fabs(v[i]));
         }
@@ -114,15 +107,10 @@ torch::Tensor matmul_a8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N,
 using namespace q4;  // the exported functions below use the matmuls above
 
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D, torch::Tensor L) {
-  const auto shape = packed_shape("q4_mm", x, P, torch::kByte, 8, {D, L});
-  return matmul_a8<true>(x, shape[0], shape[1], shape[2], P.data_ptr<uint8_t>(), Scales(D), Scales(L));
+  return q4_mm_a8(x, P, D, L, matmul_a8<true>);
 }
 
-torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
-  const auto shape = packed_shape("q8_mm", x, P, torch::kChar, 16, {D});
-  return matmul_a8<false>(x, shape[0], shape[1], shape[2], reinterpret_cast<const uint8_t*>(P.data_ptr<int8_t>()),
-                          Scales(D));
-}
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) { return q8_mm_a8(x, P, D, matmul_a8<false>); }
 
 // bf16 weights: pair r of a block, 16 columns x 2 values (w[c, 2r], w[c, 2r + 1]); every row adds
 // w * x in fp32 in input order
@@ -143,7 +131,7 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor P, torch::Tensor D) {
           for (int64_t g = 0; g < G; ++g)
             for (int k = 0; k < 32; ++k) {
               const uint16_t w = p[((cb * G + g) * 16 + k / 2) * 32 + 2 * c + k % 2];
-              acc = std::fma(q4::bf16_float(w), xp[m * K + g * 32 + k], acc);
+              acc = std::fma(simd::bf16_value(w), xp[m * K + g * 32 + k], acc);
             }
           yp[m * N + cb * 16 + c] = at::BFloat16(acc);
         }
