@@ -353,6 +353,45 @@ def test_best_checkpoint_time_budget_and_warm_start(tmp_path):
         )
     with pytest.raises(TrainError, match="--init-adapt needs --init"):
         train(_cfg(tmp_path, target, data, out=str(tmp_path / "adapt4"), init_adapt=True), progress=False)
+    # --init-adapt grows a deeper draft: the file's layer first, the new one adding nothing at the start,
+    # so the grown draft's step-0 figures are the file's own; a shallower run is still refused
+    said = []
+    deeper = train(
+        _cfg(
+            tmp_path,
+            target,
+            data,
+            out=str(tmp_path / "grow"),
+            steps=1,
+            lr=1e-12,
+            warmup=0.0,
+            init=str(run / "draft"),
+            init_adapt=True,
+            draft=DraftOptions(gamma=3, num_layers=2, markov_rank=8, n_taps=2, mask_token_id=3),
+        ),
+        progress=False,
+        echo=said.append,
+    )
+    assert any("num_layers 1 -> 2" in s for s in said)
+    first = json.loads((tmp_path / "grow" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["eval"]["loss"] - warm.eval["loss"]) < 1e-4
+    assert abs(first["eval"]["tau_greedy"] - warm.eval["tau_greedy"]) < 1e-4
+    grown = load_file(str(tmp_path / "grow" / "draft" / "model.safetensors"))
+    assert torch.equal(grown["layers.0.self_attn.q_proj.weight"], init["layers.0.self_attn.q_proj.weight"])
+    assert grown["layers.1.mlp.gate_proj.weight"].abs().max() > 0  # trained from its init, not zero
+    assert deeper.step == 1
+    with pytest.raises(TrainError, match="num_layers"):
+        train(
+            _cfg(
+                tmp_path,
+                target,
+                data,
+                out=str(tmp_path / "shrink"),
+                init=str(tmp_path / "grow" / "draft"),
+                init_adapt=True,
+            ),
+            progress=False,
+        )
 
 
 def test_a_resumed_warm_start_with_a_reduced_vocabulary_trains_against_its_own_head_rows(tmp_path):

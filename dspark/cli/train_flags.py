@@ -125,8 +125,9 @@ def _fit_args(p) -> None:
     g.add_argument(
         "--init-adapt",
         action="store_true",
-        help="let --init's draft differ from this run's in gamma and in which layers it taps (same tap "
-        "count: its fc columns for tap i start this run's tap i)",
+        help="let --init's draft differ from this run's in gamma, in which layers it taps (same tap "
+        "count: its fc columns for tap i start this run's tap i) and in depth (a deeper run keeps the "
+        "file's layers first; each new layer starts adding nothing: its output projections at zero)",
     )
     g.add_argument(
         "--init-layers",

@@ -92,12 +92,15 @@ def load_init(path: str, adapt: bool, spec, draft) -> tuple[dict, dict]:
         for k in INIT_KEYS
         if getattr(theirs, k, None) != getattr(spec, k, None)
     }
-    adapted = {}
+    adapted: dict[str, tuple] = {}
     if adapt:
         # what the weights do not fix: the block size, and which layer each of the same number of taps reads
         adapted = {k: diff.pop(k) for k in ("gamma", "hidden_state_indices") if k in diff}
         if "hidden_state_indices" in adapted and len(theirs.hidden_state_indices) != len(spec.hidden_state_indices):
             diff["hidden_state_indices"] = adapted.pop("hidden_state_indices")
+        # a deeper draft grown from a shallower one: the file's layers first, the new ones after them
+        if "num_layers" in diff and theirs.num_layers < spec.num_layers:
+            adapted["num_layers"] = diff.pop("num_layers")
     if diff:
         raise TrainError(
             f"--init {path} does not fit this run's draft {diff} (file, run): "
@@ -105,15 +108,38 @@ def load_init(path: str, adapt: bool, spec, draft) -> tuple[dict, dict]:
         )
     tensors = load_weights(theirs)
     own = draft.own_state_dict()
-    missing = sorted(set(own) - set(tensors))
+    grown = _grown_layers(own, theirs.num_layers) if "num_layers" in adapted else {}
+    missing = sorted(set(own) - set(tensors) - set(grown))
     if missing:
         raise TrainError(f"--init {path} lacks weights {missing[:4]}")
     with torch.no_grad():
+        for k, v in grown.items():
+            if k.endswith(_LAYER_OUTPUTS):
+                v.zero_()
         for k, v in own.items():
+            if k in grown:
+                continue
             if tuple(tensors[k].shape) != tuple(v.shape):
                 raise TrainError(f"--init {path}: {k} has shape {tuple(tensors[k].shape)}, this draft {tuple(v.shape)}")
             v.copy_(tensors[k].to(v.dtype))
     return tensors, adapted
+
+
+# the two matrices that write a decoder layer's result into the residual stream
+_LAYER_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def _grown_layers(own: dict, kept: int) -> dict:
+    """The parameters of the layers past the file's first `kept`. Their output projections start at
+    zero, so each new layer adds nothing to the residual stream: the grown draft computes exactly
+    what the file's draft does, and training moves it from there (its other matrices keep their
+    small-normal init, which the zero projections' gradients reach after the first step)."""
+    out = {}
+    for k, v in own.items():
+        parts = k.split(".")
+        if parts[0] == "layers" and int(parts[1]) >= kept:
+            out[k] = v
+    return out
 
 
 def reduce_vocab(draft, spec, seqs, head: torch.Tensor) -> tuple[int, float]:
