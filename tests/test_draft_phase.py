@@ -181,8 +181,8 @@ def test_speculation_through_the_one_call_is_lossless(fmt, dtype):
 
 
 def test_sampled_requests_walk_the_call_s_logits(monkeypatch):
-    """A sampled request drafts from the head logits the call returns (its own walk samples): the
-    distributions q it records are the softmax of those logits plus the Markov bias."""
+    """A sampled request drafts in the call: the distributions q it records are proper over the
+    target's vocabulary and hold every token drawn."""
     model = tiny_target()
     draft = tiny_draft(model, gamma=3).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(13)
@@ -273,3 +273,46 @@ def test_the_phase_is_priced_at_its_least_time(monkeypatch):
     monkeypatch.setattr(S, "now", lambda _dev: next(clock))
     # warm-up 9.0 (dropped), then 0.5, 0.2, 1.0, 0.3, 0.9: the median would read 0.5
     assert S.draft_phase_seconds(draft, context=8, reps=5) == pytest.approx(0.2)
+
+
+def test_the_call_draws_sampled_rows_as_the_walk_in_python_does(monkeypatch):
+    """A batch of a greedy row and rows that sample (temperature, top-k, top-p) drafts in one call:
+    the greedy row's tokens are those of an all-greedy batch; each sampled slot's token is what its
+    own distribution q and its uniform (`walk_sampling`, from the row's generator) draw; q is
+    what `sampling.probs` makes of the same logits and the tokens are, token for token, what the
+    walk in Python over the call's states draws."""
+    model = tiny_target()
+    draft = tiny_draft(model, gamma=3).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(21)
+    taps = torch.randn(4, 12, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
+    counts, anchors = torch.tensor([12, 7, 9, 12]), torch.tensor([9, 30, 4, 77])
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.6),
+    ]
+
+    def run(params, walks=True):
+        batch = _batch(draft, taps, counts, anchors, modules=False, monkeypatch=monkeypatch)
+        batch.params = params
+        batch.generators = [torch.Generator().manual_seed(100 + b) for b in range(4)]
+        with monkeypatch.context() as m:
+            m.setattr(fast.for_draft(draft), "walks", walks)
+            return S.propose(draft, batch)
+
+    prop = run(params)
+    greedy = run([SamplingParams()] * 4)
+    assert torch.equal(prop.tokens[0], greedy.tokens[0]) and prop.q[0] is None
+    for b in (1, 2, 3):
+        u = torch.rand(3, generator=torch.Generator().manual_seed(100 + b))
+        q = prop.q[b]
+        assert q.shape == (3, draft.spec.vocab_size) and torch.allclose(q.sum(-1), torch.ones(3), atol=1e-5)
+        assert [S.draw(q[k], float(u[k])) for k in range(3)] == prop.tokens[b].tolist()
+    assert ((prop.q[2] > 0).sum(-1) <= 5).all()
+    assert ((prop.q[3] > 0).sum(-1) < draft.spec.vocab_size).all()  # top-p dropped some
+    # the walk in Python over the call's states and head logits (sampling.probs' shaping): the same draws
+    python = run(params, walks=False)
+    assert torch.equal(python.tokens, prop.tokens)
+    for b in (1, 2, 3):
+        assert torch.allclose(python.q[b], prop.q[b], atol=2e-3)

@@ -232,16 +232,16 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
     engine = engine_for(model, draft, policy=policy)
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=200, temperature=1.0, seed=7, ignore_eos=True))
     engine._admit()
-    waited = 0
+    waited = []
     for _ in range(10):
         engine.step()
         req, b = engine.running[0], engine.batch
         committed = req.prompt_ids + req.output_ids[:-1]
         waiting = sum(p.shape[1] for p in b.pending) + (int(b.unposted[1][0]) if b.unposted is not None else 0)
-        waited = max(waited, waiting)
+        waited.append(waiting)
         assert int(b.ctx.lengths[0]) + waiting == len(committed)
     # the prompt's 3 positions and two skipped steps wait for the first drafting step
-    assert waited == 3 + 2 and engine.metrics.plain_steps > 0
+    assert waited[1] == 3 + 2 and engine.metrics.plain_steps > 0
     # each drafting step says how many positions it caught up (the prompt's, the skipped steps'), which
     # the adaptive policy leaves out of what a drafting step costs
     assert caught == [0, 0, 3 + 2, 0, 0, 2, 0, 0, 2, 0]

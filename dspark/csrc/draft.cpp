@@ -134,12 +134,15 @@ torch::Tensor head_input(const Draft& d, const torch::Tensor& h, const int64_t* 
   return x;
 }
 
-// The greedy walk: slot k's token is the argmax of U h_k + W2 W1[x_{k-1}] (x_{-1} the anchor),
-// mapped to target ids through d2t -> [B, g] int64. One pass over the head for every slot: the
-// first slot's input carries W1[anchor] (known before the walk), the others' zeros, so the first
-// row's logits are complete and the others are U h_k, to which the walk adds W2 W1[x_{k-1}]
-// slot by slot (csrc/markov.cpp, over W2 transposed: a rank-r product, not another head pass).
-torch::Tensor greedy_walk(const Draft& d, const torch::Tensor& hs, const int64_t* ap) {
+// The walk: slot k's token is the argmax of U h_k + W2 W1[x_{k-1}] (x_{-1} the anchor), or for a
+// sampled row (sp: temperature > 0) a draw from those logits (markov::sample_slot, by the row's
+// uniforms up [B, g]; the distribution into qp [B, g, Vd]), mapped to target ids through d2t ->
+// [B, g] int64. One pass over the head for every slot: the first slot's input carries W1[anchor]
+// (known before the walk), the others' zeros, so the first row's logits are complete and the
+// others are U h_k, to which the walk adds W2 W1[x_{k-1}] slot by slot (csrc/markov.cpp, over W2
+// transposed: a rank-r product, not another head pass).
+torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const int64_t* ap, const float* sp, const float* up,
+                         float* qp) {
   const int64_t B = hs.size(0), g = hs.size(1), V = d.embed.size(0), K = d.head.P.size(1) * 32;
   const int64_t r = d.w1.numel() ? d.w1.size(1) : 0, H = hs.size(2);
   for (int64_t b = 0; b < B; ++b)
@@ -149,25 +152,66 @@ torch::Tensor greedy_walk(const Draft& d, const torch::Tensor& hs, const int64_t
   for (int64_t b = 0; b < B && r; ++b)
     std::memcpy(xp + b * g * K + H, d.w1.data_ptr<at::BFloat16>() + ap[b] * r, r * sizeof(at::BFloat16));
   const auto logits = layers::lin(d.head, x);  // [B, g, Vd]
+  const int64_t Vd = logits.size(2);
   const int64_t* dp = d.d2t.numel() ? d.d2t.data_ptr<int64_t>() : nullptr;
+  auto to_target = [&](int64_t i) { return dp ? i + dp[i] : i; };
   auto first = markov::argmax_rows(logits.narrow(1, 0, 1).contiguous());  // [B, 1]
   int64_t* fp = first.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) fp[b] = dp ? fp[b] + dp[fp[b]] : fp[b];
-  if (g == 1) return first;
-  const auto rest = logits.narrow(1, 1, g - 1).contiguous();
-  torch::Tensor more;
-  if (r) {
-    more = torch::empty({B, g - 1}, first.options());
-    markov::walk(reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()),
-                 reinterpret_cast<const c10::BFloat16*>(d.w1.data_ptr<at::BFloat16>()),
-                 reinterpret_cast<const c10::BFloat16*>(d.w2t.data_ptr<at::BFloat16>()), dp, fp,
-                 more.data_ptr<int64_t>(), B, g - 1, rest.size(2), r, V);
-  } else {  // no Markov head: each slot's own argmax
-    more = markov::argmax_rows(rest);
-    int64_t* mp = more.data_ptr<int64_t>();
-    for (int64_t i = 0; dp && i < B * (g - 1); ++i) mp[i] += dp[mp[i]];
+  for (int64_t b = 0; b < B; ++b) fp[b] = to_target(fp[b]);
+  bool any_sampled = false;
+  for (int64_t b = 0; sp && b < B; ++b) any_sampled = any_sampled || sp[3 * b] > 0.f;
+  const auto rest = g > 1 ? logits.narrow(1, 1, g - 1).contiguous() : torch::Tensor();
+  const auto* w1 = reinterpret_cast<const c10::BFloat16*>(r ? d.w1.data_ptr<at::BFloat16>() : nullptr);
+  const auto* w2t = reinterpret_cast<const c10::BFloat16*>(r ? d.w2t.data_ptr<at::BFloat16>() : nullptr);
+  // the greedy rows [b0, b1) after their first slot, in one call
+  auto greedy_rest = [&](int64_t b0, int64_t b1, int64_t* out) {
+    if (g == 1 || b1 <= b0) return;
+    const auto* base = reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()) + b0 * (g - 1) * Vd;
+    if (r) {
+      markov::walk(base, w1, w2t, dp, fp + b0, out, b1 - b0, g - 1, Vd, r, V);
+    } else {  // no Markov head: each slot's own argmax
+      const auto ids = markov::argmax_rows(rest.narrow(0, b0, b1 - b0));
+      const int64_t* ip = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < (b1 - b0) * (g - 1); ++i) out[i] = to_target(ip[i]);
+    }
+  };
+  if (!any_sampled) {
+    if (g == 1) return first;
+    auto more = torch::empty({B, g - 1}, first.options());
+    greedy_rest(0, B, more.data_ptr<int64_t>());
+    return torch::cat({first, more}, 1);
   }
-  return torch::cat({first, more}, 1);
+  auto tokens = torch::empty({B, g}, first.options());
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  std::vector<int64_t> more(g > 1 ? g - 1 : 0);
+  std::vector<float> row(Vd), z(r);
+  const auto* lp = logits.data_ptr<at::BFloat16>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* prm = sp + 3 * b;
+    if (prm[0] <= 0.f) {  // greedy
+      tp[b * g] = fp[b];
+      greedy_rest(b, b + 1, more.data());
+      std::copy(more.begin(), more.end(), tp + b * g + 1);
+      continue;
+    }
+    int64_t prev = ap[b];
+    for (int64_t k = 0; k < g; ++k) {
+      if (k == 0 || !r) {
+        for (int64_t v = 0; v < Vd; ++v) row[v] = static_cast<float>(lp[(b * g + k) * Vd + v]);
+      } else {
+        TORCH_CHECK(prev >= 0 && prev < V, "draft_forward: token id ", prev, " outside W1's ", V, " rows");
+        for (int64_t i = 0; i < r; ++i) z[i] = static_cast<float>(w1[prev * r + i]);
+        const auto* base =
+            reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()) + (b * (g - 1) + k - 1) * Vd;
+        markov::slot_logits(base, z.data(), w2t, r, Vd, row.data());
+      }
+      const int64_t pick = markov::sample_slot(row.data(), Vd, prm[0], static_cast<int64_t>(prm[1]), prm[2],
+                                               up[b * g + k], qp + (b * g + k) * Vd);
+      prev = to_target(pick);
+      tp[b * g + k] = prev;
+    }
+  }
+  return tokens;
 }
 
 // Confidence logits [B, g] of the walked slots: proj([h_k ; W1[x_{k-1}]]) + b, fp32 sums of the
@@ -258,14 +302,17 @@ void draft_release(int64_t id) {
 // no context update) of which the first counts[b] are committed; anchors [B] int64 (empty: the
 // context update alone). The block of S rows ([anchor, mask, ...]) runs at positions new
 // lengths + s (causal: a flag a layer, as the caller reads the draft), the head reads rows
-// row0 .. row0 + depth - 1. walk: the greedy Markov walk and the
-// confidences run here too. -> (new lengths [B]) for a context update alone; else with walk
-// (lengths, target ids [B, depth], confidence logits [B, depth] bf16 or empty), without it
+// row0 .. row0 + depth - 1. walk: the Markov walk and the confidences run here too, greedy, or
+// sampled for the rows whose sampling [B, 3] (temperature, top_k, top_p; empty: every row greedy)
+// has a temperature > 0, by their uniforms [B, depth]. -> (new lengths [B]) for a context update
+// alone; else with walk (lengths, target ids [B, depth], confidence logits [B, depth] bf16 or empty,
+// the sampled rows' distributions [B, depth, Vd] fp32 (empty: none sampled)), without it
 // (lengths, h [B, row0 + depth, H], head logits [B, depth, Vd] bf16) for a walk in Python
 std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> kv, torch::Tensor lengths,
                                          torch::Tensor taps, torch::Tensor counts, torch::Tensor anchors,
                                          torch::Tensor cos, torch::Tensor sin, std::vector<bool> causal, int64_t mask,
-                                         int64_t S, int64_t row0, int64_t depth, bool walk) {
+                                         int64_t S, int64_t row0, int64_t depth, bool walk, torch::Tensor sampling,
+                                         torch::Tensor uniforms) {
   using namespace draft;
   const Draft& d = find(id);
   TORCH_CHECK(kv.size() == 2 * d.layers.size(), "draft_forward: ", 2 * d.layers.size(), " caches, got ", kv.size());
@@ -309,8 +356,24 @@ std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> 
   const int64_t Vd = d.head.P.size(0) * 16;
   TORCH_CHECK(d.d2t.numel() == 0 || d.d2t.numel() == Vd, "draft_forward: d2t of ", d.d2t.numel(), " entries for ", Vd,
               " draft tokens");
-  const auto tokens = greedy_walk(d, hs, ac.data_ptr<int64_t>());
+  const float *sp = nullptr, *up = nullptr;
+  torch::Tensor q = torch::empty({0}, torch::dtype(torch::kFloat));
+  if (sampling.numel()) {
+    TORCH_CHECK(sampling.dim() == 2 && sampling.size(0) == B && sampling.size(1) == 3 &&
+                    sampling.scalar_type() == torch::kFloat && sampling.is_contiguous(),
+                "draft_forward: sampling must be a contiguous fp32 [B, 3] (temperature, top_k, top_p)");
+    TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == depth &&
+                    uniforms.scalar_type() == torch::kFloat && uniforms.is_contiguous(),
+                "draft_forward: uniforms must be a contiguous fp32 [B, depth]");
+    sp = sampling.data_ptr<float>();
+    up = uniforms.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(sp[3 * b] <= 0.f || (sp[3 * b + 1] >= 0.f && sp[3 * b + 2] > 0.f && sp[3 * b + 2] <= 1.f),
+                  "draft_forward: row ", b, " samples with top_k ", sp[3 * b + 1], ", top_p ", sp[3 * b + 2]);
+    q = torch::zeros({B, depth, Vd}, torch::dtype(torch::kFloat));
+  }
+  const auto tokens = walk_block(d, hs, ac.data_ptr<int64_t>(), sp, up, q.numel() ? q.data_ptr<float>() : nullptr);
   const auto conf =
       d.conf_w.numel() ? confidences(d, hs, tokens, ac.data_ptr<int64_t>()) : torch::empty({0}, h.options());
-  return {len, tokens, conf};
+  return {len, tokens, conf, q};
 }

@@ -55,7 +55,8 @@ void draft_release(int64_t id);
 std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> kv, torch::Tensor lengths,
                                          torch::Tensor taps, torch::Tensor counts, torch::Tensor anchors,
                                          torch::Tensor cos, torch::Tensor sin, std::vector<bool> causal, int64_t mask,
-                                         int64_t S, int64_t row0, int64_t depth, bool walk);
+                                         int64_t S, int64_t row0, int64_t depth, bool walk, torch::Tensor sampling,
+                                         torch::Tensor uniforms);
 
 namespace layers {
 struct Lin {                 // y = x @ W.T (+ b): W packed for dspark's tile; P's dtype names the format
@@ -71,4 +72,10 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 template <typename T>
 void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64_t* ap, int64_t* op, int64_t B,
           int64_t g, int64_t V, int64_t r, int64_t Vt);
+// one slot's logits T(base + T(W2 z)) of every entry into out [V] (the values the greedy walk compares)
+template <typename T>
+void slot_logits(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, float* out);
+// one token drawn from logits x [V] (overwritten) by sampling.probs' rule and the uniform u; q [V]
+// receives the distribution drawn from
+int64_t sample_slot(float* x, int64_t V, float temperature, int64_t top_k, float top_p, float u, float* q);
 }  // namespace markov

@@ -12,7 +12,9 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -26,38 +28,52 @@ inline float round_as(float x, c10::BFloat16) { return static_cast<float>(c10::B
 inline bool beats(float x, float best) { return std::isnan(x) ? !std::isnan(best) : x > best; }
 inline float round_as(float x, float) { return x; }
 
+constexpr int64_t BLOCK = 64;  // vocabulary entries at a time, each accumulating over k in order
+
+// The Markov bias of entries v .. min(v + BLOCK, v1): acc[j] = sum_k z[k] * w2t[k][v + j], fp32, k in order.
+template <typename T>
+inline void bias_block(const float* z, const T* w2t, int64_t r, int64_t V, int64_t v, int64_t v1, float* acc) {
+  constexpr int64_t L = BLOCK;
+  if (v + L <= v1) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // L / W independent registers (one alone waits on its add's latency every k); bf16 widened
+      // exactly (vec.h); multiply then add, as the generic loop rounds
+      using namespace attn;
+      attn::V a[L / W];
+      for (auto& x : a) x = zero();
+      for (int64_t k = 0; k < r; ++k) {
+        const attn::V zk = set1(z[k]);
+        for (int q = 0; q < L / W; ++q) a[q] = add(a[q], mul(zk, load_bf16(w2t + k * V + v + W * q)));
+      }
+      for (int q = 0; q < L / W; ++q) std::memcpy(acc + W * q, &a[q], sizeof(a[q]));
+    } else {  // a fixed trip count the compiler vectorises (ISO C++: no fused multiply-add)
+      for (int64_t k = 0; k < r; ++k) {
+        const float zk = z[k];
+        const T* w = w2t + k * V + v;
+        for (int64_t j = 0; j < L; ++j) acc[j] = acc[j] + zk * static_cast<float>(w[j]);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < r; ++k)
+      for (int64_t j = 0; v + j < v1; ++j) acc[j] = acc[j] + z[k] * static_cast<float>(w2t[k * V + v + j]);
+  }
+}
+
+// a slot's logit of entry v: T(base[v] + T(bias)), T the dtype (the torch path's two roundings)
+template <typename T>
+inline float logit_of(const T* base, int64_t v, float bias) {
+  return round_as(static_cast<float>(base[v]) + round_as(bias, T{}), T{});
+}
+
 // The first largest of T(base[v] + T(sum_k z[k] * w2t[k][v])) over v in [v0, v1), T the dtype.
 template <typename T>
 void best_in(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, int64_t v0, int64_t v1, float& best,
              int64_t& arg) {
-  constexpr int64_t L = 64;  // vocabulary entries at a time, each accumulating over k in order
-  for (int64_t v = v0; v < v1; v += L) {
-    float acc[L] = {0};
-    if (v + L <= v1) {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // L / W independent registers (one alone waits on its add's latency every k); bf16 widened
-        // exactly (vec.h); multiply then add, as the generic loop rounds
-        using namespace attn;
-        attn::V a[L / W];
-        for (auto& x : a) x = zero();
-        for (int64_t k = 0; k < r; ++k) {
-          const attn::V zk = set1(z[k]);
-          for (int q = 0; q < L / W; ++q) a[q] = add(a[q], mul(zk, load_bf16(w2t + k * V + v + W * q)));
-        }
-        for (int q = 0; q < L / W; ++q) std::memcpy(acc + W * q, &a[q], sizeof(a[q]));
-      } else {  // a fixed trip count the compiler vectorises (ISO C++: no fused multiply-add)
-        for (int64_t k = 0; k < r; ++k) {
-          const float zk = z[k];
-          const T* w = w2t + k * V + v;
-          for (int64_t j = 0; j < L; ++j) acc[j] = acc[j] + zk * static_cast<float>(w[j]);
-        }
-      }
-    } else {
-      for (int64_t k = 0; k < r; ++k)
-        for (int64_t j = 0; v + j < v1; ++j) acc[j] = acc[j] + z[k] * static_cast<float>(w2t[k * V + v + j]);
-    }
-    for (int64_t j = 0; j < L && v + j < v1; ++j) {
-      const float logit = round_as(static_cast<float>(base[v + j]) + round_as(acc[j], T{}), T{});
+  for (int64_t v = v0; v < v1; v += BLOCK) {
+    float acc[BLOCK] = {0};
+    bias_block(z, w2t, r, V, v, v1, acc);
+    for (int64_t j = 0; j < BLOCK && v + j < v1; ++j) {
+      const float logit = logit_of(base, v + j, acc[j]);
       if (beats(logit, best)) {
         best = logit;
         arg = v + j;
@@ -65,6 +81,25 @@ void best_in(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, 
     }
   }
 }
+
+// Every entry's logit T(base[v] + T(W2 z)[v]) of one slot into out [V] (fp32): the values best_in compares
+template <typename T>
+void slot_logits(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, float* out) {
+  const int64_t chunks = (V + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t end = std::min(V, (c + 1) * CHUNK);
+      for (int64_t v = c * CHUNK; v < end; v += BLOCK) {
+        float acc[BLOCK] = {0};
+        bias_block(z, w2t, r, V, v, end, acc);
+        for (int64_t j = 0; j < BLOCK && v + j < end; ++j) out[v + j] = logit_of(base, v + j, acc[j]);
+      }
+    }
+  });
+}
+
+template void slot_logits<c10::BFloat16>(const c10::BFloat16*, const float*, const c10::BFloat16*, int64_t, int64_t,
+                                         float*);
 
 template <typename T>
 void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64_t* ap, int64_t* op, int64_t B,
@@ -180,6 +215,87 @@ inline int64_t first_max(const T* x, int64_t V) {
   for (; j < V; ++j)
     if (widen(x[j]) == best) return j;
   return 0;  // every entry -inf: the first, as torch
+}
+
+// One token drawn from a slot's logits x [V] (fp32, overwritten) as dspark.engine.sampling.probs
+// shapes them: x / temperature, every entry below the top_k-th largest dropped (top_k 0: none), then
+// the softmax, then (top_p < 1) every entry whose mass strictly before it, in descending order (ties:
+// the lower index first), reaches top_p dropped, the rest renormalised. q [V] receives that
+// distribution; the token is the first entry whose cumulative probability exceeds u in [0, 1)
+// (sampling.draw: the same rule in torch). Logits with a NaN or no finite maximum (a broken
+// forward) give the first largest, with all of q on it: still a token drawn from q.
+int64_t sample_slot(float* x, int64_t V, float temperature, int64_t top_k, float top_p, float u, float* q) {
+  const float inf = std::numeric_limits<float>::infinity();
+  float m = -inf;
+  bool nan = false;
+  for (int64_t i = 0; i < V; ++i) {
+    x[i] = x[i] / temperature;
+    nan = nan || std::isnan(x[i]);
+    m = x[i] > m ? x[i] : m;
+  }
+  if (nan || !std::isfinite(m)) {
+    const int64_t pick = first_max(x, V);
+    std::fill(q, q + V, 0.f);
+    q[pick] = 1.f;
+    return pick;
+  }
+  if (top_k > 0 && top_k < V) {
+    std::vector<float> c(x, x + V);
+    std::nth_element(c.begin(), c.begin() + (top_k - 1), c.end(), std::greater<float>());
+    const float kth = c[top_k - 1];
+    for (int64_t i = 0; i < V; ++i)
+      if (x[i] < kth) x[i] = -inf;
+  }
+  {  // q = exp(x - m), x - m <= 0 (vec.h's exp; -inf -> 0)
+    using namespace attn;
+    const attn::V mv = set1(m);
+    int64_t i = 0;
+    for (; i + W <= V; i += W) {
+      const attn::V e = exp_neg(sub(load_w(x + i), mv));
+      std::memcpy(q + i, &e, sizeof(e));
+    }
+    for (; i < V; ++i) q[i] = std::exp(x[i] - m);
+  }
+  for (int64_t i = 0; i < V; ++i)  // exp_neg stops at exp(-87): a dropped entry gets none
+    if (x[i] == -inf) q[i] = 0.f;
+  double total = 0;
+  for (int64_t i = 0; i < V; ++i) total += q[i];
+  for (int64_t i = 0; i < V; ++i) q[i] = static_cast<float>(q[i] / total);
+  if (top_p < 1.f) {
+    // candidates: the entries of at least t, t lowered until they hold top_p; every other entry is
+    // smaller than each of them, so it sorts after them and is dropped
+    float t = 0.f;
+    for (int64_t i = 0; i < V; ++i) t = std::max(t, q[i]);
+    std::vector<int64_t> cand;
+    for (t /= 16.f;; t /= 16.f) {
+      cand.clear();
+      double mass = 0;
+      for (int64_t i = 0; i < V; ++i)
+        if (q[i] >= t) {
+          cand.push_back(i);
+          mass += q[i];
+        }
+      if (mass >= top_p || t == 0.f) break;
+    }
+    std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return q[a] > q[b]; });
+    std::vector<char> keep(V, 0);
+    double before = 0;
+    for (const int64_t i : cand) {
+      if (before >= top_p) break;
+      keep[i] = 1;
+      before += q[i];
+    }
+    for (int64_t i = 0; i < V; ++i) q[i] = keep[i] ? static_cast<float>(q[i] / before) : 0.f;
+  }
+  double cum = 0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (q[i] <= 0.f) continue;
+    cum += q[i];
+    last = i;
+    if (cum > u) return i;
+  }
+  return last;  // u at the top of the rounding of the sum: the last entry with mass
 }
 
 torch::Tensor argmax_rows(const torch::Tensor& x) {

@@ -124,3 +124,13 @@ def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
 
 def sample(prob: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(prob.float().cpu(), 1, generator=gen))
+
+
+def draw(prob: torch.Tensor, u: float) -> int:
+    """The entry of prob [V] that the uniform u in [0, 1) draws: the first whose cumulative
+    probability exceeds u (u at the top of the sum's rounding: the last entry with mass). The
+    drafting phase's rule, in torch and in the compiled walk (csrc/markov.cpp `sample_slot`)."""
+    cum = prob.double().cumsum(0)
+    # cum rises only at entries with mass, so the first entry above u is one
+    i = int(torch.searchsorted(cum, torch.tensor([u], dtype=torch.float64, device=cum.device), right=True))
+    return i if i < prob.shape[0] else int((prob > 0).nonzero()[-1])

@@ -24,7 +24,7 @@ import torch
 from dspark.engine.batch import Batch, Proposal, StepResult, take_pending, wait_taps
 from dspark.engine.lookup import LookupProposer, Plan
 from dspark.engine.policy import VerifyPolicy
-from dspark.engine.sampling import SamplingParams, greedy_accept, greedy_accept_ids, probs, rejection_accept, sample
+from dspark.engine.sampling import SamplingParams, draw, greedy_accept, greedy_accept_ids, probs, rejection_accept
 from dspark.engine.timing import now
 from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
@@ -43,6 +43,7 @@ class Block:
     state: torch.Tensor | None = None  # the Markov head's state before the first drafted row (rnn / gated)
     tokens: torch.Tensor | None = None  # [B, depth] walked target ids
     conf: torch.Tensor | None = None  # [B, depth] confidence logits of the walked rows (None: no confidence head)
+    q: torch.Tensor | None = None  # [B, depth, Vd] what each sampled row's walked slot was drawn from (None: none)
 
 
 @torch.inference_mode()
@@ -54,14 +55,16 @@ def draft_block(
     taps: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     walk: bool = False,
+    sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Block:
     """The draft's network for one drafting phase: commit the first counts[b] of taps [B, n, F]
     to the context (when given), then the block [anchor, MASK, ...] over it, the head on the first
-    `depth` sampled rows (all g by default) and, with walk, the greedy Markov walk and the
-    confidences. On a CPU with dspark's kernels that is one compiled call (model/fast.py); the
-    modules (the reference, and the path on other devices) run the same steps op by op and leave
-    the walk to the caller, as the kernels do for gated and rnn Markov heads. The whole block
-    runs, as trained, whatever the depth."""
+    `depth` sampled rows (all g by default) and, with walk, the Markov walk and the confidences:
+    greedy, or for the rows `sampling` (`walk_sampling`) samples, drawn from the shaped logits
+    (their distributions in Block.q). On a CPU with dspark's kernels that is one compiled call
+    (model/fast.py); the modules (the reference, and the path on other devices) run the same steps
+    op by op and leave the walk to the caller, as the kernels do for gated and rnn Markov heads.
+    The whole block runs, as trained, whatever the depth."""
     spec = draft.spec
     B = anchors.shape[0]
     rows = spec.sampled_rows
@@ -69,9 +72,10 @@ def draft_block(
     if fast.applies(draft, ctx, B):
         kernel = fast.for_draft(draft)
         walk = walk and kernel.walks
-        out = kernel.call(spec, ctx, taps, counts, anchors, rows.start, stop - rows.start, walk=walk)
+        shaping, uniforms = sampling if sampling is not None and walk else (None, None)
+        out = kernel.call(spec, ctx, taps, counts, anchors, rows.start, stop - rows.start, walk, shaping, uniforms)
         if walk:
-            return Block(tokens=out[0], conf=out[1] if out[1].numel() else None)
+            return Block(tokens=out[0], conf=out[1] if out[1].numel() else None, q=out[2] if out[2].numel() else None)
         h, base = out[0].to(draft.fc.weight.dtype), out[1]  # h: what the Python heads read
     else:
         if taps is not None:
@@ -92,9 +96,10 @@ def draft_block(
 def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Proposal:
     """Draft the first `depth` slots of the block (all g by default: a policy that will verify
     no deeper saves the draft head and the walk of the rest). The draft context takes the taps
-    waiting in batch.pending in the same call (`draft_block`). Every request greedy: the kernels
-    walk, and the phase is that one call; otherwise the walk runs here, slot by slot, sampling
-    the rows that sample and keeping the distributions verification divides by."""
+    waiting in batch.pending in the same call (`draft_block`). Where the kernels walk (a vanilla
+    Markov head or none) the phase is that one call, the rows that sample drawn in it and their
+    distributions, which verification divides by, returned; otherwise the walk runs here, slot by
+    slot, from the same uniforms (`walk_sampling`)."""
     rows, mh = draft.spec.sampled_rows, draft.markov_head
     if depth is not None:
         if not 1 <= depth <= len(rows):
@@ -106,9 +111,15 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
     if batch.ctx is None:
         raise ValueError("propose: the batch has no draft context (it was made without a draft)")
     taps, counts = take_pending(batch)
-    block = draft_block(draft, anchors, batch.ctx, len(rows), taps, counts, walk=not sampled)
+    shaping = walk_sampling(batch, sampled, len(rows)) if sampled else None
+    block = draft_block(draft, anchors, batch.ctx, len(rows), taps, counts, True, shaping)
     if block.tokens is not None:
-        return Proposal(tokens=block.tokens, q=[None] * B, conf_logits=block.conf)
+        q: list[torch.Tensor | None] = [None] * B
+        if block.q is not None:
+            ids = draft.to_target_ids(torch.arange(block.q.shape[-1], device=block.q.device))
+            for b in sampled:  # the draft vocabulary's distribution in the target's
+                q[b] = block.q.new_zeros(len(rows), draft.spec.vocab_size).index_copy_(1, ids, block.q[b])
+        return Proposal(tokens=block.tokens, q=q, conf_logits=block.conf)
     h, base, state = block.h, block.base, block.state
     assert h is not None and base is not None  # a block the kernels did not walk holds its states and logits
     prev, tokens, embs = anchors, [], []
@@ -123,16 +134,30 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
         # rows need the full [V] distribution q that verification divides by
         tok = draft.to_target_ids(argmax(logits))  # [B]
         if sampled:
+            assert shaping is not None
             full = draft.to_target_vocab(logits[sampled]).float()  # [len(sampled), V]
             for i, b in enumerate(sampled):
                 dist = probs(full[i], batch.params[b])
-                tok[b] = sample(dist, batch.generators[b])
+                tok[b] = draw(dist, float(shaping[1][b, k]))
                 qs[b].append(dist)
         tokens.append(tok)
         prev = tok
     # confidences of all slots in one call (slot k reads h_k and the token before it, nothing later)
     conf = draft.confidence_logits(h[:, rows.start : rows.stop], torch.stack(embs, 1) if embs else None)
     return Proposal(tokens=torch.stack(tokens, 1), q=[torch.stack(q) if q else None for q in qs], conf_logits=conf)
+
+
+def walk_sampling(batch: Batch, sampled: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the walk samples the rows `sampled` with: (shaping [B, 3] fp32: temperature (0: a greedy
+    row), top_k, top_p; uniforms [B, depth] fp32, each sampled row's drawn from its generator, one a
+    slot). The compiled walk and the walk in Python draw the same tokens from them."""
+    B = batch.anchors.shape[0]
+    shaping, uniforms = torch.zeros(B, 3), torch.zeros(B, depth)
+    for b in sampled:
+        p = batch.params[b]
+        shaping[b] = torch.tensor([p.temperature, float(p.top_k), p.top_p])
+        uniforms[b] = torch.rand(depth, generator=batch.generators[b])
+    return shaping, uniforms
 
 
 def target_step(target):

@@ -140,7 +140,7 @@ class FastDraft:
         vanilla = mh is not None and mh.head_type == "vanilla"
         conf = ch is not None and self.walks
         # the head and (vanilla) W2 side by side: the first slot's logits U h + W2 W1[anchor] are one
-        # matmul over [h ; W1[anchor]] (csrc/draft.cpp `greedy_walk`); [h ; 0] gives U h alone
+        # matmul over [h ; W1[anchor]] (csrc/draft.cpp `walk_block`); [h ; 0] gives U h alone
         head = draft.lm_head.weight.detach()
         if vanilla:
             head = torch.cat([head.float(), mh.markov_w2.weight.detach().float()], 1)
@@ -233,10 +233,14 @@ class FastDraft:
         row0: int = 0,
         depth: int = 1,
         walk: bool = False,
+        sampling: torch.Tensor | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """One phase in one call: commit the first counts[b] of taps [B, n, F] to each row's context,
         then (anchors given) the block [anchor, MASK, ...] of spec.query_slots rows over it, the head
-        on rows row0 .. row0 + depth - 1 and, with walk, the greedy Markov walk and the confidences.
+        on rows row0 .. row0 + depth - 1 and, with walk, the Markov walk and the confidences: greedy,
+        or sampled for the rows whose sampling [B, 3] fp32 (temperature, top_k, top_p) has a
+        temperature > 0, each slot drawn by its uniform in uniforms [B, depth].
         -> csrc/draft.cpp's outputs after the new lengths, which ctx takes."""
         S = spec.query_slots if anchors is not None else 0
         n = taps.shape[1] if taps is not None else 0
@@ -260,6 +264,8 @@ class FastDraft:
             row0,
             depth,
             walk,
+            _NO_FLOATS if sampling is None else sampling,
+            _NO_FLOATS if uniforms is None else uniforms,
         )
         ctx.lengths = out[0]
         return out[1:]
@@ -277,6 +283,7 @@ class FastDraft:
 
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)
+_NO_FLOATS = torch.zeros(0, dtype=torch.float32)
 
 
 def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
