@@ -42,6 +42,7 @@ SOURCES = (
     "attn_prefill.cpp",
     "rope.cpp",
     "markov.cpp",
+    "sample.cpp",
     "layers.cpp",
     "draft.cpp",
     "bindings.cpp",

@@ -80,3 +80,35 @@ def markov_walk(
     if ext is None:
         return None
     return ext.markov_walk(base, w1, w2t, torch.zeros(0, dtype=torch.long) if d2t is None else d2t, anchors)
+
+
+def sample_accept(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    q: torch.Tensor | None,
+    drafts: torch.Tensor,
+    u: torch.Tensor,
+) -> tuple[int, int] | None:
+    """One request's speculative sampling in one call (csrc/sample.cpp `sample_accept`): logits
+    [n+1, V], q [n, V] fp32 (None: n = 0), drafts [n], uniforms u [n+1] -> (accepted, token); None
+    where the extension does not run (another device, a CPU without it): the caller runs torch."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    ext = kernels.extension()
+    if ext is None:
+        return None
+    out = ext.sample_accept(
+        logits,
+        float(temperature),
+        int(top_k),
+        float(top_p),
+        q.float() if q is not None else _NO_Q,
+        drafts.cpu(),
+        u.float(),
+    )
+    return int(out[0]), int(out[1])
+
+
+_NO_Q = torch.zeros(0, dtype=torch.float32)

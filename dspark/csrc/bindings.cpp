@@ -25,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   DSPARK_DEF(draft_register);
   DSPARK_DEF(draft_release);
   DSPARK_DEF(draft_forward);
+  DSPARK_DEF(sample_accept);
 #undef DSPARK_DEF
 }

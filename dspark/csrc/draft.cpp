@@ -135,7 +135,7 @@ torch::Tensor head_input(const Draft& d, const torch::Tensor& h, const int64_t* 
 }
 
 // The walk: slot k's token is the argmax of U h_k + W2 W1[x_{k-1}] (x_{-1} the anchor), or for a
-// sampled row (sp: temperature > 0) a draw from those logits (markov::sample_slot, by the row's
+// sampled row (sp: temperature > 0) a draw from those logits (sampling::sample_slot in sample.cpp, by the row's
 // uniforms up [B, g]; the distribution into qp [B, g, Vd]), mapped to target ids through d2t ->
 // [B, g] int64. One pass over the head for every slot: the first slot's input carries W1[anchor]
 // (known before the walk), the others' zeros, so the first row's logits are complete and the
@@ -205,8 +205,8 @@ torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const int64_t*
             reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()) + (b * (g - 1) + k - 1) * Vd;
         markov::slot_logits(base, z.data(), w2t, r, Vd, row.data());
       }
-      const int64_t pick = markov::sample_slot(row.data(), Vd, prm[0], static_cast<int64_t>(prm[1]), prm[2],
-                                               up[b * g + k], qp + (b * g + k) * Vd);
+      const int64_t pick = sampling::sample_slot(row.data(), Vd, prm[0], static_cast<int64_t>(prm[1]), prm[2],
+                                                 up[b * g + k], qp + (b * g + k) * Vd);
       prev = to_target(pick);
       tp[b * g + k] = prev;
     }

@@ -48,6 +48,10 @@ std::vector<torch::Tensor> layers_forward(int64_t id, torch::Tensor tokens, torc
                                           torch::Tensor final_w, double eps, int64_t hq, int64_t hkv, int64_t tap_width,
                                           std::vector<int64_t> tap_cols, bool argmax, bool prefill);
 
+// one request's speculative sampling (or plain sampling: no drafts) over the target's logits (sample.cpp)
+torch::Tensor sample_accept(torch::Tensor logits, double temperature, int64_t top_k, double top_p, torch::Tensor q,
+                            torch::Tensor drafts, torch::Tensor u);
+
 // a draft's phase in one call (draft.cpp)
 int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t hq, int64_t hkv, int64_t head_dim,
                        bool conf_markov, double eps);
@@ -75,7 +79,10 @@ void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64
 // one slot's logits T(base + T(W2 z)) of every entry into out [V] (the values the greedy walk compares)
 template <typename T>
 void slot_logits(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, float* out);
+}  // namespace markov
+
+namespace sampling {  // sample.cpp
 // one token drawn from logits x [V] (overwritten) by sampling.probs' rule and the uniform u; q [V]
 // receives the distribution drawn from
 int64_t sample_slot(float* x, int64_t V, float temperature, int64_t top_k, float top_p, float u, float* q);
-}  // namespace markov
+}  // namespace sampling

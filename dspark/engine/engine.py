@@ -21,7 +21,7 @@ from dspark.engine.marks import TokenMark, step_marks
 from dspark.engine.metrics import SpecMetrics, degraded
 from dspark.engine.policy import FullScheduler, VerifyPolicy
 from dspark.engine.request import Prefilling, Request, StepObserver, request_metrics
-from dspark.engine.sampling import SamplingParams, probs, sample
+from dspark.engine.sampling import SamplingParams, sample_token
 from dspark.engine.step import decode_step, draft_taps, flush_context
 from dspark.errors import DSparkError, RequestError
 from dspark.model.draft import ContextCache, DSparkDraft
@@ -206,7 +206,7 @@ class Engine:
             pending = job.taps
         gen = self._generator(req.params)
         last = logits[0, -1]
-        first = int(argmax(last)) if req.params.greedy else sample(probs(last, req.params), gen)
+        first = int(argmax(last)) if req.params.greedy else sample_token(last, req.params, gen)
         batch = Batch(state, ctx, torch.tensor([first], device=dev), [req.params], [gen], pending)
         if self.lookup is not None:
             batch.lookup = [LookupIndex(req.prompt_ids + [first])]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.errors import RequestError
-from dspark.ops import argmax
+from dspark.ops import argmax, sample_accept
 
 # The smallest temperature above 0 (vLLM's floor too): logits are divided by it, and below this
 # they overflow to inf, the probabilities turn NaN and sampling fails.
@@ -58,13 +58,15 @@ class SamplingParams:
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] after temperature, top-k, top-p (fp32)."""
+    """logits [..., V] -> probabilities [..., V] after temperature, top-k (every entry below the
+    k-th largest dropped), top-p (every entry whose mass strictly before it, in descending order,
+    ties the lower index first, reaches top_p dropped) (fp32). csrc/sample.cpp shapes the same way."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # ties: lower index first
         sorted_p = sorted_logits.softmax(-1)
         # drop a token when the mass strictly before it already reaches top_p (the first always stays)
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
@@ -101,29 +103,49 @@ def greedy_accept_ids(best: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor)
     )
 
 
-def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen: torch.Generator | None):
-    """One request. p [n+1, V] target probs, q [n, V] draft probs, drafts [n].
+def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor) -> tuple[int, int]:
+    """One request. p [n+1, V] target probs, q [n, V] draft probs, drafts [n], uniforms u [n+1].
 
-    Accept d_i with prob min(1, p/q); at the first rejection draw from norm(max(p - q, 0));
+    Accept d_i while u[i] < p/q; at the first rejection draw (by u[n]) from norm(max(p - q, 0));
     when all are accepted draw the bonus from p[n]. Returns (accepted, next_token).
     """
     n = drafts.shape[0]
     if n:
         idx = torch.arange(n, device=drafts.device)
         ratio = p[idx, drafts] / q[idx, drafts].clamp_min(1e-30)
-        u = torch.rand(n, generator=gen, device="cpu").to(p.device)
-        rejected = (u >= ratio).nonzero()
+        rejected = (u[:n].to(p.device) >= ratio).nonzero()
         if rejected.numel():
             i = int(rejected[0])
             residual = (p[i] - q[i]).clamp_min(0)
             mass = residual.sum()
             dist = residual / mass if mass > 0 else p[i]
-            return i, int(torch.multinomial(dist.cpu(), 1, generator=gen))
-    return n, int(torch.multinomial(p[n].cpu(), 1, generator=gen))
+            return i, draw(dist, float(u[n]))
+    return n, draw(p[n], float(u[n]))
 
 
-def sample(prob: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(prob.float().cpu(), 1, generator=gen))
+def speculative_sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    q: torch.Tensor | None,
+    drafts: torch.Tensor,
+    gen: torch.Generator | None,
+) -> tuple[int, int]:
+    """One sampled request's verification: logits [n+1, V] of the target on [anchor, drafts[:n]],
+    q [n, V] the distributions the drafts were drawn from (None: n = 0, plain sampling) ->
+    (accepted, next token), the target's distribution exactly (`rejection_accept`). The n+1
+    uniforms come from the request's generator; on a CPU with dspark's kernels the shaping and the
+    draws run in one call (csrc/sample.cpp: no sort of the whole vocabulary, no multinomial)."""
+    n = drafts.shape[0]
+    u = torch.rand(n + 1, generator=gen)
+    out = sample_accept(logits, params.temperature, params.top_k, params.top_p, q, drafts, u)
+    if out is not None:
+        return out
+    return rejection_accept(probs(logits, params), q if q is not None else logits[:0].float(), drafts, u)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Plain sampling of one token from logits [V]: a verification of no drafts (`speculative_sample`)."""
+    return speculative_sample(logits[None], params, None, logits.new_zeros(0, dtype=torch.long), gen)[1]
 
 
 def draw(prob: torch.Tensor, u: float) -> int:

@@ -24,7 +24,14 @@ import torch
 from dspark.engine.batch import Batch, Proposal, StepResult, take_pending, wait_taps
 from dspark.engine.lookup import LookupProposer, Plan
 from dspark.engine.policy import VerifyPolicy
-from dspark.engine.sampling import SamplingParams, draw, greedy_accept, greedy_accept_ids, probs, rejection_accept
+from dspark.engine.sampling import (
+    SamplingParams,
+    draw,
+    greedy_accept,
+    greedy_accept_ids,
+    probs,
+    speculative_sample,
+)
 from dspark.engine.timing import now
 from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
@@ -255,9 +262,8 @@ def accept(
         if p.greedy:
             continue
         nb = int(n[b])
-        pb = probs(logits[b, : nb + 1], p)
-        qb = q[b][:nb] if nb else pb[:0]
-        a, t = rejection_accept(pb, qb, prop_tokens[b, :nb], batch.generators[b])
+        qb = q[b][:nb] if nb else None
+        a, t = speculative_sample(logits[b, : nb + 1], p, qb, prop_tokens[b, :nb], batch.generators[b])
         accepted[b], nxt[b] = a, t
     return accepted, nxt
 
