@@ -275,14 +275,21 @@ def test_the_phase_is_priced_at_its_least_time(monkeypatch):
     assert S.draft_phase_seconds(draft, context=8, reps=5) == pytest.approx(0.2)
 
 
-def test_the_call_draws_sampled_rows_as_the_walk_in_python_does(monkeypatch):
-    """A batch of a greedy row and rows that sample (temperature, top-k, top-p) drafts in one call:
-    the greedy row's tokens are those of an all-greedy batch; each sampled slot's token is what its
-    own distribution q and its uniform (`walk_sampling`, from the row's generator) draw; q is
-    what `sampling.probs` makes of the same logits and the tokens are, token for token, what the
-    walk in Python over the call's states draws."""
+@pytest.mark.parametrize(
+    "head,layout",
+    [("vanilla", "anchor_first"), ("gated", "anchor_first"), ("rnn", "anchor_first"), ("rnn", "bonus_anchor")],
+)
+def test_the_call_walks_every_markov_head_as_the_walk_in_python_does(head, layout, monkeypatch):
+    """A batch of a greedy row and rows that sample (temperature, top-k, top-p) drafts in one call,
+    whatever the Markov head's kind (an rnn head's recurrence through a bonus-anchor block's row 0
+    included): the greedy row's tokens are those of an all-greedy batch; each sampled slot's token
+    is what its own distribution q and its uniform (`walk_sampling`, from the row's generator)
+    draw; and tokens and q are what the walk in torch (`walk_in_torch`, `sampling.probs`' shaping)
+    makes of the call's own states and base logits."""
     model = tiny_target()
-    draft = tiny_draft(model, gamma=3).to(torch.bfloat16)
+    draft = tiny_draft(model, gamma=3, markov_head_type=head, layout=layout).to(torch.bfloat16)
+    with torch.no_grad():  # a Markov bias that decides tokens
+        draft.markov_head.markov_w2.weight.normal_(0, 0.5)
     gen = torch.Generator().manual_seed(21)
     taps = torch.randn(4, 12, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
     counts, anchors = torch.tensor([12, 7, 9, 12]), torch.tensor([9, 30, 4, 77])
@@ -292,17 +299,16 @@ def test_the_call_draws_sampled_rows_as_the_walk_in_python_does(monkeypatch):
         SamplingParams(temperature=1.0, top_k=5),
         SamplingParams(temperature=1.3, top_p=0.6),
     ]
+    rows = draft.spec.sampled_rows
 
-    def run(params, walks=True):
+    def batch_of(params):
         batch = _batch(draft, taps, counts, anchors, modules=False, monkeypatch=monkeypatch)
         batch.params = params
         batch.generators = [torch.Generator().manual_seed(100 + b) for b in range(4)]
-        with monkeypatch.context() as m:
-            m.setattr(fast.for_draft(draft), "walks", walks)
-            return S.propose(draft, batch)
+        return batch
 
-    prop = run(params)
-    greedy = run([SamplingParams()] * 4)
+    prop = S.propose(draft, batch_of(params))
+    greedy = S.propose(draft, batch_of([SamplingParams()] * 4))
     assert torch.equal(prop.tokens[0], greedy.tokens[0]) and prop.q[0] is None
     for b in (1, 2, 3):
         u = torch.rand(3, generator=torch.Generator().manual_seed(100 + b))
@@ -311,8 +317,17 @@ def test_the_call_draws_sampled_rows_as_the_walk_in_python_does(monkeypatch):
         assert [S.draw(q[k], float(u[k])) for k in range(3)] == prop.tokens[b].tolist()
     assert ((prop.q[2] > 0).sum(-1) <= 5).all()
     assert ((prop.q[3] > 0).sum(-1) < draft.spec.vocab_size).all()  # top-p dropped some
-    # the walk in Python over the call's states and head logits (sampling.probs' shaping): the same draws
-    python = run(params, walks=False)
-    assert torch.equal(python.tokens, prop.tokens)
-    for b in (1, 2, 3):
-        assert torch.allclose(python.q[b], prop.q[b], atol=2e-3)
+    # the walk in torch over the call's states and head logits: the same tokens
+    for ps, want in ((params, prop), ([SamplingParams()] * 4, greedy)):
+        batch = batch_of(ps)
+        shaping = S.walk_sampling(batch, [b for b, p in enumerate(ps) if not p.greedy], len(rows))
+        with torch.inference_mode():
+            block = S.draft_block(draft, batch.anchors, batch.ctx, len(rows))
+            ref = S.walk_in_torch(draft, block, batch, rows, shaping)
+        assert torch.equal(ref.tokens, want.tokens)
+        for b in range(4):
+            assert (ref.q[b] is None) == (want.q[b] is None)
+            if ref.q[b] is not None:  # the first slot's W2 is in the call's head format (Q8_0), torch's bf16
+                assert (ref.q[b][0] - want.q[b][0]).abs().max() < 0.1
+                assert (ref.q[b][1:] - want.q[b][1:]).abs().max() < 2e-3
+        assert torch.allclose(ref.conf_logits.float(), want.conf_logits.float(), atol=0.05)

@@ -23,7 +23,10 @@ struct Layer {
 };
 
 struct Draft {
-  torch::Tensor embed, hidden_norm, norm, w1, w2t, d2t, conf_w, conf_b;  // w1 empty: no Markov head (or not vanilla)
+  torch::Tensor embed, hidden_norm, norm, w1, w2t, d2t, conf_w, conf_b;  // w1 empty: no Markov head
+  // the Markov head's kind and, gated / rnn, its projection: gate_proj [r, H + r] or joint_proj [3r, 2r + H]
+  enum Kind { NONE = 0, VANILLA = 1, GATED = 2, RNN = 3 } kind = NONE;
+  torch::Tensor proj_w, proj_b;
   // head: [Vd, H + r], the draft head and the vanilla Markov head's W2 side by side, so that a slot's
   // logits U h + W2 W1[x_prev] are one matmul over [h ; W1[x_prev]] (one pass over the weights a slot)
   layers::Lin fc, head;
@@ -134,23 +137,76 @@ torch::Tensor head_input(const Draft& d, const torch::Tensor& h, const int64_t* 
   return x;
 }
 
-// The walk: slot k's token is the argmax of U h_k + W2 W1[x_{k-1}] (x_{-1} the anchor), or for a
-// sampled row (sp: temperature > 0) a draw from those logits (sampling::sample_slot in sample.cpp, by the row's
-// uniforms up [B, g]; the distribution into qp [B, g, Vd]), mapped to target ids through d2t ->
-// [B, g] int64. One pass over the head for every slot: the first slot's input carries W1[anchor]
-// (known before the walk), the others' zeros, so the first row's logits are complete and the
-// others are U h_k, to which the walk adds W2 W1[x_{k-1}] slot by slot (csrc/markov.cpp, over W2
-// transposed: a rank-r product, not another head pass).
-torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const int64_t* ap, const float* sp, const float* up,
-                         float* qp) {
+inline float rb(float f) { return static_cast<float>(c10::BFloat16(f)); }  // rounded to bf16, back to fp32
+
+// The Markov head's input to W2 for one slot, z [r], in the module's bf16 steps (model/heads.py `_row`):
+// vanilla W1[prev]; gated sigmoid(gate_proj([h ; W1[prev]])) * W1[prev]; rnn the recurrence over
+// [state ; W1[prev] ; h] (state [r] updated), tanh of its output part. The projections' sums run in
+// fp32 with the bias, rounded to bf16 as torch's bf16 Linear rounds its result.
+void markov_input(const Draft& d, int64_t prev, const at::BFloat16* h, int64_t H, float* state, float* z) {
+  const int64_t r = d.w1.size(1);
+  const auto* e = d.w1.data_ptr<at::BFloat16>() + prev * r;
+  if (d.kind == Draft::VANILLA) {
+    for (int64_t i = 0; i < r; ++i) z[i] = static_cast<float>(e[i]);
+    return;
+  }
+  const auto* w = d.proj_w.data_ptr<at::BFloat16>();
+  const auto* bias = d.proj_b.numel() ? d.proj_b.data_ptr<at::BFloat16>() : nullptr;
+  // the projection's input row, then out[j] = rb(sum_i in[i] w[j][i] + b[j])
+  std::vector<float> in;
+  if (d.kind == Draft::GATED) {
+    for (int64_t i = 0; i < H; ++i) in.push_back(static_cast<float>(h[i]));
+    for (int64_t i = 0; i < r; ++i) in.push_back(static_cast<float>(e[i]));
+  } else {
+    for (int64_t i = 0; i < r; ++i) in.push_back(state[i]);
+    for (int64_t i = 0; i < r; ++i) in.push_back(static_cast<float>(e[i]));
+    for (int64_t i = 0; i < H; ++i) in.push_back(static_cast<float>(h[i]));
+  }
+  const int64_t K = static_cast<int64_t>(in.size()), N = d.proj_w.size(0);
+  std::vector<float> out(N);
+  for (int64_t j = 0; j < N; ++j) {
+    float acc = 0.f;
+    const auto* wj = w + j * K;
+    for (int64_t i = 0; i < K; ++i) acc += in[i] * static_cast<float>(wj[i]);
+    out[j] = rb(acc + (bias ? static_cast<float>(bias[j]) : 0.f));
+  }
+  auto sigmoid = [](float x) { return rb(1.f / (1.f + std::exp(-x))); };
+  if (d.kind == Draft::GATED) {
+    for (int64_t i = 0; i < r; ++i) z[i] = rb(sigmoid(out[i]) * static_cast<float>(e[i]));
+    return;
+  }
+  for (int64_t i = 0; i < r; ++i) {  // gate * state + (1 - gate) * tanh(cand), each op rounded
+    const float gate = sigmoid(out[i]);
+    state[i] = rb(rb(gate * state[i]) + rb(rb(1.f - gate) * rb(std::tanh(out[r + i]))));
+    z[i] = rb(std::tanh(out[2 * r + i]));
+  }
+}
+
+// The walk: slot k's token is the argmax of U h_k + W2 z_k, z_k the Markov head's input for the
+// token before it (x_{-1} the anchor; `markov_input`), or for a sampled row (sp: temperature > 0) a
+// draw from those logits (sampling::sample_slot in sample.cpp, by the row's uniforms up [B, g]; the
+// distribution into qp [B, g, Vd]), mapped to target ids through d2t -> [B, g] int64. One pass over
+// the head for every slot: the first slot's input carries z_0 (known before the walk), the others'
+// zeros, so the first row's logits are complete and the others are U h_k, to which the walk adds
+// W2 z_k slot by slot (csrc/markov.cpp, over W2 transposed: a rank-r product, not another head
+// pass). h0: the block's row 0 where it precedes the drafted rows (a bonus-anchor layout), whose
+// step an rnn head's recurrence runs through first, as in training.
+torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const at::BFloat16* h0, const int64_t* ap,
+                         const float* sp, const float* up, float* qp) {
   const int64_t B = hs.size(0), g = hs.size(1), V = d.embed.size(0), K = d.head.P.size(1) * 32;
   const int64_t r = d.w1.numel() ? d.w1.size(1) : 0, H = hs.size(2);
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(ap[b] >= 0 && ap[b] < V, "draft_forward: anchor ", ap[b], " outside the vocabulary of ", V);
+  const auto* hp = hs.data_ptr<at::BFloat16>();
+  std::vector<float> states(B * r, 0.f), z(r);
   auto x = head_input(d, hs, nullptr);
   auto* xp = x.data_ptr<at::BFloat16>();
-  for (int64_t b = 0; b < B && r; ++b)
-    std::memcpy(xp + b * g * K + H, d.w1.data_ptr<at::BFloat16>() + ap[b] * r, r * sizeof(at::BFloat16));
+  for (int64_t b = 0; b < B && r; ++b) {
+    float* st = states.data() + b * r;
+    if (d.kind == Draft::RNN && h0) markov_input(d, ap[b], h0 + b * H, H, st, z.data());
+    markov_input(d, ap[b], hp + b * g * H, H, st, z.data());
+    for (int64_t i = 0; i < r; ++i) xp[b * g * K + H + i] = at::BFloat16(z[i]);  // bf16 values: exact
+  }
   const auto logits = layers::lin(d.head, x);  // [B, g, Vd]
   const int64_t Vd = logits.size(2);
   const int64_t* dp = d.d2t.numel() ? d.d2t.data_ptr<int64_t>() : nullptr;
@@ -161,52 +217,56 @@ torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const int64_t*
   bool any_sampled = false;
   for (int64_t b = 0; sp && b < B; ++b) any_sampled = any_sampled || sp[3 * b] > 0.f;
   const auto rest = g > 1 ? logits.narrow(1, 1, g - 1).contiguous() : torch::Tensor();
-  const auto* w1 = reinterpret_cast<const c10::BFloat16*>(r ? d.w1.data_ptr<at::BFloat16>() : nullptr);
   const auto* w2t = reinterpret_cast<const c10::BFloat16*>(r ? d.w2t.data_ptr<at::BFloat16>() : nullptr);
-  // the greedy rows [b0, b1) after their first slot, in one call
-  auto greedy_rest = [&](int64_t b0, int64_t b1, int64_t* out) {
-    if (g == 1 || b1 <= b0) return;
-    const auto* base = reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()) + b0 * (g - 1) * Vd;
-    if (r) {
-      markov::walk(base, w1, w2t, dp, fp + b0, out, b1 - b0, g - 1, Vd, r, V);
-    } else {  // no Markov head: each slot's own argmax
-      const auto ids = markov::argmax_rows(rest.narrow(0, b0, b1 - b0));
-      const int64_t* ip = ids.data_ptr<int64_t>();
-      for (int64_t i = 0; i < (b1 - b0) * (g - 1); ++i) out[i] = to_target(ip[i]);
-    }
-  };
-  if (!any_sampled) {
+  if (!any_sampled && d.kind != Draft::GATED && d.kind != Draft::RNN) {  // every row greedy, in one call
     if (g == 1) return first;
     auto more = torch::empty({B, g - 1}, first.options());
-    greedy_rest(0, B, more.data_ptr<int64_t>());
+    int64_t* mp = more.data_ptr<int64_t>();
+    if (r) {
+      const auto* w1 = reinterpret_cast<const c10::BFloat16*>(d.w1.data_ptr<at::BFloat16>());
+      markov::walk(reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()), w1, w2t, dp, fp, mp, B, g - 1,
+                   Vd, r, V);
+    } else {  // no Markov head: each slot's own argmax
+      const auto ids = markov::argmax_rows(rest);
+      const int64_t* ip = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < B * (g - 1); ++i) mp[i] = to_target(ip[i]);
+    }
     return torch::cat({first, more}, 1);
   }
   auto tokens = torch::empty({B, g}, first.options());
   int64_t* tp = tokens.data_ptr<int64_t>();
-  std::vector<int64_t> more(g > 1 ? g - 1 : 0);
-  std::vector<float> row(Vd), z(r);
+  std::vector<float> row(Vd);
   const auto* lp = logits.data_ptr<at::BFloat16>();
   for (int64_t b = 0; b < B; ++b) {
-    const float* prm = sp + 3 * b;
-    if (prm[0] <= 0.f) {  // greedy
-      tp[b * g] = fp[b];
-      greedy_rest(b, b + 1, more.data());
-      std::copy(more.begin(), more.end(), tp + b * g + 1);
-      continue;
-    }
+    const bool sampled = sp && sp[3 * b] > 0.f;
+    float* st = states.data() + b * r;
     int64_t prev = ap[b];
     for (int64_t k = 0; k < g; ++k) {
-      if (k == 0 || !r) {
-        for (int64_t v = 0; v < Vd; ++v) row[v] = static_cast<float>(lp[(b * g + k) * Vd + v]);
-      } else {
+      const auto* base =
+          k ? reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()) + (b * (g - 1) + k - 1) * Vd
+            : nullptr;
+      if (k && r) {
         TORCH_CHECK(prev >= 0 && prev < V, "draft_forward: token id ", prev, " outside W1's ", V, " rows");
-        for (int64_t i = 0; i < r; ++i) z[i] = static_cast<float>(w1[prev * r + i]);
-        const auto* base =
-            reinterpret_cast<const c10::BFloat16*>(rest.data_ptr<at::BFloat16>()) + (b * (g - 1) + k - 1) * Vd;
-        markov::slot_logits(base, z.data(), w2t, r, Vd, row.data());
+        markov_input(d, prev, hp + (b * g + k) * H, H, st, z.data());
       }
-      const int64_t pick = sampling::sample_slot(row.data(), Vd, prm[0], static_cast<int64_t>(prm[1]), prm[2],
-                                                 up[b * g + k], qp + (b * g + k) * Vd);
+      int64_t pick;
+      if (sampled) {
+        if (k == 0 || !r) {
+          for (int64_t v = 0; v < Vd; ++v) row[v] = static_cast<float>(lp[(b * g + k) * Vd + v]);
+        } else {
+          markov::slot_logits(base, z.data(), w2t, r, Vd, row.data());
+        }
+        const float* prm = sp + 3 * b;
+        pick = sampling::sample_slot(row.data(), Vd, prm[0], static_cast<int64_t>(prm[1]), prm[2], up[b * g + k],
+                                     qp + (b * g + k) * Vd);
+      } else if (k == 0) {  // the first slot's argmax, already taken over every row
+        tp[b * g] = prev = fp[b];
+        continue;
+      } else if (r) {
+        pick = markov::best_of(base, z.data(), w2t, r, Vd);
+      } else {  // no Markov head: the slot's own argmax
+        pick = markov::argmax_rows(rest.select(0, b).select(0, k - 1).contiguous()).item<int64_t>();
+      }
       prev = to_target(pick);
       tp[b * g + k] = prev;
     }
@@ -242,15 +302,16 @@ torch::Tensor confidences(const Draft& d, const torch::Tensor& h, const torch::T
 
 }  // namespace draft
 
-// t: embed [V, H], hidden_norm, norm, w1 [V, r] and W2 transposed [r, Vd] (empty: the walk reads no
-// Markov head), d2t [Vd] int64, confidence weight [1, H (+ r)] and bias [1] (empty: none), then P, D, L, bias
-// of fc and of the head [Vd, H + r] (8; r = 0 without w1), then per
-// layer ln1, qk_norm, k_norm, ln2 and P, D, L, bias of qkv, kv, o, gate/up, down (24 a layer).
+// t: embed [V, H], hidden_norm, norm, w1 [V, r] and W2 transposed [r, Vd] (empty: no Markov head),
+// d2t [Vd] int64, confidence weight [1, H (+ r)] and bias [1] (empty: none), then P, D, L, bias of fc
+// and of the head [Vd, H + r] (8; r = 0 without w1), the gated / rnn head's projection weight and
+// bias (empty: vanilla or none), then per layer ln1, qk_norm, k_norm, ln2 and P, D, L, bias of qkv,
+// kv, o, gate/up, down (24 a layer). markov_kind: 0 none, 1 vanilla, 2 gated, 3 rnn.
 // -> a handle for draft_forward
 int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t hq, int64_t hkv, int64_t head_dim,
-                       bool conf_markov, double eps) {
+                       bool conf_markov, double eps, int64_t markov_kind) {
   using namespace draft;
-  constexpr size_t FIXED = 16, PER = 24;
+  constexpr size_t FIXED = 18, PER = 24;
   TORCH_CHECK(
       t.size() > FIXED && (t.size() - FIXED) % PER == 0 && static_cast<int64_t>((t.size() - FIXED) / PER) == num_layers,
       "draft_register: ", FIXED, " tensors and ", PER, " a layer, got ", t.size(), " for ", num_layers, " layers");
@@ -274,6 +335,12 @@ int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t
   d.conf_b = t[7].contiguous();
   d.fc = lin(8);
   d.head = lin(12);
+  d.proj_w = t[16].contiguous();
+  d.proj_b = t[17].contiguous();
+  TORCH_CHECK(markov_kind >= Draft::NONE && markov_kind <= Draft::RNN, "draft_register: Markov head kind ",
+              markov_kind);
+  d.kind = static_cast<Draft::Kind>(markov_kind);
+  TORCH_CHECK((d.kind == Draft::NONE) == (d.w1.numel() == 0), "draft_register: W1 goes with a Markov head");
   for (size_t i = FIXED; i < t.size(); i += PER)
     d.layers.push_back(
         Layer{t[i], t[i + 1], t[i + 2], t[i + 3], lin(i + 4), lin(i + 8), lin(i + 12), lin(i + 16), lin(i + 20)});
@@ -372,7 +439,9 @@ std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> 
                   "draft_forward: row ", b, " samples with top_k ", sp[3 * b + 1], ", top_p ", sp[3 * b + 2]);
     q = torch::zeros({B, depth, Vd}, torch::dtype(torch::kFloat));
   }
-  const auto tokens = walk_block(d, hs, ac.data_ptr<int64_t>(), sp, up, q.numel() ? q.data_ptr<float>() : nullptr);
+  const auto h0 = row0 == 1 ? h.select(1, 0).contiguous() : torch::Tensor();
+  const auto tokens = walk_block(d, hs, h0.defined() ? h0.data_ptr<at::BFloat16>() : nullptr, ac.data_ptr<int64_t>(),
+                                 sp, up, q.numel() ? q.data_ptr<float>() : nullptr);
   const auto conf =
       d.conf_w.numel() ? confidences(d, hs, tokens, ac.data_ptr<int64_t>()) : torch::empty({0}, h.options());
   return {len, tokens, conf, q};

@@ -54,7 +54,7 @@ torch::Tensor sample_accept(torch::Tensor logits, double temperature, int64_t to
 
 // a draft's phase in one call (draft.cpp)
 int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t hq, int64_t hkv, int64_t head_dim,
-                       bool conf_markov, double eps);
+                       bool conf_markov, double eps, int64_t markov_kind);
 void draft_release(int64_t id);
 std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> kv, torch::Tensor lengths,
                                          torch::Tensor taps, torch::Tensor counts, torch::Tensor anchors,
@@ -76,6 +76,9 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 template <typename T>
 void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64_t* ap, int64_t* op, int64_t B,
           int64_t g, int64_t V, int64_t r, int64_t Vt);
+// the first largest of one slot's logits T(base + T(W2 z)) (the greedy walk's choice for that slot)
+template <typename T>
+int64_t best_of(const T* base, const float* z, const T* w2t, int64_t r, int64_t V);
 // one slot's logits T(base + T(W2 z)) of every entry into out [V] (the values the greedy walk compares)
 template <typename T>
 void slot_logits(const T* base, const float* z, const T* w2t, int64_t r, int64_t V, float* out);

@@ -101,32 +101,42 @@ void slot_logits(const T* base, const float* z, const T* w2t, int64_t r, int64_t
 template void slot_logits<c10::BFloat16>(const c10::BFloat16*, const float*, const c10::BFloat16*, int64_t, int64_t,
                                          float*);
 
+// The draft-vocabulary entry whose logit T(base[v] + T(W2 z)[v]) is the first largest: chunks over
+// the threads, joined in vocabulary order (a tie keeps the first, as torch's argmax)
+template <typename T>
+int64_t best_of(const T* base, const float* z, const T* w2t, int64_t r, int64_t V) {
+  const int64_t chunks = (V + CHUNK - 1) / CHUNK;
+  std::vector<float> best(chunks);
+  std::vector<int64_t> arg(chunks);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      best[c] = -std::numeric_limits<float>::infinity();
+      arg[c] = c * CHUNK;  // all -inf: the first, as torch's argmax
+      best_in(base, z, w2t, r, V, c * CHUNK, std::min(V, (c + 1) * CHUNK), best[c], arg[c]);
+    }
+  });
+  int64_t pick = arg[0];
+  float top = best[0];
+  for (int64_t c = 1; c < chunks; ++c)
+    if (beats(best[c], top)) {
+      top = best[c];
+      pick = arg[c];
+    }
+  return pick;
+}
+
+template int64_t best_of<c10::BFloat16>(const c10::BFloat16*, const float*, const c10::BFloat16*, int64_t, int64_t);
+
 template <typename T>
 void walk(const T* bp, const T* w1p, const T* wp, const int64_t* dp, const int64_t* ap, int64_t* op, int64_t B,
           int64_t g, int64_t V, int64_t r, int64_t Vt) {
-  const int64_t chunks = (V + CHUNK - 1) / CHUNK;
-  std::vector<float> z(r), best(chunks);
-  std::vector<int64_t> arg(chunks);
+  std::vector<float> z(r);
   for (int64_t b = 0; b < B; ++b) {
     int64_t prev = ap[b];
     for (int64_t k = 0; k < g; ++k) {
       TORCH_CHECK(prev >= 0 && prev < Vt, "markov_walk: token id ", prev, " outside W1's ", Vt, " rows");
       for (int64_t i = 0; i < r; ++i) z[i] = static_cast<float>(w1p[prev * r + i]);
-      const T* row = bp + (b * g + k) * V;
-      at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) {
-          best[c] = -std::numeric_limits<float>::infinity();
-          arg[c] = c * CHUNK;  // all -inf: the first, as torch's argmax
-          best_in(row, z.data(), wp, r, V, c * CHUNK, std::min(V, (c + 1) * CHUNK), best[c], arg[c]);
-        }
-      });
-      int64_t pick = arg[0];
-      float top = best[0];
-      for (int64_t c = 1; c < chunks; ++c)  // chunks in vocabulary order: a tie keeps the first
-        if (beats(best[c], top)) {
-          top = best[c];
-          pick = arg[c];
-        }
+      const int64_t pick = best_of(bp + (b * g + k) * V, z.data(), wp, r, V);
       prev = dp ? pick + dp[pick] : pick;
       op[b * g + k] = prev;
     }

@@ -64,12 +64,10 @@ def engines_walk(view, spec, text: Text, anchors: torch.Tensor, argmax: torch.Te
     The context is built by the kernels' own context update (every op computes a position on its
     own, so committing the whole text at once gives the bits of committing it step by step), each
     anchor reads a copy of it cut at its position, and the block is `draft_block` on those rows:
-    the compiled walk for a vanilla Markov head, the Python walk of `teacher_forced` (`propose`'s,
-    while every earlier slot matched) over the kernels' states and base logits for the others."""
+    the compiled walk, whatever the Markov head's kind."""
     if fast.why_not(view) is not None:
         return None
-    dev, g, mh = view.fc.weight.device, spec.gamma, view.markov_head
-    walks = mh is None or mh.head_type == "vanilla"  # fast.FastDraft.walks: the call walks them
+    dev, g = view.fc.weight.device, spec.gamma
     ids = text.ids.to(dev)
     feats = torch.cat([text.taps[i] for i in spec.hidden_state_indices], dim=-1)[None].to(dev)
     one = view.new_context_cache(1, dev)
@@ -84,11 +82,8 @@ def engines_walk(view, spec, text: Text, anchors: torch.Tensor, argmax: torch.Te
             chunk.clone(),
         )
         want = argmax[chunk[:, None] + torch.arange(g, device=dev)[None, :]]
-        if walks:
-            tokens = draft_block(view, ids[chunk], ctx, walk=True).tokens
-            assert tokens is not None  # a vanilla (or no) Markov head walks in the call
-        else:
-            tokens = teacher_forced(view, ids[chunk], ctx, want)[0]
+        tokens = draft_block(view, ids[chunk], ctx, walk=True).tokens
+        assert tokens is not None  # the kernels walk in the call
         out.append((tokens == want).long().cumprod(1).sum(1).cpu())
     return torch.cat(out)
 

@@ -69,8 +69,8 @@ def draft_block(
     `depth` sampled rows (all g by default) and, with walk, the Markov walk and the confidences:
     greedy, or for the rows `sampling` (`walk_sampling`) samples, drawn from the shaped logits
     (their distributions in Block.q). On a CPU with dspark's kernels that is one compiled call
-    (model/fast.py); the modules (the reference, and the path on other devices) run the same steps
-    op by op and leave the walk to the caller, as the kernels do for gated and rnn Markov heads.
+    (model/fast.py), whatever the Markov head's kind; the modules (the reference, and the path on
+    other devices) run the same steps op by op and leave the walk to the caller (`propose`).
     The whole block runs, as trained, whatever the depth."""
     spec = draft.spec
     B = anchors.shape[0]
@@ -78,7 +78,6 @@ def draft_block(
     stop = rows.stop if depth is None else rows.start + depth
     if fast.applies(draft, ctx, B):
         kernel = fast.for_draft(draft)
-        walk = walk and kernel.walks
         shaping, uniforms = sampling if sampling is not None and walk else (None, None)
         out = kernel.call(spec, ctx, taps, counts, anchors, rows.start, stop - rows.start, walk, shaping, uniforms)
         if walk:
@@ -103,11 +102,11 @@ def draft_block(
 def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Proposal:
     """Draft the first `depth` slots of the block (all g by default: a policy that will verify
     no deeper saves the draft head and the walk of the rest). The draft context takes the taps
-    waiting in batch.pending in the same call (`draft_block`). Where the kernels walk (a vanilla
-    Markov head or none) the phase is that one call, the rows that sample drawn in it and their
-    distributions, which verification divides by, returned; otherwise the walk runs here, slot by
-    slot, from the same uniforms (`walk_sampling`)."""
-    rows, mh = draft.spec.sampled_rows, draft.markov_head
+    waiting in batch.pending in the same call (`draft_block`). On dspark's kernels the phase is
+    that one call, the rows that sample drawn in it and their distributions, which verification
+    divides by, returned; on the modules the walk runs here, slot by slot, from the same uniforms
+    (`walk_sampling`)."""
+    rows = draft.spec.sampled_rows
     if depth is not None:
         if not 1 <= depth <= len(rows):
             raise ValueError(f"draft depth must be 1..{len(rows)}, got {depth}")
@@ -127,6 +126,18 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
             for b in sampled:  # the draft vocabulary's distribution in the target's
                 q[b] = block.q.new_zeros(len(rows), draft.spec.vocab_size).index_copy_(1, ids, block.q[b])
         return Proposal(tokens=block.tokens, q=q, conf_logits=block.conf)
+    return walk_in_torch(draft, block, batch, rows, shaping)
+
+
+def walk_in_torch(
+    draft: DSparkDraft, block: Block, batch: Batch, rows: range, shaping: tuple[torch.Tensor, torch.Tensor] | None
+) -> Proposal:
+    """The Markov walk over a block's states and base logits, slot by slot in torch (the modules'
+    path; on the kernels it runs in the call): greedy rows take the argmax, the rows `shaping`
+    samples (`walk_sampling`) draw by their uniforms from `sampling.probs` of the slot's logits."""
+    mh, anchors = draft.markov_head, batch.anchors
+    B = anchors.shape[0]
+    sampled = [b for b, p in enumerate(batch.params) if not p.greedy]
     h, base, state = block.h, block.base, block.state
     assert h is not None and base is not None  # a block the kernels did not walk holds its states and logits
     prev, tokens, embs = anchors, [], []

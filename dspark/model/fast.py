@@ -134,15 +134,14 @@ class FastDraft:
         b = draft.spec.backbone
         self.Hq, self.Hkv, self.D, self.eps = b.num_attention_heads, b.num_key_value_heads, b.head_dim, b.rms_norm_eps
         none, mh, ch = ops.NO_TENSOR, draft.markov_head, draft.confidence_head
-        # the walk and the confidences run in the call for a vanilla Markov head (or none); the
-        # gated and rnn heads walk in Python over the head logits the call returns
-        self.walks = mh is None or mh.head_type == "vanilla"
-        vanilla = mh is not None and mh.head_type == "vanilla"
-        conf = ch is not None and self.walks
-        # the head and (vanilla) W2 side by side: the first slot's logits U h + W2 W1[anchor] are one
-        # matmul over [h ; W1[anchor]] (csrc/draft.cpp `walk_block`); [h ; 0] gives U h alone
+        # the walk and the confidences run in the call, whatever the Markov head's kind (or none)
+        kind = MARKOV_KINDS[mh.head_type] if mh is not None else 0
+        proj = {"gated": "gate_proj", "rnn": "joint_proj"}.get(mh.head_type) if mh is not None else None
+        conf = ch is not None
+        # the head and W2 side by side: the first slot's logits U h + W2 z_0 are one matmul over
+        # [h ; z_0] (csrc/draft.cpp `walk_block`); [h ; 0] gives U h alone
         head = draft.lm_head.weight.detach()
-        if vanilla:
+        if mh is not None:
             head = torch.cat([head.float(), mh.markov_w2.weight.detach().float()], 1)
         head = torch.nn.functional.pad(head, (0, -head.shape[1] % 32))  # inputs in groups of 32
         mats = [_pack(w, bias, fmt) for w, bias in _matrices(draft)] + [
@@ -156,14 +155,16 @@ class FastDraft:
             _bf16(draft.embed_tokens.weight),
             _bf16(draft.hidden_norm.weight),
             _bf16(draft.norm.weight),
-            _bf16(mh.markov_w1.weight) if vanilla else none,
-            _bf16(mh.w2_transposed()) if vanilla else none,
+            _bf16(mh.markov_w1.weight) if mh is not None else none,
+            _bf16(mh.w2_transposed()) if mh is not None else none,
             draft.d2t if draft.d2t is not None else torch.zeros(0, dtype=torch.long),
             _bf16(ch.proj.weight) if conf else none,
             _bf16(ch.proj.bias) if conf else none,
             *mats[0],
             *self.head,
             *[none] * (4 - len(self.head)),
+            _bf16(getattr(mh, proj).weight) if proj else none,
+            _bf16(getattr(mh, proj).bias) if proj and getattr(mh, proj).bias is not None else none,
         ]
         for i, layer in enumerate(draft.layers):
             a = layer.self_attn
@@ -186,6 +187,7 @@ class FastDraft:
             self.D,
             conf and draft.spec.confidence_head_with_markov,
             self.eps,
+            kind,
         )
         self._flat = flat  # the extension holds references too; kept for the lifetime of the handle
         rot = draft.rope.rotary
@@ -283,6 +285,8 @@ class FastDraft:
 
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)
+# csrc/draft.cpp's Markov head kinds (0: none)
+MARKOV_KINDS = {"vanilla": 1, "gated": 2, "rnn": 3}
 _NO_FLOATS = torch.zeros(0, dtype=torch.float32)
 
 
