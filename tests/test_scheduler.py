@@ -13,7 +13,7 @@ import torch
 from dspark.engine.batch import Proposal
 from dspark.engine.calibration import Calibration
 from dspark.engine.costs import CostCurve
-from dspark.engine.sampling import rejection_accept, sample
+from dspark.engine.sampling import draw, rejection_accept
 from dspark.engine.scheduler import (
     AdaptiveScheduler,
     DraftPrior,
@@ -167,11 +167,13 @@ def first_token_is_a(sps, early_stop: bool, trials: int = TRIALS, seed: int = 0)
     gen = torch.Generator().manual_seed(seed)
     hits, lengths = 0, []
     for _ in range(trials):
-        x = [sample(Q_DRAFT, gen), sample(Q_DRAFT, gen)]
+        x = [draw(Q_DRAFT, float(torch.rand(1, generator=gen))) for _ in range(2)]
         surv = np.array([[0.8, 0.8 * (1.0 if x[0] == A else 0.0)]])
         n = int(admit(surv, sps, early_stop=early_stop)[0])
         lengths.append(n)
-        acc, nxt = rejection_accept(P_TARGET.expand(n + 1, 2), Q_DRAFT.expand(n, 2), torch.tensor(x[:n]), gen)
+        u = torch.rand(n + 1, generator=gen)
+        drafts = torch.tensor(x[:n], dtype=torch.long)
+        acc, nxt = rejection_accept(P_TARGET.expand(n + 1, 2), Q_DRAFT.expand(n, 2), drafts, u)
         hits += (x[0] if acc >= 1 else nxt) == A
     return hits, lengths
 
