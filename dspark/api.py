@@ -22,10 +22,10 @@ import torch
 from dspark import kernels
 from dspark.doctor.cache import load_time_check
 from dspark.engine.costs import cost_curve_for
+from dspark.engine.drafting import draft_phase_seconds, target_step
 from dspark.engine.engine import PREFILL_CHUNK, Engine
 from dspark.engine.lookup import LookupProposer
 from dspark.engine.scheduler import DEFAULT_THRESHOLD, AdaptiveScheduler, DraftPrior, make_scheduler
-from dspark.engine.step import draft_phase_seconds, target_step
 from dspark.errors import DSparkError
 from dspark.model import fast as fast_draft
 from dspark.model.load import load_draft

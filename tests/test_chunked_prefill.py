@@ -33,7 +33,7 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_one_piece_does(target, runtime,
         batched = engine.generate_many(prompts, SamplingParams(max_new_tokens=24))
         assert [r.output_ids for r in batched] == want
     if with_draft:  # the chunks' taps reach the draft context in order: as a clean prefill fills it
-        from dspark.engine.step import flush_context
+        from dspark.engine.drafting import flush_context
 
         engine = Engine(make_target(target, runtime), draft, prefill_chunk=7)
         req = engine.add_request(prompts[0], SamplingParams(max_new_tokens=24))

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from dspark import kernels
-from dspark.engine import step as S
+from dspark.engine import drafting as S
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
 from dspark.model import fast

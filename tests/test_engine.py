@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 from dspark.engine.batch import Batch
+from dspark.engine.drafting import propose
 from dspark.engine.sampling import SamplingParams, probs
 from dspark.engine.scheduler import FullScheduler
-from dspark.engine.step import propose
 
 from tests.tiny import engine_for, hf_greedy, tiny_draft, tiny_target
 
@@ -141,7 +141,7 @@ def test_q_is_the_markov_corrected_distribution():
 
 def test_caches_hold_only_committed_positions():
     """After partial accepts the target cache and the draft context equal a clean prefill."""
-    from dspark.engine.step import flush_context
+    from dspark.engine.drafting import flush_context
 
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
@@ -223,7 +223,7 @@ def test_skipped_steps_defer_the_draft_context_and_it_catches_up_exactly():
     """The prompt and steps that skip drafting leave their taps pending (no draft work); the next
     drafting step adds them, and the draft context then equals a clean prefill of the committed
     tokens."""
-    from dspark.engine.step import flush_context
+    from dspark.engine.drafting import flush_context
 
     policy = _DraftsEvery(3)
     caught = policy.caught
@@ -259,7 +259,7 @@ def test_a_request_joining_leaves_the_batchs_waiting_taps_waiting_and_every_cont
     (no draft call at the join: the new row commits none of them) and later plain steps only append;
     once the draft has run, every row's draft context equals a clean prefill of its own committed
     tokens. Tokens 0-5 (the tiny target's vocabulary)."""
-    from dspark.engine.step import flush_context
+    from dspark.engine.drafting import flush_context
 
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)
@@ -302,7 +302,7 @@ def test_a_request_joining_leaves_the_batchs_waiting_taps_waiting_and_every_cont
 def test_drafting_fewer_slots_drafts_the_same_first_slots():
     """propose(depth=d) gives the first d tokens, distributions and confidences of a full proposal
     (greedy and sampled rows, with and without the walk kernel); a depth outside 1..g is refused."""
-    from dspark.engine import step as S
+    from dspark.engine import drafting as S
 
     model = _flat_target()
     draft = tiny_draft(model, gamma=4, markov_rank=4, mask_token_id=5)

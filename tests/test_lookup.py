@@ -5,13 +5,13 @@ import pytest
 import torch
 from dspark.engine.batch import join_taps
 from dspark.engine.costs import CostCurve
+from dspark.engine.drafting import flush_context
 from dspark.engine.engine import Engine
 from dspark.engine.lookup import FIXED_MIN, LOOKUP_MAX, MATCH_MAX, LookupIndex, LookupProposer, LookupStats
 from dspark.engine.marks import step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
 from dspark.engine.scheduler import FullScheduler
-from dspark.engine.step import flush_context
 from dspark.target.load import make_target
 
 from tests.test_engine import _exact_joint, _flat_target, chi_square_pvalue

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dspark.engine.batch import Batch
+from dspark.engine.drafting import propose, teacher_forced
 from dspark.engine.sampling import SamplingParams
-from dspark.engine.step import propose, teacher_forced
 from dspark.train.errors import TrainError
 from dspark.train.loss import (
     LossWeights,

@@ -135,8 +135,8 @@ def test_a_drafts_first_slot_is_what_propose_drafts(tmp_path):
     """The draft figure counts the token `propose` (greedy decoding's drafting) names at slot 1,
     each anchor reading the committed positions before it."""
     from dspark.engine.batch import Batch
+    from dspark.engine.drafting import propose
     from dspark.engine.sampling import SamplingParams
-    from dspark.engine.step import propose
     from dspark.train.features import OnlineFeatures
 
     model = tiny_target()

@@ -21,7 +21,7 @@ texts (texts are independent).
 The same paired test runs on a second, far less noisy statistic: the draft's log-probability
 of the target's tokens over the common slots of each anchor, slot k (from 0) weighted
 exp(-k / LL_SLOT_DECAY) (teacher-forced:
-the Markov head is fed the target's tokens; `engine.step.teacher_forced`). That is the
+the Markov head is fed the target's tokens; `engine.drafting.teacher_forced`). That is the
 objective the draft was trained on under its true reading, so a wrong reading costs
 likelihood even where it barely moves acceptance (a weak draft whose taps are shifted by one
 layer loses under 1% of its tokens per step, but clearly loses likelihood). With margin

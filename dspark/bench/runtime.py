@@ -33,9 +33,9 @@ from dspark import kernels
 from dspark.bench import llamacpp
 from dspark.bench.runner import ForwardTimer
 from dspark.engine.costs import forward_times
+from dspark.engine.drafting import draft_phase_seconds, target_step
 from dspark.engine.engine import Engine
 from dspark.engine.sampling import SamplingParams
-from dspark.engine.step import draft_phase_seconds, target_step
 from dspark.engine.timing import now
 from dspark.errors import DSparkError
 from dspark.model import fast

@@ -6,7 +6,7 @@ engine's own plain (greedy) decoding; one target forward over that text gives it
 its hidden states at every tap index needed. Each *reading* of the draft (the declared one;
 the other block layout, keeping gamma or keeping block_size; hidden_state_indices shifted by
 -1 and +1; other mask token ids) then runs through the draft's own block forward, the one
-`propose` uses (`DSparkDraft.read_as` + `engine.step.teacher_forced`), at every anchor of that
+`propose` uses (`DSparkDraft.read_as` + `engine.drafting.teacher_forced`), at every anchor of that
 text at once. Under
 greedy decoding the leading proposals that equal the target's argmax are exactly what
 verification accepts, so each reading gets L(i), the drafts accepted at anchor i, and its

@@ -14,7 +14,7 @@ from dspark.doctor.report import (
     Reading,
     Text,
 )
-from dspark.engine.step import draft_block, teacher_forced
+from dspark.engine.drafting import draft_block, teacher_forced
 from dspark.formats.load import force_layout
 from dspark.formats.spec import DraftSpec, Layout, query_slots_for
 from dspark.model import fast
@@ -28,7 +28,7 @@ WALK_BYTES = 1 << 26  # context copies one walked chunk of anchors may hold (bou
 def score_anchors(draft, spec, text: Text, g_max: int, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted [anchors], loglik [anchors, gamma]) at each anchor of `text` when the draft is read
     as `spec`: the drafts greedy verification accepts, and the log-probability of the target's
-    token per slot, from the draft's own block forward (`engine.step.teacher_forced`, which shares
+    token per slot, from the draft's own block forward (`engine.drafting.teacher_forced`, which shares
     it with `propose`), all anchors of the text batched.
 
     Anchor i is position prompt_len + i (the engine's anchors: the token committed last, not yet
@@ -60,7 +60,7 @@ def score_anchors(draft, spec, text: Text, g_max: int, ctx=None) -> tuple[torch.
 @torch.inference_mode()
 def engines_walk(view, spec, text: Text, anchors: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor | None:
     """What the engine's greedy steps accept at each anchor where its drafting phase runs on dspark's
-    kernels (None elsewhere): the very computation of `engine.step.propose`, not a re-derivation.
+    kernels (None elsewhere): the very computation of `engine.drafting.propose`, not a re-derivation.
     The context is built by the kernels' own context update (every op computes a position on its
     own, so committing the whole text at once gives the bits of committing it step by step), each
     anchor reads a copy of it cut at its position, and the block is `draft_block` on those rows:

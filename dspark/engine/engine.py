@@ -16,13 +16,14 @@ import torch
 from dspark.engine.adaptive import DraftPrior
 from dspark.engine.batch import Batch, StepResult, merged
 from dspark.engine.detok import Detokenizer
+from dspark.engine.drafting import flush_context
 from dspark.engine.lookup import LOOKUP_MAX, LookupIndex, LookupProposer
 from dspark.engine.marks import TokenMark, step_marks
 from dspark.engine.metrics import SpecMetrics, degraded
 from dspark.engine.policy import FullScheduler, VerifyPolicy
 from dspark.engine.request import Prefilling, Request, StepObserver, request_metrics
 from dspark.engine.sampling import SamplingParams, sample_token
-from dspark.engine.step import decode_step, draft_taps, flush_context
+from dspark.engine.step import decode_step, draft_taps
 from dspark.errors import DSparkError, RequestError
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.ops import argmax

@@ -19,7 +19,7 @@ final norm) and `embed` (the target's input embedding of the anchor).
 Why: a draft costs hours of CPU to train and its first slot mixes what its inputs carry with how
 well it was trained. The probe answers the first question alone in minutes, beside two figures
 on the same held-out anchors for scale: a bigram of the training answers (the most frequent
-next token after the anchor) and a draft's own first slot (`engine.step.teacher_forced`, the
+next token after the anchor) and a draft's own first slot (`engine.drafting.teacher_forced`, the
 block `propose` runs, read on the same bf16 taps).
 
 Only the answers the training anchors come from are run through the target (whole answers drawn
@@ -399,10 +399,10 @@ def draft_slot1_tokens(
 
     Per sequence its context keys/values are computed once from the draft's taps (taken out of
     `features`, whose columns are the taps `taps`), and every anchor a reads the positions < a of
-    that shared context (as `dspark doctor` does); the block is `engine.step.teacher_forced`, the
+    that shared context (as `dspark doctor` does); the block is `engine.drafting.teacher_forced`, the
     one `propose` runs, so slot 1 is what greedy decoding drafts there (with the draft's own
     weights: not the engine's q4/q8 kernel copy)."""
-    from dspark.engine.step import teacher_forced
+    from dspark.engine.drafting import teacher_forced
     from dspark.model.draft import ContextCache
 
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
