@@ -73,7 +73,7 @@ def draft_block(
         if taps is not None:
             if counts is None:
                 raise ValueError("draft_block: taps for the context come with counts (how many of each row to commit)")
-            draft.extend_context(ctx, taps, counts)
+            draft.module_extend_context(ctx, taps, counts)
         h = draft.block_states(anchors, ctx, stop)  # [B, stop, H]
         base = draft.head_logits(h[:, rows.start : stop])  # [B, depth, Vd]
     mh = draft.markov_head

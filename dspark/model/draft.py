@@ -272,10 +272,8 @@ class DSparkDraft(nn.Module):
     def block_states(self, anchors: torch.Tensor, ctx: ContextCache, rows: int | None = None) -> torch.Tensor:
         """Decoding's forward of the block [anchor, MASK, ...] (anchors [N]) over a context cache ->
         h [N, rows, H], the states of the first `rows` block rows (all by default; every row still
-        shapes them: the block attends to itself). On dspark's CPU kernels where they apply
-        (model/fast.py), which then skip the last layer's work on the other rows, else `forward`."""
-        if fast.applies(self, ctx, anchors.shape[0]):
-            return fast.for_draft(self).block(self, anchors, ctx, rows)
+        shapes them: the block attends to itself), on the modules (`forward`): the modules' drafting
+        path (engine/drafting.py; where dspark's kernels run, the phase is their one call)."""
         block = anchors.new_full((anchors.shape[0], self.spec.query_slots), self.spec.mask_token_id)
         block[:, 0] = anchors
         dtype = self.fc.weight.dtype
@@ -324,5 +322,10 @@ class DSparkDraft(nn.Module):
         """Commit the first counts[b] rows of taps [B, n, n_taps*Ht] to each request's context."""
         if fast.applies(self, cache, taps.shape[0]):
             return fast.for_draft(self).extend(cache, taps, counts)
+        self.module_extend_context(cache, taps, counts)
+
+    @torch.inference_mode()
+    def module_extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
+        """`extend_context` on the modules, whatever runs elsewhere (the modules' drafting path)."""
         positions = cache.lengths[:, None] + torch.arange(taps.shape[1], device=taps.device)[None, :]
         cache.append(self.context_kv(taps.to(self.fc.weight.dtype), positions), counts)
