@@ -185,12 +185,12 @@ void markov_input(const Draft& d, int64_t prev, const at::BFloat16* h, int64_t H
 // The walk: slot k's token is the argmax of U h_k + W2 z_k, z_k the Markov head's input for the
 // token before it (x_{-1} the anchor; `markov_input`), or for a sampled row (sp: temperature > 0) a
 // draw from those logits (sampling::sample_slot in sample.cpp, by the row's uniforms up [B, g]; the
-// distribution into qp [B, g, Vd]), mapped to target ids through d2t -> [B, g] int64. One pass over
-// the head for every slot: the first slot's input carries z_0 (known before the walk), the others'
-// zeros, so the first row's logits are complete and the others are U h_k, to which the walk adds
-// W2 z_k slot by slot (csrc/markov.cpp, over W2 transposed: a rank-r product, not another head
-// pass). h0: the block's row 0 where it precedes the drafted rows (a bonus-anchor layout), whose
-// step an rnn head's recurrence runs through first, as in training.
+// distribution into qp [B, g, V], over the target's vocabulary), mapped to target ids through d2t -> [B, g] int64. One
+// pass over the head for every slot: the first slot's input carries z_0 (known before the walk), the others' zeros, so
+// the first row's logits are complete and the others are U h_k, to which the walk adds W2 z_k slot by slot
+// (csrc/markov.cpp, over W2 transposed: a rank-r product, not another head pass). h0: the block's row 0 where it
+// precedes the drafted rows (a bonus-anchor layout), whose step an rnn head's recurrence runs through first, as in
+// training.
 torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const at::BFloat16* h0, const int64_t* ap,
                          const float* sp, const float* up, float* qp) {
   const int64_t B = hs.size(0), g = hs.size(1), V = d.embed.size(0), K = d.head.P.size(1) * 32;
@@ -235,7 +235,7 @@ torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const at::BFlo
   }
   auto tokens = torch::empty({B, g}, first.options());
   int64_t* tp = tokens.data_ptr<int64_t>();
-  std::vector<float> row(Vd);
+  std::vector<float> row(Vd), dist(Vd);
   const auto* lp = logits.data_ptr<at::BFloat16>();
   for (int64_t b = 0; b < B; ++b) {
     const bool sampled = sp && sp[3 * b] > 0.f;
@@ -258,7 +258,10 @@ torch::Tensor walk_block(const Draft& d, const torch::Tensor& hs, const at::BFlo
         }
         const float* prm = sp + 3 * b;
         pick = sampling::sample_slot(row.data(), Vd, prm[0], static_cast<int64_t>(prm[1]), prm[2], up[b * g + k],
-                                     qp + (b * g + k) * Vd);
+                                     dist.data());
+        float* qrow = qp + (b * g + k) * V;  // the distribution over the target's vocabulary
+        for (int64_t v = 0; v < Vd; ++v)
+          if (dist[v] > 0.f) qrow[to_target(v)] = dist[v];
       } else if (k == 0) {  // the first slot's argmax, already taken over every row
         tp[b * g] = prev = fp[b];
         continue;
@@ -373,7 +376,8 @@ void draft_release(int64_t id) {
 // sampled for the rows whose sampling [B, 3] (temperature, top_k, top_p; empty: every row greedy)
 // has a temperature > 0, by their uniforms [B, depth]. -> (new lengths [B]) for a context update
 // alone; else with walk (lengths, target ids [B, depth], confidence logits [B, depth] bf16 or empty,
-// the sampled rows' distributions [B, depth, Vd] fp32 (empty: none sampled)), without it
+// the sampled rows' distributions over the target's vocabulary [B, depth, V] fp32, zeros in the
+// greedy rows (empty: none sampled)), without it
 // (lengths, h [B, row0 + depth, H], head logits [B, depth, Vd] bf16) for a walk in Python
 std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> kv, torch::Tensor lengths,
                                          torch::Tensor taps, torch::Tensor counts, torch::Tensor anchors,
@@ -437,7 +441,7 @@ std::vector<torch::Tensor> draft_forward(int64_t id, std::vector<torch::Tensor> 
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(sp[3 * b] <= 0.f || (sp[3 * b + 1] >= 0.f && sp[3 * b + 2] > 0.f && sp[3 * b + 2] <= 1.f),
                   "draft_forward: row ", b, " samples with top_k ", sp[3 * b + 1], ", top_p ", sp[3 * b + 2]);
-    q = torch::zeros({B, depth, Vd}, torch::dtype(torch::kFloat));
+    q = torch::zeros({B, depth, d.embed.size(0)}, torch::dtype(torch::kFloat));
   }
   const auto h0 = row0 == 1 ? h.select(1, 0).contiguous() : torch::Tensor();
   const auto tokens = walk_block(d, hs, h0.defined() ? h0.data_ptr<at::BFloat16>() : nullptr, ac.data_ptr<int64_t>(),

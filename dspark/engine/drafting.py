@@ -36,7 +36,7 @@ class Block:
     state: torch.Tensor | None = None  # the Markov head's state before the first drafted row (rnn / gated)
     tokens: torch.Tensor | None = None  # [B, depth] walked target ids
     conf: torch.Tensor | None = None  # [B, depth] confidence logits of the walked rows (None: no confidence head)
-    q: torch.Tensor | None = None  # [B, depth, Vd] what each sampled row's walked slot was drawn from (None: none)
+    q: torch.Tensor | None = None  # [B, depth, V] what each sampled row's walked slot was drawn from (None: none)
 
 
 @torch.inference_mode()
@@ -108,9 +108,8 @@ def propose(draft: DSparkDraft, batch: Batch, depth: int | None = None) -> Propo
     if block.tokens is not None:
         q: list[torch.Tensor | None] = [None] * B
         if block.q is not None:
-            ids = draft.to_target_ids(torch.arange(block.q.shape[-1], device=block.q.device))
-            for b in sampled:  # the draft vocabulary's distribution in the target's
-                q[b] = block.q.new_zeros(len(rows), draft.spec.vocab_size).index_copy_(1, ids, block.q[b])
+            for b in sampled:  # over the target's vocabulary already
+                q[b] = block.q[b]
         return Proposal(tokens=block.tokens, q=q, conf_logits=block.conf)
     return walk_in_torch(draft, block, batch, rows, shaping)
 
