@@ -53,6 +53,12 @@ def test_generate_compare_json_reports_speedup_and_identical_output(saved, capsy
     assert main(args + ["--verify", "full"]) == 0  # drafts every step: a speedup, measured
     full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert full["drafted_steps"] >= 3 and full["speedup"] == full["arms_ratio"]
+    assert out["plain"]["sampled"] is False
+    # sampled arms draw differently: the table says their outputs are not compared, not that they differ
+    sampled = [a for a in args if a != "--json"] + ["--temperature", "1.0", "--seed", "3"]
+    assert main(sampled) == 0
+    table = capsys.readouterr().out
+    assert "not compared (sampled" in table or "│ True" in table
     m = out["metrics"]
     assert m["verify_steps"] + m["plain_steps"] >= 1  # adaptive (the default) may skip drafting throughout
     if m["verify_steps"]:

@@ -182,6 +182,7 @@ def run(args) -> int:
             "seconds": round(base_s, 4),
             "tokens_per_second": round(plain_tok / base_s, 2),
             "same_output": base.output_ids == req.output_ids,
+            "sampled": not params.greedy,  # then the arms' draws differ, not their distribution
         }
         if not out["plain"]["same_output"] and params.greedy:
             out["plain"]["first_difference"] = first_difference(
@@ -269,5 +270,8 @@ def _print_summary(out: dict) -> None:
                 f"no: from token {diff['token']}, where the target's two candidates are "
                 f"{diff['logit_gap']:.3f} logits apart (a {out.get('dtype', 'low-precision')} near-tie)"
             )
+        if not same and out["plain"].get("sampled"):
+            # sampled arms draw by different uniforms: the same distribution, other draws
+            same = "not compared (sampled: other draws)"
         t.add_row("same output as plain", str(same))
     console.print(t)
