@@ -213,6 +213,12 @@ def test_bad_input_to_the_call_is_named(monkeypatch):
             k.call(draft.spec, batch.ctx, None, None, torch.tensor([96]), 0, 1, walk=True)
         with pytest.raises(RuntimeError, match="rows 0..9 of a block of 4"):
             k.call(draft.spec, batch.ctx, None, None, torch.tensor([5]), 0, 9, walk=True)
+    # a gated Markov head whose projection does not fit [h ; W1[prev]] is refused when registered
+    gated = tiny_draft(model, markov_head_type="gated").to(torch.bfloat16)
+    r = gated.spec.markov_rank
+    gated.markov_head.gate_proj = torch.nn.Linear(r, r).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="the Markov head's projection must be"):
+        fast.for_draft(gated)
 
 
 @pytest.mark.slow

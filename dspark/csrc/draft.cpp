@@ -344,6 +344,13 @@ int64_t draft_register(std::vector<torch::Tensor> t, int64_t num_layers, int64_t
               markov_kind);
   d.kind = static_cast<Draft::Kind>(markov_kind);
   TORCH_CHECK((d.kind == Draft::NONE) == (d.w1.numel() == 0), "draft_register: W1 goes with a Markov head");
+  if (d.kind == Draft::GATED || d.kind == Draft::RNN) {  // gate_proj [r, H + r]; joint_proj [3r, 2r + H]
+    const int64_t r = d.w1.size(1), H = d.embed.size(1), n = d.kind == Draft::GATED ? 1 : 3;
+    TORCH_CHECK(d.proj_w.dim() == 2 && d.proj_w.size(0) == n * r && d.proj_w.size(1) == H + (n == 1 ? r : 2 * r) &&
+                    (d.proj_b.numel() == 0 || d.proj_b.numel() == n * r),
+                "draft_register: the Markov head's projection must be [", n * r, ", ", H + (n == 1 ? r : 2 * r),
+                "], got ", d.proj_w.sizes());
+  }
   for (size_t i = FIXED; i < t.size(); i += PER)
     d.layers.push_back(
         Layer{t[i], t[i + 1], t[i + 2], t[i + 3], lin(i + 4), lin(i + 8), lin(i + 12), lin(i + 16), lin(i + 20)});
