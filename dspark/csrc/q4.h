@@ -8,6 +8,7 @@
 #include <array>
 #include <initializer_list>
 #include <type_traits>
+#include <vector>
 
 namespace q4 {
 
@@ -115,6 +116,16 @@ inline std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K) {
 }
 
 #endif
+
+// a build's 8-bit activations (each 8-bit build's `act8`): per row xq [K] in the order its tile reads
+// them, s [G] per group of 32 (NaN where the group holds NaN or infinity: its results are then NaN,
+// never a finite number made of a clamped value), sum [G] = s x the group's sum of xq (the Q4_1
+// minimum's term)
+struct Act8 {
+  std::vector<int8_t> q;
+  std::vector<float> s, sum;
+  Act8(int64_t M, int64_t K) : q(M * K), s(M * (K / 32)), sum(M * (K / 32)) {}
+};
 
 // a build's 8-bit matmul: x (bf16, M rows of K) against a packed int4 (D, L) or Q8_0 (D) weight of N
 // outputs -> y bf16 (q4_avx2.cpp, q4_avx512_vnni.cpp, q4_generic.cpp: `matmul_a8<Q4>`)

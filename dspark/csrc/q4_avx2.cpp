@@ -112,14 +112,9 @@ torch::Tensor matmul8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, c
 // 1, 5, 2, 6, 3, 7), that of a column's dword in a step's weight bytes (`tile_a8`); s [G]; NaN or infinity in a group
 // makes its s NaN, so the result is NaN, never a finite number made of a clamped value; sum [G] s x the sum of the
 // group's xq (the Q4_1 minimum's term).
-struct Act8 {
-  std::vector<int8_t> q;
-  std::vector<float> s, sum;
-};
-
 Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
-  Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  Act8 a(M, K);
   // rows split in two halves between threads from 8 K values (below that the split's overhead
   // outweighs the work: 8 rows of 576 were slower split)
   at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {

@@ -40,19 +40,16 @@
 namespace q4 {
 namespace {
 
-// Per row: xq [K] (each 8 inputs in the order (0, 4, 1, 5, 2, 6, 3, 7)), s [G] (NaN where the
-// group holds NaN or infinity: its results are then NaN, never a finite number made of a clamped
-// value), sum [G] = s x the group's sum of xq (the Q4_1 minimum's term), n128 [G] = 128 x that sum
-// (the Q8_0 offset's term, an integer)
-struct Act8 {
-  std::vector<int8_t> q;
-  std::vector<float> s, sum;
+// q4.h's Act8 (xq with each 8 inputs in the order (0, 4, 1, 5, 2, 6, 3, 7)) and n128 [G] = 128 x the
+// group's sum of xq (the Q8_0 offset's term, an integer)
+struct Act8N : Act8 {
   std::vector<int32_t> n128;
+  Act8N(int64_t M, int64_t K) : Act8(M, K), n128(M * (K / 32)) {}
 };
 
-Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
+Act8N act8(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
-  Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  Act8N a(M, K);
   // rows split in two halves between threads from 8 K values, as the AVX2 build's
   at::parallel_for(0, M, M * K >= 8192 ? (M + 1) / 2 : M, [&](int64_t m0, int64_t m1) {
     const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
@@ -84,13 +81,13 @@ Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   return a;
 }
 
-// rows (`Act8`, xq [M, K], s / sum / n128 [M, G]) against column blocks cb..cb+NB (16 columns each)
+// rows (`Act8N`, xq [M, K], s / sum / n128 [M, G]) against column blocks cb..cb+NB (16 columns each)
 // of an int4 (Q4: P, D, L) or Q8_0 (P, D) weight. Per group, 4 octets of 2 steps: one vpdpbusd a
 // step and row. Up to 3 rows the steps alternate between two sums a row, so that the latency of
 // one chain does not bound them; from 4 rows the rows interleave and one sum a row leaves
 // registers for 8 rows. Both are exact integer sums: the same values whatever the split.
 template <int M, int NB, bool Q4>
-inline void tile(const Act8& a, int64_t m0, int64_t K, const uint8_t* p, const Scales& D, const Scales& L, uint16_t* y,
+inline void tile(const Act8N& a, int64_t m0, int64_t K, const uint8_t* p, const Scales& D, const Scales& L, uint16_t* y,
                  int64_t N, int64_t cb) {
   constexpr int CH = M <= 3 ? 2 : 1;
   const int64_t G = K / 32;
@@ -171,7 +168,7 @@ template <bool Q4>
 torch::Tensor matmul_a8(const torch::Tensor& x, int64_t M, int64_t K, int64_t N, const uint8_t* p, const Scales& D,
                         const Scales& L = Scales()) {
   const auto xc = x.contiguous();
-  const Act8 a = act8(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K);
+  const Act8N a = act8(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K);
   auto y = torch::empty(out_shape(xc, N), xc.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // column blocks a tile for 1 / 2 / 3 / 4 rows, as the bf16 tile's (q4_avx512.cpp `matmul`)

@@ -17,16 +17,10 @@
 namespace q4 {
 namespace {
 
-// per row and group: xq [M, K] in input order, s [M, G] (NaN where the group holds NaN or
-// infinity), sum [M, G] = s x the group's sum of xq
-struct Act8 {
-  std::vector<int8_t> q;
-  std::vector<float> s, sum;
-};
-
+// q4.h's Act8 with xq in input order
 Act8 act8(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
-  Act8 a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  Act8 a(M, K);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < G; ++g) {

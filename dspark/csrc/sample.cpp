@@ -20,8 +20,8 @@ namespace sampling {
 // top_k-th largest dropped (top_k 0: none), then (top_p < 1) every entry whose mass strictly before
 // it, in descending order (ties: the lower index first), reaches top_p dropped and the rest
 // renormalised. Logits with a NaN or no finite maximum (a broken forward) put all of p on the first
-// largest (the first NaN), as torch.argmax chooses. -> false for that case.
-bool shape(float* x, int64_t V, float temperature, int64_t top_k, float top_p, float* p) {
+// largest (the first NaN), as torch.argmax chooses.
+void shape(float* x, int64_t V, float temperature, int64_t top_k, float top_p, float* p) {
   const float inf = std::numeric_limits<float>::infinity();
   float m = -inf;
   bool nan = false;
@@ -31,17 +31,10 @@ bool shape(float* x, int64_t V, float temperature, int64_t top_k, float top_p, f
     m = x[i] > m ? x[i] : m;
   }
   if (nan || !std::isfinite(m)) {
-    int64_t pick = 0;
-    for (int64_t i = 0; i < V; ++i) {
-      if (std::isnan(x[i])) {
-        pick = i;
-        break;
-      }
-      if (!nan && x[i] > x[pick]) pick = i;
-    }
+    const int64_t pick = markov::argmax_rows(torch::from_blob(x, {V}, torch::kFloat)).item<int64_t>();
     std::fill(p, p + V, 0.f);
     p[pick] = 1.f;
-    return false;
+    return;
   }
   if (top_k > 0 && top_k < V) {
     std::vector<float> c(x, x + V);
@@ -92,7 +85,6 @@ bool shape(float* x, int64_t V, float temperature, int64_t top_k, float top_p, f
     }
     for (int64_t i = 0; i < V; ++i) p[i] = keep[i] ? static_cast<float>(p[i] / before) : 0.f;
   }
-  return true;
 }
 
 // The entry of p [V] (sums to 1) that the uniform u in [0, 1) draws: the first whose cumulative
@@ -157,9 +149,12 @@ torch::Tensor sample_accept(torch::Tensor logits, double temperature, int64_t to
     const float ratio = p[dp[i]] / std::max(qi[dp[i]], 1e-30f);
     if (up[i] < ratio) continue;
     double mass = 0;
-    for (int64_t v = 0; v < V; ++v) mass += std::max(p[v] - qi[v], 0.f);
+    for (int64_t v = 0; v < V; ++v) {
+      x[v] = std::max(p[v] - qi[v], 0.f);
+      mass += x[v];
+    }
     if (mass > 0)
-      for (int64_t v = 0; v < V; ++v) x[v] = static_cast<float>(std::max(p[v] - qi[v], 0.f) / mass);
+      for (int64_t v = 0; v < V; ++v) x[v] = static_cast<float>(x[v] / mass);
     const float* dist = mass > 0 ? x.data() : p.data();
     return torch::tensor({i, sampling::draw(dist, V, up[n])}, torch::kLong);
   }

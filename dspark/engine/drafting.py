@@ -154,11 +154,10 @@ def walk_sampling(batch: Batch, sampled: list[int], depth: int) -> tuple[torch.T
     """What the walk samples the rows `sampled` with: (shaping [B, 3] fp32: temperature (0: a greedy
     row), top_k, top_p; uniforms [B, depth] fp32, each sampled row's drawn from its generator, one a
     slot). The compiled walk and the walk in Python draw the same tokens from them."""
-    B = batch.anchors.shape[0]
-    shaping, uniforms = torch.zeros(B, 3), torch.zeros(B, depth)
+    # a greedy row's temperature is 0: the call reads it as greedy
+    shaping = torch.tensor([[p.temperature, float(p.top_k), p.top_p] for p in batch.params])
+    uniforms = torch.zeros(len(batch.params), depth)
     for b in sampled:
-        p = batch.params[b]
-        shaping[b] = torch.tensor([p.temperature, float(p.top_k), p.top_p])
         uniforms[b] = torch.rand(depth, generator=batch.generators[b])
     return shaping, uniforms
 

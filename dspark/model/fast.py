@@ -272,13 +272,6 @@ class FastDraft:
         ctx.lengths = out[0]
         return out[1:]
 
-    def block(self, draft, anchors: torch.Tensor, ctx, rows: int | None = None) -> torch.Tensor:
-        """anchors [N] -> post-norm block states h [N, rows, H] of the first `rows` rows of the
-        block [anchor, MASK, ...] (all by default), as `DSparkDraft.forward` over ctx."""
-        rows = draft.spec.query_slots if rows is None else rows
-        h, _ = self.call(draft.spec, ctx, None, None, anchors, 0, rows)
-        return h
-
     def extend(self, ctx, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] of taps [B, n, F] to each row's context, as `DSparkDraft.extend_context`."""
         self.call(None, ctx, taps, counts)
