@@ -512,8 +512,8 @@ def _check_an_8_lane_build(isa: str, tile: str, monkeypatch):
     pack_linears(draft)
     fast.set_weights(draft, "bf16")  # the draft's own numbers in the kernels' copy, as the fast-path test holds them
     taps = torch.randn(3, 40, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
-    fctx, fh = _contexts(draft, taps, [(3, [1, 3, 2])], False, monkeypatch)
-    tctx, th = _contexts(draft, taps, [(3, [1, 3, 2])], True, monkeypatch)
+    fctx, fh = _contexts(draft, taps, [(3, [1, 3, 2])], False)
+    tctx, th = _contexts(draft, taps, [(3, [1, 3, 2])], True)
     for f, t in zip(fctx.layers, tctx.layers):
         for b, n in enumerate(fctx.lengths.tolist()):
             assert torch.equal(f.k[b, :, :n], t.k[b, :, :n]) and torch.equal(f.v[b, :, :n], t.v[b, :, :n])
@@ -754,20 +754,15 @@ def test_the_norm_kernel_takes_a_weight_per_head(ext):
         ext.add_rms_bf16(x.contiguous(), x.contiguous(), w, 1e-6, ops.NO_TENSOR, 0)
 
 
-def _contexts(draft, taps, steps, force_torch, monkeypatch):
+def _contexts(draft, taps, steps, force_torch):
     """A batch of ragged contexts built by a prefill and ragged appends, on the fast path or torch's."""
-    from dspark.model import fast
-
-    with monkeypatch.context() as m:
-        if force_torch:
-            m.setattr(fast, "applies", lambda *a: False)
-        ctx = draft.new_context_cache(taps.shape[0], "cpu", torch.bfloat16)
-        draft.extend_context(ctx, taps[:, :9], torch.tensor([9, 6, 3]))
-        for n, counts in steps:
-            draft.extend_context(ctx, taps[:, 9 : 9 + n], torch.tensor(counts))
-        with torch.inference_mode():
-            anchors = torch.tensor([5, 17, 40])
-            h = draft.block_states(anchors, ctx) if force_torch else _call_block(draft, anchors, ctx)
+    ctx = draft.new_context_cache(taps.shape[0], "cpu", torch.bfloat16, kernels=not force_torch)
+    draft.extend_context(ctx, taps[:, :9], torch.tensor([9, 6, 3]))
+    for n, counts in steps:
+        draft.extend_context(ctx, taps[:, 9 : 9 + n], torch.tensor(counts))
+    with torch.inference_mode():
+        anchors = torch.tensor([5, 17, 40])
+        h = draft.block_states(anchors, ctx) if force_torch else _call_block(draft, anchors, ctx)
     return ctx, h
 
 
@@ -799,10 +794,9 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
     gen = torch.Generator().manual_seed(6)
     taps = torch.randn(3, 400, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
     steps = [(3, [1, 3, 2]), (2, [2, 0, 1]), (300, [300, 290, 299])]  # the last grows the capacity
-    with torch.inference_mode():
-        assert fast.applies(draft, draft.new_context_cache(3, "cpu", torch.bfloat16), 3)
-    fctx, fh = _contexts(draft, taps, steps, False, monkeypatch)
-    tctx, th = _contexts(draft, taps, steps, True, monkeypatch)
+    assert draft.new_context_cache(3, "cpu").kernels
+    fctx, fh = _contexts(draft, taps, steps, False)
+    tctx, th = _contexts(draft, taps, steps, True)
     assert fctx.lengths.tolist() == tctx.lengths.tolist() == [312, 299, 305] and fctx.capacity >= 312 + 6
     for f, t in zip(fctx.layers, tctx.layers):
         for b, n in enumerate(fctx.lengths.tolist()):
@@ -818,27 +812,59 @@ def test_the_fast_draft_forward_is_the_reference_forward(ext, monkeypatch, causa
             assert torch.equal(_call_block(draft, torch.tensor([17]), one, rows), fh[1:2, :rows])
 
 
-def test_the_fast_path_is_left_where_it_does_not_apply(ext):
-    """fp32 drafts, training (gradients), a doctor's shared context and sliding windows take the modules."""
+def test_the_drafting_path_is_the_contexts_chosen_where_it_is_made(ext):
+    """A draft context is made for the kernels wherever they run the draft, and for the modules
+    elsewhere (fp32 drafts; a doctor's shared context); every drafting call then follows the
+    context, and a kernels' context given a draft they do not run, or a block of other rows, is
+    refused, not run another way."""
     import dataclasses
 
+    from dspark.engine.drafting import draft_block
     from dspark.formats.spec import LayerAttention
     from dspark.model import fast
     from dspark.model.draft import ContextCache
 
     model = tiny_target()
     draft = tiny_draft(model).to(torch.bfloat16)
-    ctx = draft.new_context_cache(2, "cpu", torch.bfloat16)
-    with torch.inference_mode():
-        assert fast.applies(draft, ctx, 2)
-        assert not fast.applies(draft, ctx, 1)  # one context row per block row
-        assert not fast.applies(draft, ContextCache(ctx.layers, ctx.lengths, shared=True), 2)
-        windowed = draft.read_as(dataclasses.replace(draft.spec, layer_attention=(LayerAttention(8, False),)))
-        assert not fast.applies(windowed, ctx, 2)
-    assert not fast.applies(draft, ctx, 2)  # gradients wanted
-    with torch.inference_mode():
-        f32 = tiny_draft(model)
-        assert not fast.applies(f32, f32.new_context_cache(2, "cpu", torch.float32), 2)
+    ctx = draft.new_context_cache(2, "cpu")
+    assert ctx.kernels and ctx.layers[0].k.dtype == torch.bfloat16
+    assert ctx.select(torch.tensor([1])).kernels and ctx.fork().kernels
+    assert ContextCache.merge([ctx, ctx]).kernels
+    modules = draft.new_context_cache(2, "cpu", kernels=False)
+    assert not modules.kernels
+    with pytest.raises(ValueError, match="made for the kernels with ones made for the modules"):
+        ContextCache.merge([ctx, modules])
+    assert not ContextCache(ctx.layers, ctx.lengths, shared=True).kernels
+    with pytest.raises(ValueError, match="bf16"):
+        draft.new_context_cache(2, "cpu", torch.float32, kernels=True)
+    taps = torch.randn(2, 5, draft.fc.weight.shape[1]).to(torch.bfloat16)
+    draft.extend_context(ctx, taps, torch.tensor([5, 4]))
+    draft.extend_context(modules, taps, torch.tensor([5, 4]))
+    anchors = torch.tensor([3, 4])
+    assert draft_block(draft, anchors, ctx, walk=True).tokens is not None  # the compiled call walks
+    assert draft_block(draft, anchors, modules, walk=True).tokens is None  # the modules leave it to propose
+    with pytest.raises(ValueError, match="2 rows for a block of 1 anchors"):
+        draft_block(draft, anchors[:1], ctx)
+    windowed = draft.read_as(dataclasses.replace(draft.spec, layer_attention=(LayerAttention(8, False),)))
+    assert not windowed.new_context_cache(2, "cpu").kernels
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        draft_block(windowed, anchors, ctx)
+    f32 = tiny_draft(model)
+    fast.set_weights(f32, "fp32")  # the modules in fp32 (--dtype fp32)
+    assert not f32.new_context_cache(2, "cpu").kernels
+    with pytest.raises(ValueError, match="do not run this draft"):
+        f32.new_context_cache(2, "cpu", kernels=True)
+    # the engine chooses once, where it is built, and makes every request's context for it
+    from dspark.engine.engine import Engine
+    from dspark.engine.sampling import SamplingParams
+    from dspark.target.hf import HFTarget
+
+    for d, on in ((draft, True), (f32, False)):
+        engine = Engine(HFTarget(model), d)
+        assert engine.draft_kernels is on
+        engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=4))
+        engine.step()
+        assert engine.batch is not None and engine.batch.ctx is not None and engine.batch.ctx.kernels is on
 
 
 def test_the_packed_copy_follows_the_weights(ext):

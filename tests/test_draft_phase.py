@@ -26,14 +26,11 @@ def tile():
         pytest.skip(f"dspark's CPU kernels do not run here: {kernels.why_unavailable()}")
 
 
-def _batch(draft, taps, counts, anchors, *, modules: bool, monkeypatch):
+def _batch(draft, taps, counts, anchors, *, modules: bool):
     """A batch whose draft context holds `taps` (first counts[b] committed), built on the kernels
     or on the modules."""
-    with monkeypatch.context() as m:
-        if modules:
-            m.setattr(fast, "applies", lambda *a: False)
-        ctx = draft.new_context_cache(taps.shape[0], "cpu", torch.bfloat16)
-        draft.extend_context(ctx, taps, counts)
+    ctx = draft.new_context_cache(taps.shape[0], "cpu", torch.bfloat16, kernels=not modules)
+    draft.extend_context(ctx, taps, counts)
     return S.Batch(None, ctx, anchors, [SamplingParams()] * taps.shape[0], [None] * taps.shape[0])
 
 
@@ -98,7 +95,7 @@ def _reference_walk(ref, taps, counts, anchors, tokens):
 
 @pytest.mark.parametrize("kv", [None, 4], ids=["gqa", "mha"])  # the target's 2 key/value heads, or one per head
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_one_call_drafts_what_the_modules_would(fmt, kv, monkeypatch):
+def test_one_call_drafts_what_the_modules_would(fmt, kv):
     """Greedy proposals from the one call, in a ragged batch, against the draft's modules in fp32
     with each matrix rounded as the kernels hold it in `fmt`: the head's logits within 2^-5 of the
     largest (bf16 activations), each slot's token the modules' argmax of U h + W2 W1[previous
@@ -111,13 +108,13 @@ def test_one_call_drafts_what_the_modules_would(fmt, kv, monkeypatch):
         draft.lm_head.weight.mul_(4)
     taps = torch.randn(3, 40, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
     counts, anchors = torch.tensor([40, 23, 7]), torch.tensor([5, 17, 40])
-    batch = _batch(draft, taps, counts, anchors, modules=False, monkeypatch=monkeypatch)
+    batch = _batch(draft, taps, counts, anchors, modules=False)
     prop = S.propose(draft, batch)
     assert "fast" in draft._fast and prop.tokens.shape == (3, 5) and prop.q == [None] * 3
     assert batch.ctx.lengths.tolist() == counts.tolist()  # the block's rows are scratch, not committed
     ref = _reference(draft, fmt)
     h, logits = _reference_walk(ref, taps, counts, anchors, prop.tokens)
-    fresh = _batch(draft, taps, counts, anchors, modules=False, monkeypatch=monkeypatch)
+    fresh = _batch(draft, taps, counts, anchors, modules=False)
     with torch.inference_mode():
         _, base = fast.for_draft(draft).call(draft.spec, fresh.ctx, None, None, anchors, 0, 5)
     ref_base = h @ ref.lm_head.weight.double().T
@@ -135,15 +132,15 @@ def test_one_call_drafts_what_the_modules_would(fmt, kv, monkeypatch):
     assert (prop.conf_logits.double() - conf).abs().max() <= 0.02 + 2**-5 * conf.abs().max()
 
 
-def test_waiting_taps_join_the_same_call(monkeypatch):
+def test_waiting_taps_join_the_same_call():
     """Taps left in batch.pending (a prompt, skipped steps) enter the context inside the drafting
     call: the same proposal, the same cache, as a separate context update first."""
     model = tiny_target()
     draft = tiny_draft(model, gamma=4).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(12)
     taps = torch.randn(2, 12, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
-    one = _batch(draft, taps[:, :9], torch.tensor([9, 9]), torch.tensor([4, 8]), modules=False, monkeypatch=monkeypatch)
-    two = _batch(draft, taps[:, :9], torch.tensor([9, 9]), torch.tensor([4, 8]), modules=False, monkeypatch=monkeypatch)
+    one = _batch(draft, taps[:, :9], torch.tensor([9, 9]), torch.tensor([4, 8]), modules=False)
+    two = _batch(draft, taps[:, :9], torch.tensor([9, 9]), torch.tensor([4, 8]), modules=False)
     one.pending = [taps[:, 9:11], taps[:, 11:12]]
     fused = S.propose(draft, one)
     S.flush_context(draft, two.__class__(None, two.ctx, two.anchors, two.params, two.generators, [taps[:, 9:12]]))
@@ -180,14 +177,14 @@ def test_speculation_through_the_one_call_is_lossless(fmt, dtype):
     assert fast.for_draft(draft).weights == fmt  # the kernels' copy ran
 
 
-def test_sampled_requests_walk_the_call_s_logits(monkeypatch):
+def test_sampled_requests_walk_the_call_s_logits():
     """A sampled request drafts in the call: the distributions q it records are proper over the
     target's vocabulary and hold every token drawn."""
     model = tiny_target()
     draft = tiny_draft(model, gamma=3).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(13)
     taps = torch.randn(1, 10, draft.fc.weight.shape[1], generator=gen).to(torch.bfloat16)
-    batch = _batch(draft, taps, torch.tensor([10]), torch.tensor([9]), modules=False, monkeypatch=monkeypatch)
+    batch = _batch(draft, taps, torch.tensor([10]), torch.tensor([9]), modules=False)
     batch.params, batch.generators = [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(0)]
     prop = S.propose(draft, batch)
     q = prop.q[0]
@@ -195,7 +192,7 @@ def test_sampled_requests_walk_the_call_s_logits(monkeypatch):
     assert all(q[k, prop.tokens[0, k]] > 0 for k in range(3))
 
 
-def test_bad_input_to_the_call_is_named(monkeypatch):
+def test_bad_input_to_the_call_is_named():
     """An anchor outside the vocabulary, or a cache of the wrong shape, is an error naming it."""
     model = tiny_target()
     draft = tiny_draft(model).to(torch.bfloat16)
@@ -206,7 +203,6 @@ def test_bad_input_to_the_call_is_named(monkeypatch):
         torch.tensor([3]),
         torch.tensor([5]),
         modules=False,
-        monkeypatch=monkeypatch,
     )
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="anchor 96 outside the vocabulary of 96"):
@@ -222,7 +218,7 @@ def test_bad_input_to_the_call_is_named(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(monkeypatch):
+def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules():
     """SmolLM2 and the bundled draft over held-out answers (contexts from the target's own taps,
     64 anchors): the one call's first-slot tokens are the modules' (bf16, the draft's own numbers)
     at >= 90 % of anchors in q8 and >= 75 % in q4 (8-bit and 4-bit matrices move near-ties: 94 % and
@@ -249,11 +245,9 @@ def test_the_bundled_draft_drafts_through_the_one_call_as_through_its_modules(mo
     def first_slots(fmt: str | None):
         fast.set_weights(draft, fmt or "bf16")
         out, logits = [], []
-        with monkeypatch.context() as m, torch.inference_mode():
-            if fmt is None:
-                m.setattr(fast, "applies", lambda *a: False)
+        with torch.inference_mode():
             for taps, a in zip(contexts, anchors):
-                ctx = draft.new_context_cache(1, "cpu", torch.bfloat16)
+                ctx = draft.new_context_cache(1, "cpu", torch.bfloat16, kernels=fmt is not None)
                 batch = S.Batch(None, ctx, torch.tensor([a]), [SamplingParams()], [None], [taps])
                 out.append(int(S.propose(draft, batch, 1).tokens[0, 0]))
                 if fmt == "bf16" or fmt is None:
@@ -285,7 +279,7 @@ def test_the_phase_is_priced_at_its_least_time(monkeypatch):
     "head,layout",
     [("vanilla", "anchor_first"), ("gated", "anchor_first"), ("rnn", "anchor_first"), ("rnn", "bonus_anchor")],
 )
-def test_the_call_walks_every_markov_head_as_the_walk_in_python_does(head, layout, monkeypatch):
+def test_the_call_walks_every_markov_head_as_the_walk_in_python_does(head, layout):
     """A batch of a greedy row and rows that sample (temperature, top-k, top-p) drafts in one call,
     whatever the Markov head's kind (an rnn head's recurrence through a bonus-anchor block's row 0
     included): the greedy row's tokens are those of an all-greedy batch; each sampled slot's token
@@ -308,7 +302,7 @@ def test_the_call_walks_every_markov_head_as_the_walk_in_python_does(head, layou
     rows = draft.spec.sampled_rows
 
     def batch_of(params):
-        batch = _batch(draft, taps, counts, anchors, modules=False, monkeypatch=monkeypatch)
+        batch = _batch(draft, taps, counts, anchors, modules=False)
         batch.params = params
         batch.generators = [torch.Generator().manual_seed(100 + b) for b in range(4)]
         return batch

@@ -66,7 +66,7 @@ def engines_walk(view, spec, text: Text, anchors: torch.Tensor, argmax: torch.Te
     anchor reads a copy of it cut at its position, and the block is `draft_block` on those rows:
     the compiled walk, whatever the Markov head's kind."""
     if fast.why_not(view) is not None:
-        return None
+        return None  # the engine would make its contexts for the modules (`new_context_cache`)
     dev, g = view.fc.weight.device, spec.gamma
     ids = text.ids.to(dev)
     feats = torch.cat([text.taps[i] for i in spec.hidden_state_indices], dim=-1)[None].to(dev)
@@ -80,6 +80,7 @@ def engines_walk(view, spec, text: Text, anchors: torch.Tensor, argmax: torch.Te
         ctx = ContextCache(
             [LayerKV(kv.k.expand(n, -1, -1, -1).clone(), kv.v.expand(n, -1, -1, -1).clone()) for kv in one.layers],
             chunk.clone(),
+            kernels=one.kernels,
         )
         want = argmax[chunk[:, None] + torch.arange(g, device=dev)[None, :]]
         tokens = draft_block(view, ids[chunk], ctx, walk=True).tokens

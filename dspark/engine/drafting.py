@@ -54,15 +54,17 @@ def draft_block(
     to the context (when given), then the block [anchor, MASK, ...] over it, the head on the first
     `depth` sampled rows (all g by default) and, with walk, the Markov walk and the confidences:
     greedy, or for the rows `sampling` (`walk_sampling`) samples, drawn from the shaped logits
-    (their distributions in Block.q). On a CPU with dspark's kernels that is one compiled call
-    (model/fast.py), whatever the Markov head's kind; the modules (the reference, and the path on
-    other devices) run the same steps op by op and leave the walk to the caller (`propose`).
+    (their distributions in Block.q). On a context made for dspark's kernels (`ContextCache.kernels`,
+    chosen where the engine makes it) that is one compiled call (model/fast.py), whatever the Markov
+    head's kind; on the others the modules (the reference, and the path on other devices) run the
+    same steps op by op and leave the walk to the caller (`propose`).
     The whole block runs, as trained, whatever the depth."""
     spec = draft.spec
     B = anchors.shape[0]
     rows = spec.sampled_rows
     stop = rows.stop if depth is None else rows.start + depth
-    if fast.applies(draft, ctx, B):
+    if ctx.kernels:
+        fast.check_context(draft, ctx, B)
         kernel = fast.for_draft(draft)
         shaping, uniforms = sampling if sampling is not None and walk else (None, None)
         out = kernel.call(spec, ctx, taps, counts, anchors, rows.start, stop - rows.start, walk, shaping, uniforms)
@@ -209,7 +211,7 @@ def draft_phase_seconds(
     times = []
     for _ in range(reps + 1):
         # each rep from the same context: the writes past its length are scratch (ContextCache)
-        batch.ctx = ContextCache(list(ctx.layers), ctx.lengths.clone())
+        batch.ctx = ctx.fork()
         batch.unposted = committed  # a one-draft verify that accepted it: 2 of its 3 positions kept
         if evict is not None:
             evict()

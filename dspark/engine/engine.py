@@ -25,6 +25,7 @@ from dspark.engine.request import Prefilling, Request, StepObserver, request_met
 from dspark.engine.sampling import SamplingParams, sample_token
 from dspark.engine.step import decode_step, draft_taps
 from dspark.errors import DSparkError, RequestError
+from dspark.model import fast
 from dspark.model.draft import ContextCache, DSparkDraft
 from dspark.ops import argmax
 from dspark.target.base import Target, replay
@@ -62,6 +63,8 @@ class Engine:
         self.gamma = draft.spec.gamma if draft is not None else 0
         if draft is not None:
             target.set_taps(draft.spec.hidden_state_indices)
+        # the drafting phase on dspark's compiled call or the draft's modules, chosen here once
+        self.draft_kernels = draft is not None and fast.why_not(draft) is None
         self.metrics = self.newrequest_metrics()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -104,16 +107,8 @@ class Engine:
         target = self.target if draft is not None else self.target.view()
         use_lookup = speculative and (self.lookup is not None if lookup is None else lookup)
         proposer = LookupProposer(self.lookup.limit if self.lookup is not None else LOOKUP_MAX) if use_lookup else None
-        other = Engine(
-            target,
-            draft,
-            self.tokenizer,
-            self.eos_token_ids,
-            policy=policy,
-            max_batch=max_batch or self.max_batch,
-            lookup=proposer,
-            prefill_chunk=self.prefill_chunk,
-        )
+        other = Engine(target, draft, self.tokenizer, self.eos_token_ids, policy, max_batch or self.max_batch, proposer)
+        other.prefill_chunk = self.prefill_chunk  # checked when this engine was built
         if proposer is not None and other.policy.curve is None:
             # the lookup prices its proposals with the target's cost curve: the one this engine has
             if self.policy.curve is None:
@@ -201,7 +196,7 @@ class Engine:
         req, state, dev = job.req, job.state, self.target.device
         ctx, pending = None, []
         if self.draft is not None:
-            ctx = self.draft.new_context_cache(1, dev)
+            ctx = self.draft.new_context_cache(1, dev, kernels=self.draft_kernels)
             # the prompt's taps wait like a skipped step's (flush_context): a request that never
             # drafts never pays the draft's context update
             pending = job.taps
@@ -268,7 +263,7 @@ class Engine:
         its anchor, its own generator (as before the step that failed): decoding goes on as it would have."""
         dev = self.target.device
         state, taps = replay(self.target, req.prompt_ids, req.output_ids[:-1], self.prefill_chunk)
-        ctx = self.draft.new_context_cache(1, dev) if self.draft is not None else None
+        ctx = self.draft.new_context_cache(1, dev, kernels=self.draft_kernels) if self.draft is not None else None
         return Batch(
             state,
             ctx,

@@ -41,6 +41,9 @@ class ContextCache:
     # one text's context read by many anchors (`dspark doctor`): past a row's length lie entries
     # other rows read, not scratch, so nothing may be written there
     shared: bool = False
+    # made for dspark's compiled drafting phase (bf16, one row per block row, contiguous): decided
+    # once where the context is made (`DSparkDraft.new_context_cache`), never again per call
+    kernels: bool = False
 
     @property
     def capacity(self) -> int:
@@ -87,15 +90,24 @@ class ContextCache:
         self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> ContextCache:
-        return ContextCache([LayerKV(kv.k[rows], kv.v[rows]) for kv in self.layers], self.lengths[rows])
+        return ContextCache(
+            [LayerKV(kv.k[rows], kv.v[rows]) for kv in self.layers], self.lengths[rows], kernels=self.kernels
+        )
+
+    def fork(self) -> ContextCache:
+        """The same entries under lengths of its own: what a drafting phase writes past them is
+        scratch, so a fork can be drafted from again and again (`draft_phase_seconds`)."""
+        return ContextCache(list(self.layers), self.lengths.clone(), self.shared, self.kernels)
 
     @staticmethod
     def merge(caches: list[ContextCache]) -> ContextCache:
+        if len({c.kernels for c in caches}) > 1:
+            raise ValueError("merging draft contexts made for the kernels with ones made for the modules")
         layers = [
             LayerKV(merge_rows([c.layers[i].k for c in caches]), merge_rows([c.layers[i].v for c in caches]))
             for i in range(len(caches[0].layers))
         ]
-        return ContextCache(layers, torch.cat([c.lengths for c in caches]))
+        return ContextCache(layers, torch.cat([c.lengths for c in caches]), kernels=caches[0].kernels)
 
 
 class DSparkDraft(nn.Module):
@@ -307,20 +319,37 @@ class DSparkDraft(nn.Module):
             h = torch.cat([h, prev_emb.to(h.dtype)], dim=-1)
         return self.confidence_head(h)
 
-    def new_context_cache(self, batch: int, device, dtype=None) -> ContextCache:
-        """An empty context cache for `batch` requests, in `dtype` (default: what the draft decodes
-        with here, fast.context_dtype: bf16 where dspark's kernels run it)."""
+    def new_context_cache(self, batch: int, device, dtype=None, kernels: bool | None = None) -> ContextCache:
+        """An empty context cache for `batch` requests. kernels: whether dspark's compiled drafting
+        phase runs on it (default: wherever it can run this draft, `fast.why_not`, unless another
+        dtype than its bf16 is asked for; True where it cannot is refused with the reason); the
+        choice is the context's for its whole life, so the drafting calls read it instead of
+        deciding again. Its dtype: bf16 for the kernels, else `dtype` (default: the draft's weights')."""
         b = backbone_of(self.spec)
-        dtype = fast.context_dtype(self) if dtype is None else dtype
+        reason = fast.why_not(self)
+        if kernels is None:
+            kernels = reason is None and dtype in (None, torch.bfloat16)
+        if kernels:
+            if reason is not None:
+                raise ValueError(
+                    f"a draft context for dspark's drafting kernels, which do not run this draft ({reason})"
+                )
+            if dtype not in (None, torch.bfloat16):
+                raise ValueError(f"the drafting kernels' context is bf16, not {dtype}")
+            dtype = torch.bfloat16
+        elif dtype is None:
+            dtype = self.fc.weight.dtype
         empty = torch.zeros(batch, b.num_key_value_heads, 0, b.head_dim, device=device, dtype=dtype)
         return ContextCache(
-            [LayerKV(empty, empty) for _ in self.layers], torch.zeros(batch, dtype=torch.long, device=device)
+            [LayerKV(empty, empty) for _ in self.layers],
+            torch.zeros(batch, dtype=torch.long, device=device),
+            kernels=kernels,
         )
 
     @torch.inference_mode()
     def extend_context(self, cache: ContextCache, taps: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first counts[b] rows of taps [B, n, n_taps*Ht] to each request's context."""
-        if fast.applies(self, cache, taps.shape[0]):
+        if cache.kernels:
             return fast.for_draft(self).extend(cache, taps, counts)
         self.module_extend_context(cache, taps, counts)
 

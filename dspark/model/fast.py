@@ -293,8 +293,9 @@ def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def why_not(draft) -> str | None:
     """Why this draft decodes through its modules rather than the kernels, or None: it can.
-    Asked at every drafting step, answered once per spec, weights (their dtype and device; a
-    shape changes only with a new tensor), format and extension: it depends on those alone."""
+    Asked where a draft context is made (which path runs on it is the context's, for good) and
+    to check one; answered once per spec, weights (their dtype and device; a shape changes only
+    with a new tensor), format and extension: it depends on those alone."""
     w = draft.fc.weight
     spec, settings = draft.spec, (weights(draft), kernels.extension() is not None, w.dtype, w.device)
     memo = draft.__dict__.get("_why_not")  # read_as views copy it, with their own spec
@@ -326,24 +327,16 @@ def _why_not(draft) -> str | None:
     return None
 
 
-def applies(draft, ctx, rows: int) -> bool:
-    """Can the kernels run this draft on this context now? (`why_not` says nothing against the
-    draft, no gradient is wanted, and ctx holds one bf16 context row of its own per block row.)"""
-    k = ctx.layers[0].k if ctx.layers else None
-    return (
-        k is not None
-        and not ctx.shared
-        and k.shape[0] == rows
-        and k.dtype == torch.bfloat16
-        and k.is_contiguous()
-        and not torch.is_grad_enabled()
-        and why_not(draft) is None
-    )
-
-
-def context_dtype(draft) -> torch.dtype:
-    """The dtype of the draft's context cache: bf16 where the kernels run it, else the weights'."""
-    return torch.bfloat16 if why_not(draft) is None else draft.fc.weight.dtype
+def check_context(draft, ctx, rows: int) -> None:
+    """A context made for the kernels (`ContextCache.kernels`) meets a draft they run and holds one
+    row per block row: anything else is a caller's mistake, refused rather than run another way."""
+    reason = why_not(draft)
+    if reason is not None:
+        raise ValueError(
+            f"a draft context made for dspark's drafting kernels, given a draft they do not run ({reason})"
+        )
+    if ctx.lengths.shape[0] != rows:
+        raise ValueError(f"the draft context holds {ctx.lengths.shape[0]} rows for a block of {rows} anchors")
 
 
 def weights(draft) -> str:
