@@ -7,7 +7,15 @@ from dspark.engine.batch import join_taps
 from dspark.engine.costs import CostCurve
 from dspark.engine.drafting import flush_context
 from dspark.engine.engine import Engine
-from dspark.engine.lookup import FIXED_MIN, LOOKUP_MAX, MATCH_MAX, LookupIndex, LookupProposer, LookupStats
+from dspark.engine.lookup import (
+    FIXED_MIN,
+    LOOKUP_MAX,
+    MATCH_MAX,
+    PRICED_OUT_PROBE,
+    LookupIndex,
+    LookupProposer,
+    LookupStats,
+)
 from dspark.engine.marks import step_marks
 from dspark.engine.metrics import SpecMetrics
 from dspark.engine.sampling import SamplingParams
@@ -333,37 +341,59 @@ def test_the_copy_set_is_a_bench_set_apart_from_the_training_prompts():
     assert not {Prompt(t).key for t in copy.prompts} & trained
 
 
+def _fixed_step(kind: str, fixed: float):
+    from types import SimpleNamespace
+
+    look = kind == "lookup"
+    return SimpleNamespace(
+        drafting=False,
+        match=[2] if look else None,
+        verified=[1 if look else 0],
+        accepted=[1 if look else 0],
+        t_draft=fixed / 2,
+        t_other=fixed / 2,
+        source=lambda b: kind,
+    )
+
+
 def test_a_lookup_steps_own_overhead_is_learned_and_priced():
     """A lookup step pays a few small ops a plain step does not: measured from the steps (their time
     outside the forward) and added to its price, so a proposal that only just paid on the curve
     alone is no longer made."""
-    from types import SimpleNamespace
-
-    def step(kind: str, fixed: float):
-        look = kind == "lookup"
-        return SimpleNamespace(
-            drafting=False,
-            match=[2] if look else None,
-            verified=[1 if look else 0],
-            accepted=[1 if look else 0],
-            t_draft=fixed / 2,
-            t_other=fixed / 2,
-            source=lambda b: kind,
-        )
-
     lookup = LookupProposer()
     ix = [LookupIndex(COPY)]
     assert lookup.extra_seconds == 0.0 and lookup.plan(ix, FLAT.step_time, None).any
     # one slow lookup step (a first call) among plain ones is not charged: it would price out every
     # later proposal, and no lookup step would run again to correct it
     for _ in range(FIXED_MIN):
-        lookup.observe(step("plain", 0.01))
-    lookup.observe(step("lookup", 9.0))
+        lookup.observe(_fixed_step("plain", 0.01))
+    lookup.observe(_fixed_step("lookup", 9.0))
     assert lookup.extra_seconds == 0.0 and lookup.plan(ix, FLAT.step_time, None).any
     for _ in range(30):
-        lookup.observe(step("plain", 0.01))
-        lookup.observe(step("lookup", 9.0))  # far dearer than what the best proposal can win back
+        lookup.observe(_fixed_step("plain", 0.01))
+        lookup.observe(_fixed_step("lookup", 9.0))  # far dearer than what the best proposal can win back
     assert lookup.extra_seconds == pytest.approx(8.99, rel=0.05)
-    lookup.observe(step("lookup", 30.0))  # one slow step (descheduled) does not raise the price
+    lookup.observe(_fixed_step("lookup", 30.0))  # one slow step (descheduled) does not raise the price
     assert lookup.extra_seconds == pytest.approx(8.99, rel=0.05)
     assert not lookup.plan(ix, FLAT.step_time, None).any
+    # a lookup step not taken measures nothing: every PRICED_OUT_PROBE priced-out plans (then twice
+    # as many) one is made anyway, to time the extra again; this one stays dear
+    made = [lookup.plan(ix, FLAT.step_time, None).any for _ in range(3 * PRICED_OUT_PROBE)]
+    assert [i for i, m in enumerate(made) if m] == [PRICED_OUT_PROBE - 2, 3 * PRICED_OUT_PROBE - 2]
+
+
+def test_first_lookup_steps_slower_than_the_rest_do_not_price_the_lookup_out_for_good():
+    """A process's first lookup steps can be slow (cold code paths): charged, they would price out
+    every later proposal, and no lookup step would run to measure again. A probe does, and once it
+    measures the step's real price the proposals come back."""
+    lookup = LookupProposer()
+    ix = [LookupIndex(COPY)]
+    for _ in range(FIXED_MIN):
+        lookup.observe(_fixed_step("lookup", 9.0))
+        lookup.observe(_fixed_step("plain", 0.01))
+    assert lookup.extra_seconds == pytest.approx(8.99)
+    made = [lookup.plan(ix, FLAT.step_time, None).any for _ in range(PRICED_OUT_PROBE)]
+    assert made == [False] * (PRICED_OUT_PROBE - 1) + [True]
+    lookup.observe(_fixed_step("lookup", 0.02))  # the probe, warm
+    assert lookup.extra_seconds == pytest.approx(0.01)
+    assert all(lookup.plan(ix, FLAT.step_time, None).any for _ in range(5))

@@ -41,6 +41,11 @@ DECAY = 0.98  # weight of the older verifications at each new one: the text's ki
 # a request decoding alone is planned every step (it loses copies when it skips, and its plan is
 # a small share of its step)
 IDLE_PLANS, SKIP_MAX = 4, 8
+# plans whose best proposal the measured extra fixed time priced out (it paid on the curve alone)
+# before one is made anyway, to time that extra again: a lookup step not taken measures nothing, so
+# a few first steps slower than the rest (cold code paths) would otherwise price the lookup out for
+# good; each such probe that changes nothing doubles the wait, up to PRICED_OUT_MAX
+PRICED_OUT_PROBE, PRICED_OUT_MAX = 16, 256
 
 
 class LookupIndex:
@@ -164,6 +169,8 @@ class LookupProposer:
         # batches of 2+ requests: empty plans in a row, plans left to skip, the last skip's length,
         # and the batch size they were counted at
         self._idle, self._skip, self._wait, self._rows = 0, 0, 0, 0
+        # plans the extra fixed time priced out since the last lookup step, and how many make a probe
+        self._priced_out, self._probe_every = 0, PRICED_OUT_PROBE
 
     @property
     def extra_seconds(self) -> float:
@@ -214,12 +221,22 @@ class LookupProposer:
         survs = [self.stats.survival(m, len(t)) if m else [] for t, m in props]
         plain = B / step_seconds(B)
         best_rate, best_d = plain, 0
+        free_rate, free_d = plain, 0  # the same choice without the extra fixed time
         extra = self.extra_seconds
         for d in range(1, max((len(s) for s in survs), default=0) + 1):
-            gain = sum(sum(s[:d]) for s in survs)
-            rate = (B + gain) / (step_seconds(B * (1 + d)) + extra)
+            gain, t = sum(sum(s[:d]) for s in survs), step_seconds(B * (1 + d))
+            rate = (B + gain) / (t + extra)
             if rate > best_rate:
                 best_rate, best_d = rate, d
+            if (B + gain) / t > free_rate:
+                free_rate, free_d = (B + gain) / t, d
+        if best_d:
+            self._priced_out, self._probe_every = 0, PRICED_OUT_PROBE
+        elif free_d:  # only the extra priced it out: a probe every so often times the extra again
+            self._priced_out += 1
+            if self._priced_out >= self._probe_every:
+                self._priced_out, self._probe_every = 0, min(2 * self._probe_every, PRICED_OUT_MAX)
+                best_rate, best_d = free_rate, free_d
         if draft_rate is not None:
             rate, per_row = draft_rate
             # the policy chose to draft (a probe among them): only a lookup that beats it takes the step
