@@ -116,6 +116,33 @@ def test_write_prompts_samples_from_the_prefix_appends_and_resumes(tmp_path):
         )
 
 
+def test_openings_begin_the_sampled_turns_in_turn_and_are_pinned(tmp_path):
+    """--opening: each batch's turns start with its opening (the batches take them in turn), the
+    model writing the rest; a file written with openings refuses to resume without them."""
+    model, tok = tiny_target(), char_tokenizer()
+    loose = FilterSettings(min_words=1, min_letter_frac=0.0, min_unique_frac=0.0, max_words=10_000)
+    s = PromptSampling(max_new_tokens=12, batch_size=8, seed=3, openings=("ab ", "cd "))
+    stops = set(range(60, 84))
+    out = tmp_path / "p.jsonl"
+    write_prompts(model, tok, 100, out, sampling=s, stops=stops, filters=loose, max_batches=2, progress=False)
+    texts = [json.loads(x)["prompt"] for x in out.read_text().splitlines()]
+    assert texts and all(t.startswith(("ab", "cd")) for t in texts)
+    assert {t[:2] for t in texts} == {"ab", "cd"}  # batch 0 the first opening, batch 1 the second
+    side = json.loads(out.with_name(out.name + ".meta.json").read_text())
+    assert side["sampling"]["openings"] == ["ab ", "cd "]
+    with pytest.raises(TrainError, match="other sampling"):
+        write_prompts(
+            model,
+            tok,
+            200,
+            out,
+            sampling=PromptSampling(max_new_tokens=12, batch_size=8, seed=3),
+            stops=stops,
+            filters=loose,
+            progress=False,
+        )
+
+
 # ---------------------------------------------------------------- answers and packed storage
 
 
@@ -609,6 +636,12 @@ def test_cli_prompts_gives_up_clearly_and_pack_writes_a_loadable_set(tmp_path, c
     )
     err = capsys.readouterr()
     assert code == 2 and "stopped after 2 batches" in err.err and "unfinished 16" in err.out
+    base = ["train", "prompts", "--target", str(target), "--dtype", "fp32", "--quiet", "--n", "50"]
+    code = main([*base, "--out", str(tmp_path / "o.jsonl"), "--max-batches", "1", "--opening", " "])
+    assert code == 2 and "--opening takes the words a prompt starts with" in capsys.readouterr().err
+    main([*base, "--out", str(tmp_path / "o.jsonl"), "--max-batches", "1", "--gen-batch-size", "2", "--opening", "Why"])
+    side = json.loads((tmp_path / "o.jsonl.meta.json").read_text())
+    assert side["sampling"]["openings"] == ["Why"]
     shard = synthetic_shard(tmp_path / "d.jsonl", 10)
     assert main(["train", "pack", str(shard), "--out", str(tmp_path / "packed"), "--target", str(target)]) == 0
     assert "10 sequences" in capsys.readouterr().out

@@ -85,7 +85,10 @@ def prompts_stage(args) -> int:
     if tok is None:
         raise TrainError(f"target {args.target!r} has no tokenizer: it cannot write prompts")
     protected = protected_shingles([bundled_path("heldout"), *(Path(p) for p in args.protect or [])])
-    s = PromptSampling(args.temperature, args.top_p, args.max_new_tokens, args.gen_batch_size, args.seed)
+    openings = tuple(args.opening or ())
+    if any(not o.strip() for o in openings):
+        raise TrainError("--opening takes the words a prompt starts with, got an empty one")
+    s = PromptSampling(args.temperature, args.top_p, args.max_new_tokens, args.gen_batch_size, args.seed, openings)
     t = time.perf_counter()
     bound = args.max_batches or max(10, math.ceil(4 * args.n / args.gen_batch_size))
     rep = write_prompts(

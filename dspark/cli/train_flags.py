@@ -208,6 +208,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give up after this many batches (default: enough for a 25%% keep rate)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--opening",
+        action="append",
+        default=None,
+        help="words a sampled user turn starts with, the model writing the rest (repeatable: the batches "
+        "take them in turn), to steer prompts toward a kind the target rarely writes unprompted, e.g. "
+        "--opening 'Explain why' --opening 'How does'",
+    )
 
     p = sub.add_parser("pack", help="store JSONL shards compactly (compressed token ids + manifest)")
     p.add_argument("shards", nargs="+", help="shards written by `dspark train data`")

@@ -296,14 +296,23 @@ class PromptSampling:
     max_new_tokens: int = 128
     batch_size: int = 64
     seed: int = 0
+    # words a sampled turn starts with, batch i taking openings[i % len]; empty: the bare prefix
+    openings: tuple[str, ...] = ()
+
+    def settings(self) -> dict:
+        """What a prompt file's sidecar pins (openings only when given: older files have none)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "openings"}
+        return {**d, "openings": list(self.openings)} if self.openings else d
 
 
 @torch.inference_mode()
 def sample_user_turns(
     model, tokenizer, n: int, s: PromptSampling, stops: set[int], batch_index: int
 ) -> list[tuple[str, bool]]:
-    """n user turns sampled from the bare prefix; (text, finished with an end-of-turn token)."""
-    prefix = tokenizer(user_prefix(tokenizer), add_special_tokens=False, return_tensors="pt").input_ids
+    """n user turns sampled from the bare prefix, or from the batch's opening words (`openings`),
+    which then begin each turn; (text, finished with an end-of-turn token)."""
+    opening = s.openings[batch_index % len(s.openings)] if s.openings else ""
+    prefix = tokenizer(user_prefix(tokenizer) + opening, add_special_tokens=False, return_tensors="pt").input_ids
     dev = next(model.parameters()).device
     ids = prefix.repeat(n, 1).to(dev)
     torch.manual_seed(s.seed * 1_000_003 + batch_index)
@@ -323,7 +332,7 @@ def sample_user_turns(
     for row in out[:, ids.shape[1] :].tolist():
         cut = next((j for j, t in enumerate(row) if t in stops), None)
         text = tokenizer.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
-        turns.append((text, cut is not None))
+        turns.append((opening + text, cut is not None))
     return turns
 
 
@@ -345,7 +354,7 @@ def write_prompts(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     side = out.with_name(out.name + ".meta.json")
-    meta = {"sampling": dict(sampling.__dict__), "filters": dict((filters or FilterSettings()).__dict__)}
+    meta = {"sampling": sampling.settings(), "filters": dict((filters or FilterSettings()).__dict__)}
     state: dict[str, Any] = json.loads(side.read_text()) if side.exists() else {"batches": 0, **meta}
     if {k: state.get(k) for k in meta} != meta:
         raise TrainError(f"{out} was written with other sampling or filter settings: use another --out")
