@@ -107,8 +107,8 @@ class Engine:
         target = self.target if draft is not None else self.target.view()
         use_lookup = speculative and (self.lookup is not None if lookup is None else lookup)
         proposer = LookupProposer(self.lookup.limit if self.lookup is not None else LOOKUP_MAX) if use_lookup else None
-        other = Engine(target, draft, self.tokenizer, self.eos_token_ids, policy, max_batch or self.max_batch, proposer)
-        other.prefill_chunk = self.prefill_chunk  # checked when this engine was built
+        mb, chunk = max_batch or self.max_batch, self.prefill_chunk
+        other = Engine(target, draft, self.tokenizer, self.eos_token_ids, policy, mb, proposer, chunk)
         if proposer is not None and other.policy.curve is None:
             # the lookup prices its proposals with the target's cost curve: the one this engine has
             if self.policy.curve is None:
