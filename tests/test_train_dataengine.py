@@ -240,6 +240,34 @@ def test_the_next_data_rounds_answer_only_prompts_no_other_set_answers(tmp_path)
     assert rest == every - set().union(*keys.values())
 
 
+def test_the_science_round_answers_prompts_the_target_wrote_from_openings():
+    """science-v1: answers to prompts SmolLM2 wrote from explanation openings (`train prompts
+    --opening`), none held out, none answered by another set, none on the README prompt's topic
+    (the sky's colour: the README job must not be trained on), sampled as the rounds are, with a
+    seed of its own."""
+    from dspark.train.prompts import load_prompts
+
+    root = ROOT / "data" / "smollm2"
+    prompts = {p.key: p.text for p in load_prompts(str(root / "science-prompts-v1.jsonl.gz"))}
+    side = json.loads((root / "science-prompts-v1.meta.json").read_text())
+    assert len(side["sampling"]["openings"]) >= 10
+    with np.load(root / "science-v1" / "tokens.npz") as z:
+        keys = {str(k).split("#")[0] for k in z["keys"]}
+    assert keys and keys <= set(prompts)
+    assert not keys & {p.key for p in load_prompts("heldout")}
+    assert not [k for k in keys if "sky" in prompts[k].lower() and "blue" in prompts[k].lower()]
+    seeds = set()
+    for other in root.glob("selfdistill-v*"):
+        with np.load(other / "tokens.npz") as z:
+            assert not keys & {str(k).split("#")[0] for k in z["keys"]}, other.name
+        seeds.add(json.loads((other / "manifest.json").read_text())["parts"][0]["settings"]["seed"])
+    m = json.loads((root / "science-v1" / "manifest.json").read_text())
+    settings = m["parts"][0]["settings"]
+    assert (settings["temperature"], settings["top_p"], settings["top_k"]) == (0.7, 0.8, 20)
+    assert settings["seed"] not in seeds
+    assert m["counts"]["sequences"] == len(keys) == len(load_sequences(root / "science-v1", 49152))
+
+
 def test_token_subset_is_seeded_and_sized(tmp_path):
     seqs = load_sequences(synthetic_shard(tmp_path / "sub.jsonl", 50), 96)
     a, b = token_subset(seqs, 100, 0), token_subset(seqs, 100, 0)
