@@ -1,9 +1,10 @@
 """The drafting phase: what the draft's network makes of a block, and the proposal a step verifies.
 
-On a CPU with dspark's kernels the phase is one compiled call (model/fast.py -> csrc/draft.cpp):
-the context update of the committed positions, the block's layers, the head, the Markov walk of
-greedy and sampled rows for every Markov head kind, and the confidences. Elsewhere (GPUs, a CPU
-without the kernels, training's gradients) the draft's modules run the same steps op by op and
+On a draft context made for dspark's kernels (`ContextCache.kernels`, chosen where the engine is
+built) the phase is one compiled call (model/fast.py -> csrc/draft.cpp): the context update of the
+committed positions, the block's layers, the head, the Markov walk of greedy and sampled rows for
+every Markov head kind, and the confidences. On the others (GPUs, a CPU without the kernels, fp32
+drafts, the doctor's shared contexts) the draft's modules run the same steps op by op and
 `walk_in_torch` walks the block slot by slot: that path is also the reference the compiled call
 is tested against (tests/test_draft_phase.py). `teacher_forced` feeds the Markov head given
 tokens (`dspark doctor`, `dspark train probe`). The decode step that uses all this is engine/step.py.

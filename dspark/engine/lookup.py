@@ -225,11 +225,11 @@ class LookupProposer:
         extra = self.extra_seconds
         for d in range(1, max((len(s) for s in survs), default=0) + 1):
             gain, t = sum(sum(s[:d]) for s in survs), step_seconds(B * (1 + d))
-            rate = (B + gain) / (t + extra)
+            rate, free = (B + gain) / (t + extra), (B + gain) / t
             if rate > best_rate:
                 best_rate, best_d = rate, d
-            if (B + gain) / t > free_rate:
-                free_rate, free_d = (B + gain) / t, d
+            if free > free_rate:
+                free_rate, free_d = free, d
         if best_d:
             self._priced_out, self._probe_every = 0, PRICED_OUT_PROBE
         elif free_d:  # only the extra priced it out: a probe every so often times the extra again
